@@ -1,0 +1,182 @@
+"""SAM's ViT image encoder (ViTDet style: windowed + global attention, decomposed rel-pos).
+
+`[B, 3, S, S]` normalized pixels -> `[B, 256, S/16, S/16]` embedding. Most blocks attend
+inside non-overlapping windows (the grid zero-padded to a multiple of the window), a few
+attend globally. Attention runs through `F.scaled_dot_product_attention`; the decomposed
+relative-position term enters as an additive mask built by `rel_pos_bias`, the one place
+a fused (FlexAttention / Triton) kernel would replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.sam.common import LayerNorm2d, MLPBlock
+from models.sam.config import SamConfig
+
+__all__ = [
+    "ImageEncoderViT",
+    "rel_pos_bias",
+    "window_partition",
+    "window_unpartition",
+]
+
+
+def relative_index(size: int, device: torch.device) -> Tensor:
+    """`[size, size]` indices into a `[2*size-1, C]` table: (query - key) + size - 1."""
+    pos = torch.arange(size, device=device)
+    return pos[:, None] - pos[None, :] + (size - 1)
+
+
+def rel_pos_bias(q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int) -> Tensor:
+    """Decomposed relative-position bias (MViTv2) as an additive attention mask.
+
+    q: `[B, heads, h*w, C]` (unscaled queries); rel_pos_h: `[2h-1, C]`; rel_pos_w:
+    `[2w-1, C]` -> bias `[B, heads, h*w, h*w]` with
+    `bias[(y, x), (y', x')] = q(y, x) . Rh[y - y'] + q(y, x) . Rw[x - x']`.
+    Queries and keys share one grid (self-attention), so no table interpolation is needed.
+    The bias is dense, like the attention matrix of Meta's eager code: for the global
+    blocks of ViT-B at 1024 that is B x 12 x 4096^2 values, which a fused kernel that
+    adds `rel_h`/`rel_w` per tile would avoid.
+    """
+    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
+        raise ValueError(
+            f"rel-pos tables {tuple(rel_pos_h.shape)}/{tuple(rel_pos_w.shape)} do not fit a "
+            f"{h}x{w} grid; the input must be the config's image size"
+        )
+    B, heads, _, C = q.shape
+    Rh = rel_pos_h[relative_index(h, q.device)]  # [h, h, C]
+    Rw = rel_pos_w[relative_index(w, q.device)]  # [w, w, C]
+    grid_q = q.reshape(B, heads, h, w, C)
+    rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid_q, Rh)  # [B, heads, h, w, h']
+    rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid_q, Rw)  # [B, heads, h, w, w']
+    bias = rel_h[..., :, None] + rel_w[..., None, :]  # [B, heads, h, w, h', w']
+    return bias.reshape(B, heads, h * w, h * w)
+
+
+def window_partition(x: Tensor, window: int) -> tuple[Tensor, tuple[int, int]]:
+    """`[B, H, W, C]` -> (`[B * nW, window, window, C]`, padded (Hp, Wp)).
+
+    The grid is zero-padded bottom/right to a multiple of `window`; padded tokens take part
+    in the window attention exactly as in Meta's encoder (they are not masked).
+    """
+    B, H, W, C = x.shape
+    pad_h, pad_w = -H % window, -W % window
+    if pad_h or pad_w:
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+    Hp, Wp = H + pad_h, W + pad_w
+    x = x.view(B, Hp // window, window, Wp // window, window, C)
+    windows = x.permute(0, 1, 3, 2, 4, 5).reshape(-1, window, window, C)
+    return windows, (Hp, Wp)
+
+
+def window_unpartition(
+    windows: Tensor, window: int, padded: tuple[int, int], size: tuple[int, int]
+) -> Tensor:
+    """Inverse of `window_partition`: `[B * nW, window, window, C]` -> `[B, H, W, C]`."""
+    Hp, Wp = padded
+    H, W = size
+    B = windows.shape[0] // ((Hp // window) * (Wp // window))
+    x = windows.view(B, Hp // window, Wp // window, window, window, -1)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, Hp, Wp, -1)
+    return x[:, :H, :W, :]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over a 2-D grid with decomposed relative positions."""
+
+    def __init__(self, dim: int, num_heads: int, grid: tuple[int, int]) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid[0] - 1, head_dim))
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid[1] - 1, head_dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: `[B, h, w, D]` -> `[B, h, w, D]`."""
+        B, h, w, D = x.shape
+        qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [B, heads, h*w, head_dim]
+        bias = rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, h, w)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = out.transpose(1, 2).reshape(B, h, w, D)
+        return self.proj(out)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `window == 0` means global attention."""
+
+    def __init__(
+        self, dim: int, num_heads: int, mlp_ratio: float, window: int, grid: tuple[int, int]
+    ) -> None:
+        super().__init__()
+        self.window = window
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, grid if window == 0 else (window, window))
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = MLPBlock(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: `[B, H, W, D]` -> `[B, H, W, D]`."""
+        shortcut = x
+        x = self.norm1(x)
+        if self.window > 0:
+            size = (x.shape[1], x.shape[2])
+            windows, padded = window_partition(x, self.window)
+            x = window_unpartition(self.attn(windows), self.window, padded, size)
+        else:
+            x = self.attn(x)
+        x = shortcut + x
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patch projection: `[B, 3, S, S]` -> `[B, S/p, S/p, D]` (channels last)."""
+
+    def __init__(self, patch_size: int, embed_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).permute(0, 2, 3, 1)
+
+
+class ImageEncoderViT(nn.Module):
+    """The SAM backbone plus its neck (1x1 conv, LN, 3x3 conv, LN) down to 256 channels."""
+
+    def __init__(self, config: SamConfig) -> None:
+        super().__init__()
+        self.img_size = config.image_size
+        side = config.embedding_size
+        dim = config.encoder_embed_dim
+        self.patch_embed = PatchEmbed(config.patch_size, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, side, side, dim))
+        global_blocks = set(config.encoder_global_attn_indexes)
+        self.blocks = nn.ModuleList(
+            Block(
+                dim,
+                config.encoder_num_heads,
+                config.mlp_ratio,
+                0 if i in global_blocks else config.window_size,
+                (side, side),
+            )
+            for i in range(config.encoder_depth)
+        )
+        out = config.prompt_embed_dim
+        self.neck = nn.Sequential(
+            nn.Conv2d(dim, out, kernel_size=1, bias=False),
+            LayerNorm2d(out),
+            nn.Conv2d(out, out, kernel_size=3, padding=1, bias=False),
+            LayerNorm2d(out),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: `[B, 3, S, S]` -> `[B, 256, S/16, S/16]`."""
+        x = self.patch_embed(x) + self.pos_embed  # [B, S/16, S/16, D]
+        for block in self.blocks:
+            x = block(x)
+        return self.neck(x.permute(0, 3, 1, 2))

@@ -1,0 +1,153 @@
+"""Prompt sets and their padded batch form for the mask decoder.
+
+A `PromptSet` is one request's prompt on one image. `pack_prompts` turns many of them
+(for many images) into one `PromptBatch` of fixed-shape tensors: each set is first
+canonicalised as Meta's prompt encoder does, then padded to the longest set with tokens
+that the decoder masks out. All the host-side decisions (lengths, which sets have a box
+or a mask) are taken here, so the forward pass never looks at tensor values.
+
+Canonical tokens of one set (coordinates in the model input frame):
+- points and box: the points, then the box's two corners;
+- points only: the points, then one "not a point" token at (0, 0) (Meta's `pad=True`);
+- box only: the two corners;
+- neither: no tokens (only the decoder's output tokens and the dense prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from models.sam.prompt_encoder import LABEL_BOX_BR, LABEL_BOX_TL, LABEL_NOT_A_POINT, LABEL_PAD
+
+__all__ = ["PromptBatch", "PromptSet", "pack_prompts"]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """One prompt on one image, coordinates already scaled to the model input frame.
+
+    points: `[N, 2]` (x, y), may be empty; labels: `[N]` (1 foreground, 0 background,
+    -1 ignored point); box: `[4]` (x0, y0, x1, y1) or None; mask_input: `[1, 4h, 4w]`
+    low-res logits from an earlier prediction, or None. Host tensors or nested lists.
+    """
+
+    points: Tensor | Sequence[Sequence[float]] = ()
+    labels: Tensor | Sequence[int] = ()
+    box: Tensor | Sequence[float] | None = None
+    mask_input: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """P prompt sets padded to T tokens each, on the decoding device.
+
+    image_index: `[P]` int64, which embedding each set decodes against.
+    points: `[P, T, 2]` float32 token coordinates (box corners included).
+    point_labels: `[P, T]` int64: -2 padding, -1 not a point, 0/1 point, 2/3 box corners.
+    token_valid: `[P, T]` bool, False on padding tokens (masked out of attention).
+    mask_input: `[P, 1, 4h, 4w]` float32 and has_mask_input: `[P]` bool, or both None when
+    no set in the batch has a mask input (the common case skips the mask convolutions).
+    """
+
+    image_index: Tensor
+    points: Tensor
+    point_labels: Tensor
+    token_valid: Tensor
+    mask_input: Tensor | None = None
+    has_mask_input: Tensor | None = None
+
+    @property
+    def num_sets(self) -> int:
+        return self.points.shape[0]
+
+    def to(self, device: torch.device | str) -> PromptBatch:
+        """The same batch on another device (tensors copied, shapes unchanged)."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return PromptBatch(
+            self.image_index.to(device, non_blocking=True),
+            self.points.to(device, non_blocking=True),
+            self.point_labels.to(device, non_blocking=True),
+            self.token_valid.to(device, non_blocking=True),
+            move(self.mask_input),
+            move(self.has_mask_input),
+        )
+
+
+def canonical_tokens(prompt: PromptSet) -> tuple[Tensor, Tensor]:
+    """One set's tokens as Meta's prompt encoder builds them: (`[T, 2]` float32, `[T]` int64)."""
+    points = torch.as_tensor(prompt.points, dtype=torch.float32).reshape(-1, 2)
+    labels = torch.as_tensor(prompt.labels, dtype=torch.int64).reshape(-1)
+    if points.shape[0] != labels.shape[0]:
+        raise ValueError(f"{points.shape[0]} points but {labels.shape[0]} labels")
+    if labels.numel() and not bool(((labels >= -1) & (labels <= 1)).all()):
+        raise ValueError("point labels must be 1 (foreground), 0 (background) or -1 (ignore)")
+    parts, part_labels = [points], [labels]
+    if prompt.box is not None:
+        box = torch.as_tensor(prompt.box, dtype=torch.float32)
+        if box.numel() != 4:
+            raise ValueError(f"a box has 4 coordinates, got shape {tuple(box.shape)}")
+        parts.append(box.reshape(2, 2))
+        part_labels.append(torch.tensor([LABEL_BOX_TL, LABEL_BOX_BR]))
+    elif points.shape[0] > 0:
+        parts.append(torch.zeros(1, 2))
+        part_labels.append(torch.tensor([LABEL_NOT_A_POINT]))
+    return torch.cat(parts), torch.cat(part_labels)
+
+
+def pack_prompts(
+    sets: Sequence[PromptSet],
+    image_index: Sequence[int] | Tensor,
+    device: torch.device | str,
+) -> PromptBatch:
+    """Canonicalise and pad prompt sets into one `PromptBatch` on `device`.
+
+    `image_index[p]` names the embedding (row of the `embeddings` given to `Sam.decode`)
+    that set p decodes against; a tensor already on the device is used as is, so no
+    host round trip is needed.
+    """
+    if not sets:
+        raise ValueError("pack_prompts needs at least one prompt set")
+    if len(image_index) != len(sets):
+        raise ValueError(f"{len(sets)} prompt sets but {len(image_index)} image indexes")
+    tokens = [canonical_tokens(s) for s in sets]
+    P, T = len(sets), max(t[0].shape[0] for t in tokens)
+    points = torch.zeros(P, T, 2)
+    labels = torch.full((P, T), LABEL_PAD, dtype=torch.int64)
+    for p, (coords, kinds) in enumerate(tokens):
+        points[p, : coords.shape[0]] = coords
+        labels[p, : kinds.shape[0]] = kinds
+    mask_input, has_mask = _pack_masks(sets)
+    batch = PromptBatch(
+        image_index=torch.as_tensor(image_index, dtype=torch.int64),
+        points=points,
+        point_labels=labels,
+        token_valid=labels != LABEL_PAD,
+        mask_input=mask_input,
+        has_mask_input=has_mask,
+    )
+    return batch.to(device)
+
+
+def _pack_masks(sets: Sequence[PromptSet]) -> tuple[Tensor | None, Tensor | None]:
+    """Stack the sets' mask inputs (`[P, 1, m, m]`, zeros where absent) and their presence."""
+    given = [s.mask_input for s in sets if s.mask_input is not None]
+    if not given:
+        return None, None
+    shape = tuple(given[0].shape[-2:])
+    masks = torch.zeros(len(sets), 1, *shape)
+    has_mask = torch.zeros(len(sets), dtype=torch.bool)
+    for p, s in enumerate(sets):
+        if s.mask_input is None:
+            continue
+        if tuple(s.mask_input.shape[-2:]) != shape or s.mask_input.numel() != masks[p].numel():
+            raise ValueError(f"mask inputs must all be [1, {shape[0]}, {shape[1]}]")
+        masks[p] = s.mask_input.reshape(1, *shape).float()
+        has_mask[p] = True
+    return masks, has_mask

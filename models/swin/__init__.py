@@ -1,0 +1,43 @@
+"""Swin Transformer v1 image classifier (ImageNet-1k), written for this service.
+
+Parameter names follow timm so its checkpoints (and Microsoft's, mapped) load as they
+are; the forward pass is free of host-device synchronisation and friendly to
+`torch.compile` and bf16. `IMAGENET_CLASSES` is read from the shipped
+`imagenet_classes.txt` on first use (the first WordNet lemma of each class, in class order).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from models.swin.checkpoint import CheckpointError, load_swin
+from models.swin.config import SWIN_CONFIGS, SwinConfig
+from models.swin.model import SwinTransformer
+
+__all__ = [
+    "IMAGENET_CLASSES",
+    "SWIN_CONFIGS",
+    "CheckpointError",
+    "SwinConfig",
+    "SwinTransformer",
+    "imagenet_classes",
+    "load_swin",
+]
+
+
+def imagenet_classes() -> list[str]:
+    """The 1000 ImageNet-1k class names in class-index order (0 "tench", 207 "golden retriever")."""
+    text = resources.files(__name__).joinpath("imagenet_classes.txt").read_text(encoding="utf-8")
+    names = text.splitlines()
+    if len(names) != 1000:  # a packaging fault, not a user error
+        raise RuntimeError(f"imagenet_classes.txt holds {len(names)} names, expected 1000")
+    return names
+
+
+def __getattr__(name: str) -> list[str]:
+    """Read `IMAGENET_CLASSES` on first access (PEP 562), then keep it as a module global."""
+    if name == "IMAGENET_CLASSES":
+        names = imagenet_classes()
+        globals()[name] = names
+        return names
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

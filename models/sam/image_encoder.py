@@ -2,9 +2,8 @@
 
 `[B, 3, S, S]` normalized pixels -> `[B, 256, S/16, S/16]` embedding. Most blocks attend
 inside non-overlapping windows (the grid zero-padded to a multiple of the window), a few
-attend globally. Attention runs through `F.scaled_dot_product_attention`; the decomposed
-relative-position term enters as an additive mask built by `rel_pos_bias`, the one place
-a fused (FlexAttention / Triton) kernel would replace.
+attend globally. Attention with the decomposed relative-position term is in `attention.py`:
+a dense bias through `scaled_dot_product_attention`, or FlexAttention that never builds it.
 """
 
 from __future__ import annotations
@@ -13,47 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.sam.attention import AttentionImpl, rel_pos_attention
 from models.sam.common import LayerNorm2d, MLPBlock
 from models.sam.config import SamConfig
 
-__all__ = [
-    "ImageEncoderViT",
-    "rel_pos_bias",
-    "window_partition",
-    "window_unpartition",
-]
-
-
-def relative_index(size: int, device: torch.device) -> Tensor:
-    """`[size, size]` indices into a `[2*size-1, C]` table: (query - key) + size - 1."""
-    pos = torch.arange(size, device=device)
-    return pos[:, None] - pos[None, :] + (size - 1)
-
-
-def rel_pos_bias(q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int) -> Tensor:
-    """Decomposed relative-position bias (MViTv2) as an additive attention mask.
-
-    q: `[B, heads, h*w, C]` (unscaled queries); rel_pos_h: `[2h-1, C]`; rel_pos_w:
-    `[2w-1, C]` -> bias `[B, heads, h*w, h*w]` with
-    `bias[(y, x), (y', x')] = q(y, x) . Rh[y - y'] + q(y, x) . Rw[x - x']`.
-    Queries and keys share one grid (self-attention), so no table interpolation is needed.
-    The bias is dense, like the attention matrix of Meta's eager code: for the global
-    blocks of ViT-B at 1024 that is B x 12 x 4096^2 values, which a fused kernel that
-    adds `rel_h`/`rel_w` per tile would avoid.
-    """
-    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
-        raise ValueError(
-            f"rel-pos tables {tuple(rel_pos_h.shape)}/{tuple(rel_pos_w.shape)} do not fit a "
-            f"{h}x{w} grid; the input must be the config's image size"
-        )
-    B, heads, _, C = q.shape
-    Rh = rel_pos_h[relative_index(h, q.device)]  # [h, h, C]
-    Rw = rel_pos_w[relative_index(w, q.device)]  # [w, w, C]
-    grid_q = q.reshape(B, heads, h, w, C)
-    rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid_q, Rh)  # [B, heads, h, w, h']
-    rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid_q, Rw)  # [B, heads, h, w, w']
-    bias = rel_h[..., :, None] + rel_w[..., None, :]  # [B, heads, h, w, h', w']
-    return bias.reshape(B, heads, h * w, h * w)
+__all__ = ["ImageEncoderViT", "window_partition", "window_unpartition"]
 
 
 def window_partition(x: Tensor, window: int) -> tuple[Tensor, tuple[int, int]]:
@@ -95,14 +58,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid[0] - 1, head_dim))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid[1] - 1, head_dim))
+        # "sdpa" (dense bias) or "flex" (fused, for compiled global blocks); see attention.py
+        self.impl: AttentionImpl = "sdpa"
 
     def forward(self, x: Tensor) -> Tensor:
         """x: `[B, h, w, D]` -> `[B, h, w, D]`."""
         B, h, w, D = x.shape
         qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, heads, h*w, head_dim]
-        bias = rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, h, w)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = rel_pos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
         out = out.transpose(1, 2).reshape(B, h, w, D)
         return self.proj(out)
 

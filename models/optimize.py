@@ -1,0 +1,171 @@
+"""Load-time optimization of a model for serving: precision, quantization, sparsity,
+attention kernel, torch.compile and CUDA graphs, chosen by one `OptimizeOptions`.
+
+The order matters and lives here once: cast to the serving dtype, swap Linear layers for
+quantized or 2:4-sparse ones, pick the attention kernel, then compile. `GraphedBuckets`
+then captures one CUDA graph per warmed batch-size bucket around the compiled function,
+so a served batch costs one graph replay instead of hundreds of kernel launches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from models.quantize import Quantization, quantize_linears, semi_structured_2to4
+from models.sam.attention import AttentionImpl
+
+__all__ = [
+    "DTYPES",
+    "CompileMode",
+    "GraphedBuckets",
+    "OptimizeOptions",
+    "compile_fn",
+    "prepare_sam_encoder",
+    "prepare_swin",
+]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CompileMode = Literal[
+    "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+]
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """What to do to a model at load time; `variant` names the result for clients."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    quantization: Quantization = "none"
+    sparsity: Literal["none", "2:4"] = "none"
+    attention: AttentionImpl = "sdpa"
+    compile_mode: CompileMode = "none"
+    cuda_graphs: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def variant(self) -> str:
+        """E.g. `bf16`, `bf16+fp8`, `bf16+int8+2:4`: what every response's precision says."""
+        parts = [self.precision]
+        if self.quantization != "none":
+            parts.append(self.quantization)
+        if self.sparsity != "none":
+            parts.append(self.sparsity)
+        return "+".join(parts)
+
+
+def _encoder_linear(name: str, layer: nn.Linear) -> bool:
+    """The ViT blocks' qkv/proj/MLP layers: where the encoder's FLOPs are."""
+    return name.startswith("blocks.")
+
+
+def _encoder_mlp(name: str, layer: nn.Linear) -> bool:
+    return name.startswith("blocks.") and ".mlp." in name
+
+
+def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: torch.device) -> None:
+    """Quantize / sparsify the image encoder's blocks and choose its attention, in place.
+
+    The prompt encoder and mask decoder stay in the serving dtype: they are small, and
+    their outputs (mask logits near the threshold) are the most sensitive to rounding.
+    """
+    if options.sparsity == "2:4":
+        compress = device.type == "cuda" and options.dtype != torch.float32
+        semi_structured_2to4(encoder, _encoder_mlp, compress=compress)
+    swapped = quantize_linears(encoder, options.quantization, _encoder_linear)
+    if swapped:
+        log.info(
+            "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
+        )
+    if options.attention == "flex":
+        for block in getattr(encoder, "blocks", []):
+            if block.window == 0:  # global blocks: the dense bias would be 4096^2 per head
+                block.attn.impl = "flex"
+
+
+def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:
+    """Quantize the Swin blocks' Linear layers (not the classifier head), in place."""
+
+    def include(name: str, layer: nn.Linear) -> bool:
+        return name.startswith("layers.") and ".blocks." in name
+
+    quantize_linears(model, options.quantization, include)
+
+
+def compile_fn(
+    fn: Callable[..., Tensor], mode: CompileMode, *, dynamic: bool
+) -> Callable[..., Tensor]:
+    """torch.compile with one explicit line, or `fn` itself when compilation is off.
+
+    CUDA graphs are ours (`GraphedBuckets`), so the modes that would add their own graphs
+    are mapped to their graph-free twins.
+    """
+    if mode == "none":
+        return fn
+    if mode == "reduce-overhead":
+        mode = "default"
+    if mode == "max-autotune":
+        mode = "max-autotune-no-cudagraphs"
+    return torch.compile(fn, mode=mode, dynamic=dynamic, fullgraph=True)
+
+
+class GraphedBuckets:
+    """One CUDA graph per input shape, replayed with the inputs copied into static buffers.
+
+    The graphs share one memory pool: they never run concurrently (one GPU worker thread),
+    and each output is copied out by the caller before the next replay overwrites it.
+    Shapes never captured run `fn` directly.
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], *, enabled: bool) -> None:
+        self.fn = fn
+        self.enabled = enabled and torch.cuda.is_available()
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._graphs: dict[
+            tuple[tuple[int, ...], ...], tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]
+        ] = {}
+
+    @staticmethod
+    def _key(inputs: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.shape) for t in inputs)
+
+    def capture(self, *inputs: Tensor, warmup_runs: int = 2) -> None:
+        """Run `fn` a few times on a side stream (compiling it), then record a graph."""
+        if not self.enabled:
+            self.fn(*inputs)
+            return
+        static = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup_runs):
+                self.fn(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.fn(*static)
+        self._graphs[self._key(static)] = (graph, static, out)
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        entry = self._graphs.get(self._key(inputs))
+        if entry is None:
+            return self.fn(*inputs)
+        graph, static, out = entry
+        for dst, src in zip(static, inputs, strict=True):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out
+
+    @property
+    def captured(self) -> list[tuple[tuple[int, ...], ...]]:
+        return list(self._graphs)

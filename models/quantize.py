@@ -1,0 +1,169 @@
+"""Weight-and-activation quantization and 2:4 sparsity for `nn.Linear`, in core torch.
+
+Small module swaps applied once at load time, like gpt-fast's quantizers:
+
+- `Int8DynamicLinear`: int8 weights (one scale per output channel) and int8 activations
+  quantized per token at run time, multiplied by `torch._int_mm` (int32 accumulation).
+- `Fp8RowwiseLinear`: float8 e4m3 weights and activations with one scale per row, through
+  `torch._scaled_mm` (Hopper's fp8 tensor cores; bf16 output).
+- `semi_structured_2to4`: prunes a weight to 2 non-zeros in every 4 along the input axis
+  (magnitude), and on CUDA stores it in cuSPARSELt's compressed form.
+
+Under `torch.compile` the per-token quantization fuses into the kernel that produced the
+activation, so what remains is the low-precision matrix product. Whether that beats bf16
+depends on the shapes and the chip: measure (bench/sam_encoder.py) before choosing.
+torchao offers the same transforms; these few lines keep the service free of a dependency
+pinned to one torch release, and run on the CPU for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "Fp8RowwiseLinear",
+    "Int8DynamicLinear",
+    "Quantization",
+    "linear_reference",
+    "prune_2to4",
+    "quantize_linears",
+    "semi_structured_2to4",
+]
+
+Quantization = Literal["none", "int8", "fp8"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+_EPS = 1e-12
+
+
+class Int8DynamicLinear(nn.Module):
+    """`y = x W^T + b` with int8 W (per output channel) and int8 x (per token)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [N, K]
+        scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", q.contiguous())  # [N, K]; its .t() is col-major
+        self.register_buffer("weight_scale", scale)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.out_dtype = linear.weight.dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
+        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=_EPS) / 127.0  # [M, 1]
+        xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
+        acc = torch._int_mm(xq, self.weight_int8.t())  # [M, N] int32
+        y = acc.float() * x_scale * self.weight_scale
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+
+class Fp8RowwiseLinear(nn.Module):
+    """`y = x W^T + b` with float8 e4m3 W and x, one scale per row of each (bf16 output)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [N, K]
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=_EPS) / FP8_MAX  # [N, 1]
+        self.register_buffer("weight_fp8", (weight / scale).to(FP8).contiguous())  # [N, K]
+        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N] fp32
+        bias = linear.bias.detach().to(torch.bfloat16) if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.out_dtype = linear.weight.dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=_EPS) / FP8_MAX  # [M, 1]
+        xq = (x2.float() / x_scale).to(FP8)
+        y = torch._scaled_mm(
+            xq,
+            self.weight_fp8.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=torch.bfloat16,
+        )
+        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+
+def quantize_linears(
+    module: nn.Module, kind: Quantization, include: Callable[[str, nn.Linear], bool]
+) -> list[str]:
+    """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
+
+    Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
+    they are.
+    """
+    if kind == "none":
+        return []
+    cls = Int8DynamicLinear if kind == "int8" else Fp8RowwiseLinear
+    swapped = []
+    for name, child in list(module.named_modules()):
+        for attr, layer in list(child.named_children()):
+            full = f"{name}.{attr}" if name else attr
+            if not isinstance(layer, nn.Linear) or not include(full, layer):
+                continue
+            if layer.in_features % 16 or layer.out_features % 16:
+                continue
+            setattr(child, attr, cls(layer))
+            swapped.append(full)
+    return swapped
+
+
+def prune_2to4(weight: Tensor) -> Tensor:
+    """Keep the 2 largest-magnitude values of every 4 consecutive inputs; zero the rest."""
+    out_features, in_features = weight.shape
+    if in_features % 4:
+        raise ValueError(f"2:4 sparsity needs in_features divisible by 4, got {in_features}")
+    groups = weight.reshape(out_features, in_features // 4, 4)
+    keep = groups.abs().topk(2, dim=-1).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
+    return (groups * mask).reshape(out_features, in_features)
+
+
+def semi_structured_2to4(
+    module: nn.Module, include: Callable[[str, nn.Linear], bool], *, compress: bool
+) -> list[str]:
+    """Prune the accepted Linear layers to 2:4; with `compress`, store them for cuSPARSELt.
+
+    Compression needs CUDA (fp16/bf16 weights); without it the pruned weights stay dense,
+    which gives the same numbers (used by the CPU tests and as the fidelity reference).
+    """
+    done = []
+    for name, layer in list(module.named_modules()):
+        if not isinstance(layer, nn.Linear) or not include(name, layer):
+            continue
+        pruned = prune_2to4(layer.weight.detach())
+        if compress:
+            from torch.sparse import to_sparse_semi_structured
+
+            layer.weight = nn.Parameter(to_sparse_semi_structured(pruned), requires_grad=False)
+        else:
+            layer.weight = nn.Parameter(pruned, requires_grad=False)
+        done.append(name)
+    return done
+
+
+def linear_reference(layer: nn.Module, x: Tensor) -> Tensor:
+    """The float result a quantized layer approximates (for fidelity checks)."""
+    if isinstance(layer, Int8DynamicLinear):
+        w = layer.weight_int8.float() * layer.weight_scale[:, None]
+    elif isinstance(layer, Fp8RowwiseLinear):
+        w = layer.weight_fp8.float() * layer.weight_scale.t()
+    else:
+        raise TypeError(f"not a quantized layer: {type(layer).__name__}")
+    bias = None if layer.bias is None else layer.bias.float()
+    return F.linear(x.float(), w, bias)

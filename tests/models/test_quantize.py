@@ -1,0 +1,107 @@
+"""Quantized and 2:4-sparse Linear layers, and the load-time transforms that apply them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
+from models.quantize import (
+    Fp8RowwiseLinear,
+    Int8DynamicLinear,
+    linear_reference,
+    prune_2to4,
+    quantize_linears,
+    semi_structured_2to4,
+)
+from models.sam import Sam
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize(("cls", "tol"), [(Int8DynamicLinear, 1.5e-2), (Fp8RowwiseLinear, 6e-2)])
+def test_quantized_linear_approximates_float(cls, tol):
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(64, 48)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=g) / 8)
+        layer.bias.copy_(torch.randn(48, generator=g))
+    x = torch.randn(3, 40, 64, generator=g)
+    q = cls(layer)
+    out = q(x)
+    assert out.shape == (3, 40, 48) and out.dtype == torch.float32
+    err = rel(out, layer(x))
+    assert 0 < err < tol  # quantized (not exact), yet close
+    # the weight rounding alone accounts for part of the error, the activations for the rest
+    assert rel(linear_reference(q, x), layer(x)) < err
+
+
+def test_quantize_linears_swaps_what_is_asked_and_fits():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10), nn.Linear(10, 32))
+    swapped = quantize_linears(model, "int8", lambda name, layer: name != "0")
+    # "0" excluded by the filter; "2" and "3" have a dimension that is not a multiple of 16
+    assert swapped == []
+    swapped = quantize_linears(model, "int8", lambda name, layer: True)
+    assert swapped == ["0"]
+    assert isinstance(model[0], Int8DynamicLinear)
+    assert quantize_linears(model, "none", lambda n, layer: True) == []
+
+
+def test_prune_2to4_keeps_the_two_largest_of_every_four():
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    pruned = prune_2to4(w)
+    groups, kept = w.reshape(8, 4, 4), pruned.reshape(8, 4, 4)
+    assert ((kept != 0).sum(-1) == 2).all()
+    top2 = groups.abs().topk(2, dim=-1).values.sum(-1)
+    torch.testing.assert_close(kept.abs().sum(-1), top2)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        prune_2to4(torch.randn(4, 6))
+
+
+def test_semi_structured_dense_fallback_prunes_in_place():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    done = semi_structured_2to4(model, lambda name, layer: name == "1", compress=False)
+    assert done == ["1"]
+    assert ((model[1].weight.reshape(16, 8, 4) != 0).sum(-1) <= 2).all()
+    assert (model[0].weight != 0).all()
+
+
+def test_variant_names():
+    assert OptimizeOptions().variant == "fp32"
+    assert OptimizeOptions(precision="bf16", quantization="fp8").variant == "bf16+fp8"
+    opts = OptimizeOptions(precision="bf16", quantization="int8", sparsity="2:4")
+    assert opts.variant == "bf16+int8+2:4"
+    assert opts.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("quantization", "tol"), [("int8", 0.05), ("fp8", 0.15)])
+def test_prepared_encoder_stays_close(tiny_sam: Sam, quantization, tol):
+    model = copy.deepcopy(tiny_sam)
+    prepare_sam_encoder(
+        model.image_encoder,
+        OptimizeOptions(quantization=quantization, attention="flex"),
+        torch.device("cpu"),
+    )
+    blocks = model.image_encoder.blocks
+    assert all(not isinstance(m, nn.Linear) for b in blocks for m in b.modules())
+    assert [b.attn.impl for b in blocks] == ["flex" if b.window == 0 else "sdpa" for b in blocks]
+    images = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        err = rel(model.encode(images), tiny_sam.encode(images))
+    assert 0 < err < tol
+
+
+def test_compile_off_is_the_function_itself_and_graphs_fall_back_on_cpu():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert compile_fn(fn, "none", dynamic=True) is fn
+    graphed = GraphedBuckets(fn, enabled=True)  # no CUDA here: plain calls
+    graphed.capture(torch.ones(2))
+    assert graphed.captured == []
+    torch.testing.assert_close(graphed(torch.ones(3)), torch.full((3,), 2.0))

@@ -1,0 +1,168 @@
+"""`python -m models.weights`: fetch the official checkpoints and check their SHA-256.
+
+    python -m models.weights list
+    python -m models.weights download vit_b --dest weights/
+    python -m models.weights download swin_tiny_patch4_window7_224 --dest weights/
+
+A download streams into `<name>.part` while hashing, and becomes `<name>` only when its
+size and SHA-256 match the published ones, so a broken transfer never leaves a file the
+service would try to load. `--base-url` points at a mirror holding the same file names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["WEIGHTS", "WeightsError", "WeightsFile", "download", "sha256_file"]
+
+log = logging.getLogger(__name__)
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class WeightsFile:
+    """One published checkpoint: where it lives and what its bytes must hash to."""
+
+    model: str  # the SERVE_SAM_MODEL / SERVE_SWIN_MODEL value it serves
+    file_name: str
+    url: str
+    sha256: str | None  # None: not published; download needs --allow-unverified
+    size: int | None = None
+
+
+_SAM = "https://dl.fbaipublicfiles.com/segment_anything/"
+_TIMM = "https://huggingface.co/timm/{}.ms_in1k/resolve/main/model.safetensors"
+
+WEIGHTS: dict[str, WeightsFile] = {
+    w.model: w
+    for w in [
+        WeightsFile(
+            "vit_b", "sam_vit_b_01ec64.pth", _SAM + "sam_vit_b_01ec64.pth",
+            "ec2df62732614e57411cdcf32a23ffdf28910380d03139ee0f4fcbe91eb8c912", 375_042_383,
+        ),
+        WeightsFile(
+            "vit_l", "sam_vit_l_0b3195.pth", _SAM + "sam_vit_l_0b3195.pth",
+            "3adcc4315b642a4d2101128f611684e8734c41232a17c648ed1693702a49a622", 1_249_524_607,
+        ),
+        WeightsFile(
+            "vit_h", "sam_vit_h_4b8939.pth", _SAM + "sam_vit_h_4b8939.pth",
+            "a7bf3b02f3ebf1267aba913ff637d9a2d5c33d3173bb679e46d9f338c26f262e",
+        ),
+        WeightsFile(
+            "swin_tiny_patch4_window7_224", "swin_tiny_patch4_window7_224.safetensors",
+            _TIMM.format("swin_tiny_patch4_window7_224"),
+            "fb01861f793143135fa0d6cd97b1631e4b33eaa3ee162bbea9e62de1c76ebac1",
+        ),
+        WeightsFile(
+            "swin_small_patch4_window7_224", "swin_small_patch4_window7_224.safetensors",
+            _TIMM.format("swin_small_patch4_window7_224"), None,
+        ),
+        WeightsFile(
+            "swin_base_patch4_window7_224", "swin_base_patch4_window7_224.safetensors",
+            _TIMM.format("swin_base_patch4_window7_224"), None,
+        ),
+    ]
+}  # fmt: skip
+
+
+class WeightsError(RuntimeError):
+    """A download that failed or whose bytes are not the published ones."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check(path: Path, entry: WeightsFile, digest: str, size: int) -> None:
+    if entry.size is not None and size != entry.size:
+        raise WeightsError(f"{path}: {size} bytes, expected {entry.size} (truncated download?)")
+    if entry.sha256 is not None and digest != entry.sha256:
+        raise WeightsError(f"{path}: SHA-256 {digest}, expected {entry.sha256}")
+
+
+def download(
+    entry: WeightsFile,
+    dest: Path,
+    *,
+    base_url: str | None = None,
+    allow_unverified: bool = False,
+    timeout_s: float = 60.0,
+) -> Path:
+    """Fetch `entry` into `dest` (skipped when a verified copy is already there)."""
+    if entry.sha256 is None and not allow_unverified:
+        raise WeightsError(
+            f"no published SHA-256 for {entry.file_name}; pass --allow-unverified to fetch it "
+            "anyway (its hash is printed so you can pin it)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / entry.file_name
+    if target.exists() and entry.sha256 is not None:
+        _check(target, entry, sha256_file(target), target.stat().st_size)
+        log.info("%s is already here and verified", target)
+        return target
+    url = entry.url if base_url is None else base_url.rstrip("/") + "/" + entry.file_name
+    partial = target.with_name(target.name + ".part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response, partial.open("wb") as out:
+            while chunk := response.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        _check(partial, entry, digest.hexdigest(), size)
+    except (OSError, WeightsError) as exc:
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, WeightsError):
+            raise
+        raise WeightsError(f"downloading {url} failed: {exc}") from exc
+    partial.replace(target)
+    log.info("%s: %d bytes, SHA-256 %s", target, size, digest.hexdigest())
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m models.weights",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the checkpoints this service can load")
+    get = sub.add_parser("download", help="fetch and verify checkpoints")
+    get.add_argument("models", nargs="+", choices=sorted(WEIGHTS))
+    get.add_argument("--dest", type=Path, default=Path("weights"))
+    get.add_argument("--base-url", default=None, help="a mirror with the same file names")
+    get.add_argument("--allow-unverified", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "list":
+        for w in WEIGHTS.values():
+            print(f"{w.model:32} {w.file_name:44} {w.sha256 or '(no published SHA-256)'}")
+        return 0
+    try:
+        for name in args.models:
+            path = download(
+                WEIGHTS[name],
+                args.dest,
+                base_url=args.base_url,
+                allow_unverified=args.allow_unverified,
+            )
+            print(path)
+    except WeightsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`build_app(settings)`: wires routers, middleware, error handlers and the lifespan.
+
+The lifespan starts loading and warm-up in the background, so `/healthz` answers at once
+while `/readyz` stays 503 until every bucket is warm; on shutdown it stops taking requests,
+drains what was accepted, then closes the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engine import Engine
+from server.errors import ServiceError, error_body
+from server.metrics import Metrics
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ObserveMiddleware
+from server.routes import router
+from server.settings import Settings
+from server.state import ServeState, serve_state
+
+log = logging.getLogger(__name__)
+
+_REASONS = {401: "unauthorized", 429: "queue_full", 503: "not_ready", 504: "deadline"}
+
+
+async def start_engine(state: ServeState) -> None:
+    """Load, warm up, then flip ready; a failure is kept for /healthz and stops the server."""
+    started = time.perf_counter()
+    try:
+        engine = Engine(state.settings, state.metrics)
+        state.engine = engine
+        await engine.load()
+        state.metrics.set_models(engine.models())
+        engine.start()
+        if state.settings.warmup:
+            state.metrics.warmup_seconds.set(await engine.warmup())
+        state.ready = True
+        state.metrics.ready.set(1)
+        log.info("ready after %.1fs", time.perf_counter() - started)
+    except Exception as exc:
+        state.failure = f"start-up failed: {type(exc).__name__}: {exc}"
+        log.exception("start-up failed")
+        if state.on_fatal is not None:
+            state.on_fatal()
+
+
+async def drain(state: ServeState, timeout_s: float) -> None:
+    """Refuse new work, then wait (bounded) for accepted requests to finish."""
+    state.draining = True
+    state.metrics.ready.set(0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = state.metrics.in_flight._value.get() > 0
+        if not busy and (state.engine is None or state.engine.idle):
+            return
+        await asyncio.sleep(0.02)
+    log.warning("drain timed out after %.1fs with requests still in flight", timeout_s)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state = serve_state(app.state)
+    task = asyncio.create_task(start_engine(state), name="start-engine")
+    try:
+        yield
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await drain(state, state.settings.drain_timeout_s)
+        if state.engine is not None:
+            await state.engine.close()
+        state.decode_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if exc.status in _REASONS:
+            metrics.rejections.labels(_REASONS[exc.status]).inc()
+        elif 400 <= exc.status < 500:
+            metrics.rejections.labels("bad_input").inc()
+        elif exc.status >= 500:
+            metrics.rejections.labels("internal").inc()
+        return JSONResponse(
+            error_body(exc.code, exc.message), status_code=exc.status, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejections.labels("bad_input").inc()
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse(error_body("invalid_request", message), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        code = codes.get(exc.status_code, "http_error")
+        return JSONResponse(
+            error_body(code, str(exc.detail)), status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        metrics.rejections.labels("internal").inc()
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(
+            error_body("internal", f"internal error: {type(exc).__name__}"), status_code=500
+        )
+
+
+def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
+    """The ASGI app for `settings`; models load when its lifespan starts."""
+    metrics = metrics or Metrics()
+    app = FastAPI(
+        title="SAM + Swin inference service",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs",
+    )
+    app.state.serve = ServeState(
+        settings=settings,
+        metrics=metrics,
+        decode_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode"),
+    )
+    app.include_router(router)
+    _install_handlers(app, metrics)
+    # The last added is outermost: observe everything, CORS before auth, body limit inside.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
+    if settings.api_key:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_key=settings.api_key,
+            metrics=metrics,
+            metrics_open=not settings.metrics_require_key,
+        )
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
+        )
+    leaf_routes = [*router.routes, *app.router.routes]  # ours, then /docs and /openapi.json
+    app.add_middleware(ObserveMiddleware, metrics=metrics, routes=leaf_routes)
+    return app

@@ -1,0 +1,276 @@
+"""An asyncio dynamic batcher: one per model stage.
+
+Handlers only enqueue and await; a collector task groups what is waiting into a batch
+(up to a cost limit, or until the oldest item has waited `max_delay_s`), hands the batch to
+the one GPU worker thread, and resolves each item's future with its own result. Items whose
+caller has gone (deadline passed, client disconnected) are dropped before the batch runs,
+so abandoned work is never computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from server.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+# A batch function maps items to results one-to-one; an exception in place of a result
+# fails that item alone, an exception raised fails the whole batch.
+BatchFn = Callable[[list[Item]], Sequence[Result | BaseException]]
+
+
+class BatchObserver:
+    """Hooks the batcher calls so metrics stay out of the batching logic."""
+
+    def queue_depth(self, stage: str, depth: int) -> None:
+        """Called whenever the number of waiting items changes."""
+
+    def batch_started(self, stage: str, size: int, cost: int, waits_s: Sequence[float]) -> None:
+        """Called as a batch leaves the queue, with each item's time in the queue."""
+
+    def batch_finished(self, stage: str, size: int, seconds: float, failed: bool) -> None:
+        """Called when a batch's computation ends."""
+
+    def rejected(self, stage: str, reason: str) -> None:
+        """Called when an item is refused or dropped (queue_full, deadline, cancelled)."""
+
+
+@dataclass(eq=False)
+class _Entry(Generic[Item, Result]):
+    item: Item
+    cost: int
+    future: asyncio.Future[Result]
+    enqueued: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+
+
+class Batcher(Generic[Item, Result]):
+    """Groups items of one stage into batches and runs them on a worker thread."""
+
+    def __init__(
+        self,
+        stage: str,
+        run_batch: BatchFn[Item, Result],
+        *,
+        executor: Executor,
+        max_batch_cost: int,
+        max_delay_s: float,
+        max_queue_size: int,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self.stage = stage
+        self._run_batch = run_batch
+        self._executor = executor
+        self._max_cost = max_batch_cost
+        self._max_delay_s = max_delay_s
+        self._max_queue = max_queue_size
+        self._observer = observer or BatchObserver()
+        self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._busy = False
+        self.batches_run = 0
+        self.items_run = 0
+        self.largest_batch = 0
+
+    @property
+    def depth(self) -> int:
+        """Items waiting (not counting the batch being computed)."""
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing waits and nothing runs: what a drain waits for."""
+        return not self._queue and not self._busy
+
+    def start(self) -> None:
+        """Start the collector on the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._collect(), name=f"batcher-{self.stage}"
+            )
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Fail what still waits, let a running batch finish (bounded), stop the collector."""
+        self._closing = True
+        self._fail_waiting()
+        self._wakeup.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    def _fail_waiting(self) -> None:
+        while self._queue:
+            entry = self._queue.popleft()
+            if not entry.future.done():
+                entry.future.set_exception(
+                    ServiceError(503, "not_ready", "the service is shutting down")
+                )
+        self._observer.queue_depth(self.stage, 0)
+
+    async def submit(self, item: Item, *, cost: int = 1, deadline: float | None = None) -> Result:
+        """Queue one item and wait for its result.
+
+        `deadline` is a `time.monotonic()` instant; past it the item leaves the queue and
+        the caller gets 504. Cancelling the awaiting task (client gone) drops the item.
+        """
+        if self._closing:
+            raise ServiceError(503, "not_ready", "the service is shutting down")
+        if len(self._queue) >= self._max_queue:
+            self._observer.rejected(self.stage, "queue_full")
+            raise ServiceError(
+                429,
+                "queue_full",
+                f"the {self.stage} queue is full ({self._max_queue} waiting); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        if cost > self._max_cost:
+            raise ServiceError(
+                422,
+                "invalid_request",
+                f"request needs {cost} {self.stage} slots, more than one batch holds "
+                f"({self._max_cost})",
+            )
+        loop = asyncio.get_running_loop()
+        entry: _Entry[Item, Result] = _Entry(item, cost, loop.create_future(), deadline=deadline)
+        self._queue.append(entry)
+        self._observer.queue_depth(self.stage, len(self._queue))
+        self._wakeup.set()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry.future), timeout)
+        except TimeoutError:
+            self._abandon(entry, "deadline")
+            raise ServiceError(
+                504, "deadline_exceeded", "the request's deadline passed before it was served"
+            ) from None
+        except asyncio.CancelledError:
+            self._abandon(entry, "cancelled")
+            raise
+
+    def _abandon(self, entry: _Entry[Item, Result], reason: str) -> None:
+        """Drop an item whose caller stopped waiting; a running one finishes unobserved."""
+        if not entry.future.done():
+            entry.future.cancel()
+            self._observer.rejected(self.stage, reason)
+        try:
+            self._queue.remove(entry)
+        except ValueError:
+            return
+        self._observer.queue_depth(self.stage, len(self._queue))
+
+    def _prune(self) -> None:
+        """Remove items nobody waits for any more, so they are never computed."""
+        now = time.monotonic()
+        kept: collections.deque[_Entry[Item, Result]] = collections.deque()
+        for entry in self._queue:
+            if entry.future.done():
+                continue
+            if entry.deadline is not None and now >= entry.deadline:
+                entry.future.set_exception(
+                    ServiceError(504, "deadline_exceeded", "the request's deadline passed")
+                )
+                self._observer.rejected(self.stage, "deadline")
+                continue
+            kept.append(entry)
+        self._queue = kept
+
+    def _take_batch(self) -> list[_Entry[Item, Result]]:
+        batch: list[_Entry[Item, Result]] = []
+        cost = 0
+        while self._queue and cost + self._queue[0].cost <= self._max_cost:
+            entry = self._queue.popleft()
+            batch.append(entry)
+            cost += entry.cost
+        self._observer.queue_depth(self.stage, len(self._queue))
+        return batch
+
+    def _queued_cost(self) -> int:
+        return sum(entry.cost for entry in self._queue)
+
+    async def _collect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            self._prune()
+            if not self._queue:
+                continue
+            # Wait for a full batch or for the oldest item's delay to run out.
+            until = self._queue[0].enqueued + self._max_delay_s
+            while self._queued_cost() < self._max_cost:
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except TimeoutError:
+                    break
+                self._wakeup.clear()
+            self._prune()
+            batch = self._take_batch()
+            if not batch or self._closing:
+                self._queue.extendleft(reversed(batch))
+                continue
+            await self._run(loop, batch)
+            if self._queue:
+                self._wakeup.set()
+        self._fail_waiting()
+
+    async def _run(
+        self, loop: asyncio.AbstractEventLoop, batch: list[_Entry[Item, Result]]
+    ) -> None:
+        now = time.monotonic()
+        self._observer.batch_started(
+            self.stage, len(batch), sum(e.cost for e in batch), [now - e.enqueued for e in batch]
+        )
+        self._busy = True
+        started = time.perf_counter()
+        failed = False
+        try:
+            results = await loop.run_in_executor(
+                self._executor, self._run_batch, [e.item for e in batch]
+            )
+            if len(results) != len(batch):
+                raise RuntimeError(
+                    f"{self.stage} batch returned {len(results)} results for {len(batch)} items"
+                )
+        except Exception as exc:
+            failed = True
+            log.exception("%s batch of %d failed", self.stage, len(batch))
+            error = exc if isinstance(exc, ServiceError) else _internal(self.stage, exc)
+            results = [error] * len(batch)
+        finally:
+            self._busy = False
+        self.batches_run += 1
+        self.items_run += len(batch)
+        self.largest_batch = max(self.largest_batch, len(batch))
+        self._observer.batch_finished(self.stage, len(batch), time.perf_counter() - started, failed)
+        for entry, result in zip(batch, results, strict=True):
+            if entry.future.done():
+                continue
+            if isinstance(result, BaseException):
+                entry.future.set_exception(result)
+            else:
+                entry.future.set_result(result)
+
+
+def _internal(stage: str, exc: BaseException) -> ServiceError:
+    return ServiceError(500, "internal", f"the {stage} batch failed: {type(exc).__name__}: {exc}")

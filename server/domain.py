@@ -1,0 +1,97 @@
+"""Plain request and result types between the HTTP layer and the engine.
+
+The engine speaks these dataclasses rather than pydantic models, so it can be driven by
+tests, benchmarks and the routes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Image:
+    """A decoded, validated image and its content id."""
+
+    image_id: str  # SHA-256 of the file bytes
+    pixels: torch.Tensor  # uint8 [H, W, 3], CPU
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One independent prompt on an image: points, a box, or both; pixel coordinates."""
+
+    points: tuple[tuple[float, float], ...] = ()
+    labels: tuple[int, ...] = ()
+    box: tuple[float, float, float, float] | None = None
+
+
+@dataclass(frozen=True)
+class SegmentRequest:
+    prompts: tuple[Prompt, ...]
+    multimask: bool = False
+    image: Image | None = None
+    image_id: str | None = None
+    deadline: float | None = None  # time.monotonic() instant
+
+
+@dataclass
+class PromptMasks:
+    """The masks for one prompt, best score first."""
+
+    masks: np.ndarray  # bool [K, H, W]
+    scores: np.ndarray  # float32 [K]
+
+
+@dataclass
+class SegmentResult:
+    image_id: str
+    width: int
+    height: int
+    cached: bool
+    results: list[PromptMasks]
+    timing_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EmbedResult:
+    image_id: str
+    width: int
+    height: int
+    cached: bool
+    timing_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Prediction:
+    label: str
+    index: int
+    score: float
+
+
+@dataclass
+class ClassifyResult:
+    predictions: list[Prediction]
+    timing_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `/v1/models` and every response's `model` field say about a loaded model."""
+
+    name: str
+    weights: str  # "random" or the checkpoint file name
+    precision: str  # the variant: "fp32", "bf16", "bf16+fp8", "bf16+int8+2:4", ...
+    device: str
+    compile_mode: str
+    attention: str
+    cuda_graphs: bool
+    batch_buckets: tuple[int, ...]
+
+    def brief(self) -> dict[str, str]:
+        return {"name": self.name, "weights": self.weights, "precision": self.precision}

@@ -1,0 +1,318 @@
+"""The engine: loaded models, their batchers and the one GPU worker thread.
+
+The lifespan builds it (`Engine.create`), warms it, then serves; routes reach it through
+`await engine.segment(...)`, `engine.embed(...)` and `engine.classify(...)`. GPU work runs
+only on the worker thread, so the event loop never blocks and CUDA streams stay simple.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.sam import SAM_CONFIGS, load_sam
+from models.swin import IMAGENET_CLASSES, SWIN_CONFIGS, load_swin
+from server.batcher import Batcher, BatchObserver
+from server.cache import EmbeddingCache, ImageEmbedding
+from server.domain import (
+    ClassifyResult,
+    EmbedResult,
+    Image,
+    ModelInfo,
+    Prediction,
+    PromptMasks,
+    SegmentRequest,
+    SegmentResult,
+)
+from server.errors import ServiceError
+from server.settings import Settings
+from server.stages import (
+    ClassifyItem,
+    DecodeItem,
+    EncodeItem,
+    SamStages,
+    SwinStage,
+    TopK,
+)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` means CUDA when a GPU is visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("SERVE_DEVICE=cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def optimize_options(settings: Settings, device: torch.device) -> OptimizeOptions:
+    """Resolve the `auto` settings for the device: bf16, compiled, flex, graphed on CUDA."""
+    cuda = device.type == "cuda"
+    compile_mode = settings.compile_mode
+    if compile_mode == "auto":
+        compile_mode = "default" if cuda else "none"
+    attention = settings.attention
+    if attention == "auto":
+        attention = "flex" if cuda and compile_mode != "none" else "sdpa"
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    return OptimizeOptions(
+        precision=precision,
+        quantization=settings.quantization,
+        sparsity=settings.sparsity,
+        attention=attention,
+        compile_mode=compile_mode,
+        cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
+    )
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+@dataclass
+class _SamParts:
+    stages: SamStages
+    info: ModelInfo
+    encoder: Batcher[EncodeItem, ImageEmbedding]
+    decoder: Batcher[DecodeItem, list[PromptMasks]]
+
+
+@dataclass
+class _SwinParts:
+    stage: SwinStage
+    info: ModelInfo
+    batcher: Batcher[ClassifyItem, TopK]
+
+
+class Engine:
+    """Owns the models and batchers; created and closed by the app's lifespan."""
+
+    def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.options = optimize_options(settings, self.device)
+        self.observer = observer or BatchObserver()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
+        self.cache = EmbeddingCache(settings.embedding_cache_bytes)
+        self.sam: _SamParts | None = None
+        self.swin: _SwinParts | None = None
+        self.warmup_seconds: float | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load (and later optimise) every enabled model on the worker thread."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.worker, self._load_sync)
+
+    def _load_sync(self) -> None:
+        s = self.settings
+        if s.enable_sam:
+            self.sam = self._load_sam()
+        if s.enable_swin:
+            self.swin = self._load_swin()
+
+    def _batcher_args(self) -> dict[str, object]:
+        s = self.settings
+        return {
+            "executor": self.worker,
+            "max_delay_s": s.max_queue_delay_ms / 1000.0,
+            "max_queue_size": s.max_queue_size,
+            "observer": self.observer,
+        }
+
+    def _info(self, name: str, checkpoint: object, buckets: list[int]) -> ModelInfo:
+        opts = self.options
+        weights = "random" if checkpoint is None else str(getattr(checkpoint, "name", checkpoint))
+        return ModelInfo(
+            name=name,
+            weights=weights,
+            precision=opts.variant,
+            device=str(self.device),
+            compile_mode=opts.compile_mode,
+            attention=opts.attention,
+            cuda_graphs=opts.cuda_graphs,
+            batch_buckets=tuple(buckets),
+        )
+
+    def _load_sam(self) -> _SamParts:
+        s = self.settings
+        if s.sam_model not in SAM_CONFIGS:
+            raise ValueError(f"unknown SERVE_SAM_MODEL {s.sam_model!r}; one of {list(SAM_CONFIGS)}")
+        config = SAM_CONFIGS[s.sam_model]
+        opts = self.options
+        model = load_sam(config, s.sam_checkpoint, seed=s.seed).to(self.device, opts.dtype)
+        prepare_sam_encoder(model.image_encoder, opts, self.device)
+        if s.sam_checkpoint is None:
+            log.warning(
+                "SAM %s has seeded RANDOM weights (seed %d): masks mean nothing",
+                s.sam_model,
+                s.seed,
+            )
+        encoder_buckets = s.buckets_up_to(s.max_batch_size)
+        decoder_buckets = s.buckets_up_to(s.decoder_max_batch_prompts)
+        stages = SamStages(model, config, self.device, opts, encoder_buckets, decoder_buckets)
+        info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
+        args = self._batcher_args()
+        encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
+            "sam_encoder",
+            stages.encode,
+            max_batch_cost=s.max_batch_size,
+            **args,  # type: ignore[arg-type]
+        )
+        decoder: Batcher[DecodeItem, list[PromptMasks]] = Batcher(
+            "sam_decoder",
+            stages.decode,
+            max_batch_cost=s.decoder_max_batch_prompts,
+            **args,  # type: ignore[arg-type]
+        )
+        return _SamParts(stages, info, encoder, decoder)
+
+    def _load_swin(self) -> _SwinParts:
+        s = self.settings
+        if s.swin_model not in SWIN_CONFIGS:
+            raise ValueError(
+                f"unknown SERVE_SWIN_MODEL {s.swin_model!r}; one of {list(SWIN_CONFIGS)}"
+            )
+        config = SWIN_CONFIGS[s.swin_model]
+        opts = self.options
+        model = load_swin(config, s.swin_checkpoint, seed=s.seed).to(self.device, opts.dtype)
+        prepare_swin(model, opts)
+        if s.swin_checkpoint is None:
+            log.warning(
+                "Swin %s has seeded RANDOM weights (seed %d): labels mean nothing",
+                s.swin_model,
+                s.seed,
+            )
+        buckets = s.buckets_up_to(s.max_batch_size)
+        stage = SwinStage(model, config, self.device, opts, buckets)
+        info = self._info(s.swin_model, s.swin_checkpoint, buckets)
+        batcher: Batcher[ClassifyItem, TopK] = Batcher(
+            "swin",
+            stage.classify,
+            max_batch_cost=s.max_batch_size,
+            **self._batcher_args(),  # type: ignore[arg-type]
+        )
+        return _SwinParts(stage, info, batcher)
+
+    async def warmup(self) -> float:
+        """Run every bucket of every stage once; returns (and keeps) the seconds it took."""
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        if self.sam is not None:
+            await loop.run_in_executor(self.worker, self.sam.stages.warmup)
+        if self.swin is not None:
+            await loop.run_in_executor(self.worker, self.swin.stage.warmup)
+        self.warmup_seconds = time.perf_counter() - started
+        log.info("warm-up took %.2fs", self.warmup_seconds)
+        return self.warmup_seconds
+
+    def start(self) -> None:
+        """Start the batchers' collectors on the running loop."""
+        for batcher in self.batchers():
+            batcher.start()
+
+    def batchers(self) -> list[Batcher]:  # type: ignore[type-arg]
+        out: list[Batcher] = []  # type: ignore[type-arg]
+        if self.sam is not None:
+            out += [self.sam.encoder, self.sam.decoder]
+        if self.swin is not None:
+            out.append(self.swin.batcher)
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return all(b.idle for b in self.batchers())
+
+    async def close(self) -> None:
+        for batcher in self.batchers():
+            await batcher.close()
+        self.worker.shutdown(wait=True, cancel_futures=True)
+
+    def models(self) -> list[ModelInfo]:
+        return [p.info for p in (self.sam, self.swin) if p is not None]
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _require_sam(self) -> _SamParts:
+        if self.sam is None:
+            raise ServiceError(503, "not_ready", "SAM is not enabled on this server")
+        return self.sam
+
+    async def _embedding(
+        self, image: Image | None, image_id: str | None, deadline: float | None
+    ) -> tuple[ImageEmbedding, bool]:
+        sam = self._require_sam()
+        if image is None:
+            assert image_id is not None
+            entry = self.cache.get(image_id)
+            if entry is None:
+                raise ServiceError(
+                    404,
+                    "unknown_image_id",
+                    f"image_id {image_id} is not cached (never sent, or evicted); "
+                    "send the image again",
+                )
+            return entry, True
+
+        async def compute() -> ImageEmbedding:
+            item = EncodeItem(image.image_id, image.pixels)
+            return await sam.encoder.submit(item, deadline=deadline)
+
+        return await self.cache.get_or_compute(image.image_id, compute)
+
+    async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
+        started = time.perf_counter()
+        entry, cached = await self._embedding(image, None, deadline)
+        return EmbedResult(
+            image_id=entry.image_id,
+            width=entry.original_size[1],
+            height=entry.original_size[0],
+            cached=cached,
+            timing_ms={"encode": _ms(time.perf_counter() - started)},
+        )
+
+    async def segment(self, request: SegmentRequest) -> SegmentResult:
+        sam = self._require_sam()
+        started = time.perf_counter()
+        entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
+        encoded = time.perf_counter()
+        item = DecodeItem(entry, request.prompts, request.multimask)
+        results = await sam.decoder.submit(
+            item, cost=len(request.prompts), deadline=request.deadline
+        )
+        done = time.perf_counter()
+        return SegmentResult(
+            image_id=entry.image_id,
+            width=entry.original_size[1],
+            height=entry.original_size[0],
+            cached=cached,
+            results=results,
+            timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
+        )
+
+    async def classify(
+        self, image: Image, top_k: int, deadline: float | None = None
+    ) -> ClassifyResult:
+        if self.swin is None:
+            raise ServiceError(503, "not_ready", "Swin is not enabled on this server")
+        started = time.perf_counter()
+        top = await self.swin.batcher.submit(ClassifyItem(image.pixels, top_k), deadline=deadline)
+        names = IMAGENET_CLASSES
+        predictions = [
+            Prediction(label=names[i] if i < len(names) else str(i), index=i, score=s)
+            for s, i in zip(top.scores, top.indices, strict=True)
+        ]
+        return ClassifyResult(
+            predictions, timing_ms={"classify": _ms(time.perf_counter() - started)}
+        )

@@ -1,0 +1,128 @@
+"""Image bytes -> a validated `uint8 [H, W, 3]` tensor (runs in the decode thread pool).
+
+Everything a client can send wrong about an image is caught here, with the status the
+contract gives it: unreadable, truncated or corrupt bytes are 400; images whose header
+declares more pixels than allowed are 413 *before* any pixel is decoded (decompression
+bombs); the EXIF orientation is applied, and every colour mode the formats carry
+(grayscale, palette, alpha, CMYK, 16-bit) becomes 8-bit RGB, so the models see one form.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from server.errors import ServiceError
+
+__all__ = ["DecodedImage", "decode_base64_image", "decode_image", "sha256_hex"]
+
+# Formats a camera, a browser or an annotation tool produces. MPO is what many phones
+# write for JPEG (a JPEG with extra frames); its first frame is the photo.
+ACCEPTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "TIFF", "GIF"})
+# A side ratio past this would make resize-shortest-side (Swin) explode in size, and
+# resize-longest-side (SAM) round the short side to zero pixels.
+MAX_ASPECT_RATIO = 64
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    pixels: torch.Tensor  # uint8 [H, W, 3], CPU, contiguous
+    width: int
+    height: int
+
+
+def sha256_hex(data: bytes) -> str:
+    """The image_id: the SHA-256 of the file bytes as the client sent them."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def decode_base64_image(text: str, *, max_bytes: int) -> bytes:
+    """The file bytes of a base64 field (standard alphabet, padding required)."""
+    if len(text) // 4 * 3 > max_bytes:
+        raise ServiceError(
+            413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
+        )
+    try:
+        return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+        raise ServiceError(400, "bad_image", f"'image' is not valid base64: {exc}") from None
+
+
+def _bad(message: str) -> ServiceError:
+    return ServiceError(400, "bad_image", message)
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Open lazily (header only) and refuse what must not be decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ServiceError(
+            413, "image_too_large", f"the image declares more than {max_pixels} pixels"
+        ) from None
+    except UnidentifiedImageError:
+        raise _bad("not an image in a supported format (JPEG, PNG, WebP, BMP, TIFF, GIF)") from None
+    except Exception as exc:  # Pillow raises many types for corrupt headers
+        raise _bad(f"unreadable image: {type(exc).__name__}: {exc}") from None
+    if image.format not in ACCEPTED_FORMATS:
+        raise _bad(f"image format {image.format} is not supported")
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise _bad(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise ServiceError(
+            413,
+            "image_too_large",
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}",
+        )
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise _bad(f"image is {width}x{height}: sides differ by more than {MAX_ASPECT_RATIO}x")
+    if image.format != "MPO" and getattr(image, "is_animated", False):
+        raise _bad("animated images are not supported: send a single frame")
+    return image
+
+
+def _to_rgb(image: Image.Image) -> np.ndarray:
+    """8-bit RGB `[H, W, 3]` from any mode; alpha is dropped, 16-bit is scaled down."""
+    mode = image.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit grayscale: keep the high byte rather than clipping everything to white.
+        values = np.asarray(image).astype(np.int64)
+        gray = np.clip(values >> 8, 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if mode == "F":
+        gray = np.clip(np.nan_to_num(np.asarray(image)), 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if mode != "RGB":
+        image = image.convert("RGB")
+    return np.array(image)  # a writable copy: torch.from_numpy shares it
+
+
+def decode_image(data: bytes, *, max_pixels: int, max_bytes: int) -> DecodedImage:
+    """Decode, orient and convert one image file; raise `ServiceError` for bad input."""
+    if not data:
+        raise _bad("the image is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise ServiceError(
+            413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
+        )
+    image = _open(data, max_pixels)
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image) or image
+        rgb = _to_rgb(image)
+    except ServiceError:
+        raise
+    except Exception as exc:  # truncated or corrupt pixel data
+        raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
+    pixels = torch.from_numpy(np.ascontiguousarray(rgb))
+    return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))

@@ -1,0 +1,199 @@
+"""Pure ASGI middleware (BaseHTTPMiddleware would break disconnect detection).
+
+- `ObserveMiddleware`: request id (honours `X-Request-ID`), duration and status metrics by
+  route template, in-flight gauge, one structured log line per request.
+- `BodyLimitMiddleware`: refuses bodies over the byte limit with 413 before they are
+  buffered, by `Content-Length` when given and by counting otherwise.
+- `ApiKeyMiddleware`: `Authorization: Bearer` or `X-API-Key`, compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.routing import Match
+
+from server.errors import error_body
+from server.metrics import Metrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+access_log = logging.getLogger("server.access")
+
+
+async def send_error(
+    send: Send, status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> None:
+    """Answer with the JSON error envelope straight from middleware."""
+    body = json.dumps(error_body(code, message)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+class ObserveMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[Any]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    def _route(self, scope: Scope) -> str:
+        """The route template (`/v1/segment`), so metric labels stay few whatever the path.
+
+        Matched before the app runs, so requests refused by inner middleware (413, 401)
+        are labelled too. `routes` are the leaf routes (an included router is not one).
+        """
+        for route in self.routes:
+            path = getattr(route, "path", None)
+            if path is not None and route.matches(scope)[0] == Match.FULL:
+                return str(path)
+        return "unmatched"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = (_header(scope, b"x-request-id") or uuid.uuid4().hex)[:128]
+        scope.setdefault("state", {})["request_id"] = request_id
+        route = self._route(scope)
+        status = 500
+        started = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message["headers"] = headers
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.in_flight.dec()
+            seconds = time.perf_counter() - started
+            labels = (route, scope["method"], str(status))
+            self.metrics.request_seconds.labels(*labels).observe(seconds)
+            self.metrics.requests.labels(*labels).inc()
+            access_log.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "route": route,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 3),
+                },
+            )
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def _refuse(self, send: Send, size: str) -> None:
+        self.metrics.rejections.labels("bad_input").inc()
+        await send_error(
+            send, 413, "payload_too_large", f"body of {size} is over the limit of "
+            f"{self.max_bytes} bytes",
+        )  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, f"{declared} bytes")
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLargeError()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLargeError:
+            if not started:
+                await self._refuse(send, f"more than {self.max_bytes} bytes")
+
+
+class _BodyTooLargeError(Exception):
+    pass
+
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+PAGE_PATHS = frozenset({"/", "/favicon.ico"})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, metrics: Metrics, metrics_open: bool) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.metrics = metrics
+        self.open = set(OPEN_PATHS | PAGE_PATHS)
+        if metrics_open:
+            self.open.add("/metrics")
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = _header(scope, b"x-api-key")
+        auth = _header(scope, b"authorization")
+        if given is None and auth is not None and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if given is None:
+            return False
+        return hmac.compare_digest(given.encode("latin-1", "replace"), self.key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["path"] in self.open
+            or scope["path"].startswith("/static/")
+        ):
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "OPTIONS" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        self.metrics.rejections.labels("unauthorized").inc()
+        await send_error(
+            send, 401, "unauthorized",
+            "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip

@@ -1,0 +1,280 @@
+"""HTTP routes: parse, hand to the engine, shape the answer. Handlers only await."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server import imaging, masks
+from server.domain import Image, Prompt, SegmentRequest, SegmentResult
+from server.errors import ServiceError
+from server.inputs import ParsedRequest, parse_image_request
+from server.schemas import (
+    ClassifyFields,
+    ClassifyJSON,
+    ClassifyResponse,
+    EmbedFields,
+    EmbedJSON,
+    EmbedResponse,
+    ErrorResponse,
+    ModelsResponse,
+    SegmentFields,
+    SegmentJSON,
+    SegmentResponse,
+)
+from server.state import ServeState, serve_state, watch_disconnect
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 422, 429, 503, 504)
+}
+
+
+def _image_body_doc(json_model: type, fields_model: type) -> dict[str, Any]:
+    """OpenAPI for bodies we parse by hand: JSON with base64/image_id, or multipart."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": json_model.model_json_schema()},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["image"],
+                        "properties": {
+                            "image": {"type": "string", "format": "binary"},
+                            "request": {
+                                "type": "string",
+                                "description": "JSON of: " + ", ".join(fields_model.model_fields),
+                            },
+                        },
+                    }
+                },
+            },
+        }
+    }
+
+
+def _state(request: Request) -> ServeState:
+    return serve_state(request.app.state)
+
+
+async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | None:
+    """Decode and validate the image in the thread pool; None when only an id was sent."""
+    if parsed.image_bytes is None and parsed.image_b64 is None:
+        return None
+    s = state.settings
+    started = time.perf_counter()
+
+    def work() -> Image:
+        data = parsed.image_bytes
+        if data is None:
+            assert parsed.image_b64 is not None
+            data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
+        decoded = imaging.decode_image(
+            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes
+        )
+        return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
+
+    image = await state.in_thread(work)
+    state.metrics.phase_seconds.labels("image_decode").observe(time.perf_counter() - started)
+    return image
+
+
+def _prompts(fields: SegmentFields, state: ServeState) -> tuple[Prompt, ...]:
+    s = state.settings
+    coords = [tuple(p) for p in fields.point_coords or []]
+    labels = tuple(int(v) for v in fields.point_labels or [])
+    if len(coords) > s.max_points:
+        raise ServiceError(
+            422, "invalid_request", f"{len(coords)} points; at most {s.max_points} allowed"
+        )
+    boxes = fields.boxes if fields.boxes is not None else [fields.box] if fields.box else []
+    if len(boxes) > s.max_boxes:
+        raise ServiceError(
+            422, "invalid_request", f"{len(boxes)} boxes; at most {s.max_boxes} allowed"
+        )
+    points = tuple((float(x), float(y)) for x, y in coords)
+    if not boxes:
+        return (Prompt(points=points, labels=labels),)
+    # Several boxes are independent prompts; points, if any, join each of them.
+    return tuple(
+        Prompt(points=points, labels=labels, box=tuple(float(v) for v in box))  # type: ignore[arg-type]
+        for box in boxes
+    )
+
+
+def _segment_body(
+    result: SegmentResult, output: str, model: dict[str, str], timing: dict[str, float]
+) -> dict[str, Any]:
+    return {
+        "image_id": result.image_id,
+        "width": result.width,
+        "height": result.height,
+        "results": [
+            {"masks": masks.build_mask_objects(r.masks, r.scores, output)}  # type: ignore[arg-type]
+            for r in result.results
+        ],
+        "model": model,
+        "timing_ms": timing,
+    }
+
+
+@router.post(
+    "/v1/segment",
+    response_model=SegmentResponse,
+    responses=_ERRORS,
+    openapi_extra=_image_body_doc(SegmentJSON, SegmentFields),
+)
+async def segment(request: Request) -> Response:
+    """Masks for point/box prompts on an image (sent, or named by image_id)."""
+    state = _state(request)
+    engine = state.require_engine()
+    started = time.perf_counter()
+    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
+    parsed = await parse_image_request(
+        request, SegmentJSON, SegmentFields, max_body_bytes=state.settings.max_body_bytes
+    )
+    fields = parsed.fields
+    prompts = _prompts(fields, state)
+    image = await _load_image(state, parsed)
+    parsed_at = time.perf_counter()
+    seg = SegmentRequest(
+        prompts=prompts,
+        multimask=fields.multimask_output,
+        image=image,
+        image_id=parsed.image_id,
+        deadline=deadline,
+    )
+    result = await watch_disconnect(request.receive, engine.segment(seg))
+    computed_at = time.perf_counter()
+    assert engine.sam is not None
+    timing = {"parse_and_decode": round((parsed_at - started) * 1000, 3), **result.timing_ms}
+    body = await state.in_thread(
+        _segment_body, result, fields.output, engine.sam.info.brief(), timing
+    )
+    done = time.perf_counter()
+    state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
+    body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
+    body["timing_ms"]["total"] = round((done - started) * 1000, 3)
+    return JSONResponse(body)
+
+
+@router.post(
+    "/v1/embed",
+    response_model=EmbedResponse,
+    responses=_ERRORS,
+    openapi_extra=_image_body_doc(EmbedJSON, EmbedFields),
+)
+async def embed(request: Request) -> Response:
+    """Run the image encoder only and cache the embedding under the image's id."""
+    state = _state(request)
+    engine = state.require_engine()
+    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
+    parsed = await parse_image_request(
+        request, EmbedJSON, EmbedFields, max_body_bytes=state.settings.max_body_bytes
+    )
+    image = await _load_image(state, parsed)
+    if image is None:
+        assert parsed.image_id is not None
+        entry = engine.cache.get(parsed.image_id)
+        if entry is None:
+            raise ServiceError(404, "unknown_image_id", f"image_id {parsed.image_id} is not cached")
+        return JSONResponse(
+            {"image_id": entry.image_id, "width": entry.original_size[1],
+             "height": entry.original_size[0], "cached": True, "timing_ms": {}}
+        )  # fmt: skip
+    result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+    return JSONResponse(
+        {"image_id": result.image_id, "width": result.width, "height": result.height,
+         "cached": result.cached, "timing_ms": result.timing_ms}
+    )  # fmt: skip
+
+
+@router.post(
+    "/v1/classify",
+    response_model=ClassifyResponse,
+    responses=_ERRORS,
+    openapi_extra=_image_body_doc(ClassifyJSON, ClassifyFields),
+)
+async def classify(request: Request) -> Response:
+    """Top-k ImageNet labels from the Swin classifier."""
+    state = _state(request)
+    engine = state.require_engine()
+    started = time.perf_counter()
+    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
+    parsed = await parse_image_request(
+        request, ClassifyJSON, ClassifyFields, max_body_bytes=state.settings.max_body_bytes
+    )
+    if parsed.image_id is not None:
+        raise ServiceError(422, "invalid_request", "classify needs the image itself, not an id")
+    if parsed.fields.top_k > state.settings.max_top_k:
+        raise ServiceError(422, "invalid_request", f"top_k is at most {state.settings.max_top_k}")
+    image = await _load_image(state, parsed)
+    assert image is not None
+    result = await watch_disconnect(
+        request.receive, engine.classify(image, parsed.fields.top_k, deadline)
+    )
+    assert engine.swin is not None
+    return JSONResponse(
+        {
+            "predictions": [
+                {"label": p.label, "index": p.index, "score": p.score} for p in result.predictions
+            ],
+            "model": engine.swin.info.brief(),
+            "timing_ms": {
+                **result.timing_ms,
+                "total": round((time.perf_counter() - started) * 1000, 3),
+            },
+        }
+    )
+
+
+@router.get("/healthz", responses={503: {"model": ErrorResponse}})
+async def healthz(request: Request) -> Response:
+    """Liveness: 200 while the process can serve at all (also while warming up)."""
+    state = _state(request)
+    if state.failure is not None:
+        raise ServiceError(503, "start_failed", state.failure)
+    return JSONResponse({"status": "ok", "ready": state.ready})
+
+
+@router.get("/readyz", responses={503: {"model": ErrorResponse}})
+async def readyz(request: Request) -> Response:
+    """Readiness: 200 once every model is loaded and warm; 503 while warming or draining."""
+    state = _state(request)
+    if state.draining:
+        raise ServiceError(503, "not_ready", "draining")
+    if not state.ready:
+        raise ServiceError(503, "not_ready", state.failure or "loading or warming up")
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", response_model=ModelsResponse)
+async def models(request: Request) -> Response:
+    """What is loaded: names, weights source, precision, compile mode, buckets, device."""
+    state = _state(request)
+    loaded = state.engine.models() if state.engine is not None else []
+    return JSONResponse(
+        {
+            "models": [
+                {"name": m.name, "weights": m.weights, "precision": m.precision,
+                 "device": m.device, "compile_mode": m.compile_mode,
+                 "attention": m.attention, "cuda_graphs": m.cuda_graphs,
+                 "batch_buckets": list(m.batch_buckets)}
+                for m in loaded
+            ],
+            "ready": state.ready,
+        }
+    )  # fmt: skip

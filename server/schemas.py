@@ -1,0 +1,167 @@
+"""Pydantic models of the HTTP contract (../shared/DESIGN.md): validation and OpenAPI.
+
+Request models forbid unknown fields and non-finite numbers, so a typo or a NaN is a 422
+naming the field rather than a silent default or a poisoned batch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Coord = Annotated[float, Field(allow_inf_nan=False)]
+Point = tuple[Coord, Coord]
+Box = tuple[Coord, Coord, Coord, Coord]
+ImageId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the image")]
+
+_IMAGE_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageSource(_Strict):
+    """Exactly one of `image` (base64 file bytes) or `image_id`, for JSON bodies."""
+
+    image: str | None = Field(None, description="base64 of the image file bytes")
+    image_id: ImageId | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImageSource:
+        if (self.image is None) == (self.image_id is None):
+            raise ValueError("give exactly one of 'image' (base64) or 'image_id'")
+        return self
+
+
+class SegmentFields(_Strict):
+    """Prompt fields of `/v1/segment`, shared by the JSON and multipart forms."""
+
+    point_coords: list[Point] | None = Field(None, description="[[x, y], ...] in pixels")
+    point_labels: list[Literal[0, 1]] | None = Field(None, description="1 foreground, 0 back")
+    box: Box | None = Field(None, description="[x0, y0, x1, y1] in pixels")
+    boxes: list[Box] | None = Field(None, description="several boxes: one result each")
+    multimask_output: bool = False
+    output: Literal["rle", "png", "polygons"] = "rle"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SegmentFields:
+        coords, labels = self.point_coords, self.point_labels
+        if (coords is None) != (labels is None):
+            raise ValueError("point_coords and point_labels go together")
+        if coords is not None and labels is not None and len(coords) != len(labels):
+            raise ValueError(
+                f"point_coords has {len(coords)} points but point_labels has {len(labels)}"
+            )
+        if self.box is not None and self.boxes is not None:
+            raise ValueError("give 'box' or 'boxes', not both")
+        if self.boxes is not None and not self.boxes:
+            raise ValueError("'boxes' is empty")
+        for box in [self.box] if self.box is not None else self.boxes or []:
+            if box[2] < box[0] or box[3] < box[1]:
+                raise ValueError(f"box {list(box)} has x1 < x0 or y1 < y0")
+        if not coords and self.box is None and not self.boxes:
+            raise ValueError("give at least one prompt: point_coords/point_labels, box or boxes")
+        return self
+
+
+class SegmentJSON(ImageSource, SegmentFields):
+    """`application/json` body of `/v1/segment`."""
+
+
+class ClassifyFields(_Strict):
+    top_k: int = Field(5, ge=1, le=1000)
+
+
+class ClassifyJSON(ImageSource, ClassifyFields):
+    """`application/json` body of `/v1/classify`."""
+
+
+class EmbedFields(_Strict):
+    """`/v1/embed` takes no fields besides the image."""
+
+
+class EmbedJSON(ImageSource, EmbedFields):
+    """`application/json` body of `/v1/embed` (an image_id only checks the cache)."""
+
+
+# -- responses -----------------------------------------------------------------------
+
+
+class ModelBrief(BaseModel):
+    name: str
+    weights: str
+    precision: str
+
+
+class MaskObject(BaseModel):
+    segmentation: dict[str, object] = Field(
+        description="COCO RLE {size, counts}; or {size, png} / {size, polygons}"
+    )
+    score: float
+    area: int
+    bbox: list[float] = Field(description="[x, y, w, h]")
+
+
+class PromptResult(BaseModel):
+    masks: list[MaskObject]
+
+
+class SegmentResponse(BaseModel):
+    image_id: str
+    width: int
+    height: int
+    results: list[PromptResult]
+    model: ModelBrief
+    timing_ms: dict[str, float]
+
+
+class EmbedResponse(BaseModel):
+    image_id: str
+    width: int
+    height: int
+    cached: bool
+    timing_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class PredictionOut(BaseModel):
+    label: str
+    index: int
+    score: float
+
+
+class ClassifyResponse(BaseModel):
+    predictions: list[PredictionOut]
+    model: ModelBrief
+    timing_ms: dict[str, float]
+
+
+class ModelDetail(BaseModel):
+    name: str
+    weights: str
+    precision: str
+    device: str
+    compile_mode: str
+    attention: str
+    cuda_graphs: bool
+    batch_buckets: list[int]
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelDetail]
+    ready: bool
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def is_image_id(value: str) -> bool:
+    return bool(_IMAGE_ID.match(value))

@@ -1,0 +1,89 @@
+"""The one settings object of the service.
+
+Read once (in `__main__` or by the caller of `build_app`) and passed down as a plain
+argument, so no other module reads the environment and tests can build any configuration
+without touching `os.environ`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; environment names are `SERVE_` + the field name."""
+
+    model_config = SettingsConfigDict(env_prefix="SERVE_", extra="ignore")
+
+    # Models and device.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    sam_model: str = "vit_b"
+    sam_checkpoint: Path | None = None
+    swin_model: str = "swin_tiny_patch4_window7_224"
+    swin_checkpoint: Path | None = None
+    enable_sam: bool = True
+    enable_swin: bool = True
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
+    quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
+    sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex when compiling on CUDA
+    compile_mode: Literal[
+        "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = "auto"  # auto: "default" on CUDA, "none" on the CPU
+    cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
+    compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
+
+    # Batching.
+    max_batch_size: int = Field(8, ge=1, le=256)
+    max_queue_delay_ms: float = Field(5.0, ge=0.0, le=10_000.0)
+    max_queue_size: int = Field(256, ge=1)
+    batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    decoder_max_batch_prompts: int = Field(256, ge=1)
+    request_timeout_s: float = Field(30.0, gt=0.0)
+    drain_timeout_s: float = Field(30.0, ge=0.0)
+    warmup: bool = True
+    embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)
+
+    # Limits on what a client may send.
+    max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    max_points: int = Field(64, ge=1)
+    max_boxes: int = Field(64, ge=1)
+    max_top_k: int = Field(100, ge=1)
+
+    # Access.
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    cors_origins: list[str] = Field(default_factory=list)
+
+    # Process.
+    decode_threads: int = Field(4, ge=1)
+    log_level: str = "INFO"
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _sorted_buckets(cls, value: list[int]) -> list[int]:
+        """Buckets are searched in order, so keep them sorted, unique and positive."""
+        buckets = sorted({int(b) for b in value})
+        if not buckets or buckets[0] < 1:
+            raise ValueError("batch_buckets must hold positive integers")
+        return buckets
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_none(cls, value: str | None) -> str | None:
+        """An empty `SERVE_API_KEY=` in a manifest means no key, not the empty key."""
+        return value or None
+
+    def buckets_up_to(self, limit: int) -> list[int]:
+        """The warmed batch sizes for a stage whose batches never exceed `limit`.
+
+        The largest bucket is always `limit` itself so a full batch needs no padding.
+        """
+        buckets = [b for b in self.batch_buckets if b < limit]
+        return [*buckets, limit]

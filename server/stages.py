@@ -1,0 +1,251 @@
+"""The batch functions of each model stage: synchronous code for the one GPU worker thread.
+
+Each takes a list of items from its batcher and returns one result per item. Batches are
+padded up to a warmed bucket size so compiled and CUDA-graph shapes are reused; padding
+slots are sliced off before results leave this module. Host-device synchronisation happens
+once per batch, when results are copied back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.images import nested_pixels
+from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
+from models.sam import PromptSet, Sam, SamConfig, pack_prompts
+from models.sam import transforms as sam_tf
+from models.swin import SwinConfig, SwinTransformer
+from models.swin import transforms as swin_tf
+from server.cache import ImageEmbedding
+from server.domain import Prompt, PromptMasks
+
+log = logging.getLogger(__name__)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest warmed bucket that holds `n` items (the largest if none does)."""
+    for bucket in buckets:
+        if bucket >= n:
+            return bucket
+    return buckets[-1]
+
+
+def pad_batch(batch: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the leading dimension up to `size` (a no-op when already there)."""
+    missing = size - batch.shape[0]
+    if missing <= 0:
+        return batch
+    return torch.cat([batch, batch.new_zeros((missing, *batch.shape[1:]))])
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    image_id: str
+    pixels: torch.Tensor  # uint8 [H, W, 3]
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    embedding: ImageEmbedding
+    prompts: tuple[Prompt, ...]
+    multimask: bool
+
+
+@dataclass(frozen=True)
+class ClassifyItem:
+    pixels: torch.Tensor  # uint8 [H, W, 3]
+    top_k: int
+
+
+@dataclass(frozen=True)
+class TopK:
+    scores: list[float]
+    indices: list[int]
+
+
+class SamStages:
+    """The SAM encoder and decoder stages over one loaded model."""
+
+    def __init__(
+        self,
+        model: Sam,
+        config: SamConfig,
+        device: torch.device,
+        options: OptimizeOptions,
+        encoder_buckets: Sequence[int],
+        decoder_buckets: Sequence[int],
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = options.dtype
+        self.encoder_buckets = list(encoder_buckets)
+        self.decoder_buckets = list(decoder_buckets)
+        # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket.
+        self._encode = GraphedBuckets(
+            compile_fn(model.encode, options.compile_mode, dynamic=True),
+            enabled=options.cuda_graphs,
+        )
+        self.compiled = options.compile_mode != "none"
+        self._decode = compile_fn(model.decode, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
+        sizes = [(int(i.pixels.shape[0]), int(i.pixels.shape[1])) for i in items]
+        nested = nested_pixels([i.pixels for i in items], self.device)
+        batch, input_sizes = sam_tf.preprocess_images(nested, self.config, self.device, sizes)
+        bucket = bucket_for(len(items), self.encoder_buckets)
+        # batch: [bucket, 3, S, S] -> embeddings [bucket, C, S/16, S/16]
+        embeddings = self._encode(pad_batch(batch, bucket).to(self.dtype))
+        return [
+            ImageEmbedding(item.image_id, embeddings[k].clone(), input_sizes[k], sizes[k])
+            for k, item in enumerate(items)
+        ]
+
+    def _prompt_set(self, prompt: Prompt, entry: ImageEmbedding) -> PromptSet:
+        """Clip pixel coordinates to the image, then scale them to the model input frame."""
+        height, width = entry.original_size
+        limit = torch.tensor([width, height], dtype=torch.float32)
+        points = torch.tensor(prompt.points, dtype=torch.float32).reshape(-1, 2)
+        points = points.clamp(min=torch.zeros(2), max=limit)
+        box = None
+        if prompt.box is not None:
+            corners = torch.tensor(prompt.box, dtype=torch.float32).reshape(2, 2)
+            corners = corners.clamp(min=torch.zeros(2), max=limit)
+            box = sam_tf.scale_coords(corners, entry.original_size, self.config).reshape(4)
+        return PromptSet(
+            points=sam_tf.scale_coords(points, entry.original_size, self.config),
+            labels=torch.tensor(prompt.labels, dtype=torch.int64),
+            box=box,
+            mask_input=None,
+        )
+
+    @torch.inference_mode()
+    def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:
+        embeddings: list[torch.Tensor] = []
+        slot: dict[str, int] = {}
+        sets: list[PromptSet] = []
+        image_index: list[int] = []
+        for item in items:
+            entry = item.embedding
+            if entry.image_id not in slot:
+                slot[entry.image_id] = len(embeddings)
+                embeddings.append(entry.embedding)
+            for prompt in item.prompts:
+                sets.append(self._prompt_set(prompt, entry))
+                image_index.append(slot[entry.image_id])
+        prompts = pack_prompts(sets, image_index, self.device)
+        # low_res: [P, 4, 4h, 4w]; iou: [P, 4]
+        low_res, iou = self._decode(torch.stack(embeddings), prompts)
+        return self._postprocess(items, low_res.float(), iou.float())
+
+    def _postprocess(
+        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
+    ) -> list[list[PromptMasks]]:
+        per_item: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start = 0
+        for item in items:
+            stop = start + len(item.prompts)
+            chosen = slice(1, None) if item.multimask else slice(0, 1)
+            logits = sam_tf.postprocess_masks(
+                low_res[start:stop, chosen],
+                item.embedding.input_size,
+                item.embedding.original_size,
+                self.config,
+            )
+            scores = iou[start:stop, chosen]
+            order = scores.argsort(dim=1, descending=True)
+            masks = logits.gt(self.config.mask_threshold)
+            masks = torch.take_along_dim(masks, order[:, :, None, None], dim=1)
+            per_item.append((masks, scores.gather(1, order)))
+            start = stop
+        # One copy back per batch; everything before it stays asynchronous.
+        host = [(m.cpu().numpy(), s.cpu().numpy()) for m, s in per_item]
+        return [[PromptMasks(masks=m[p], scores=s[p]) for p in range(m.shape[0])] for m, s in host]
+
+    def warmup(self) -> None:
+        """Run every encoder and decoder bucket once, so first requests meet warm paths."""
+        size = self.config.image_size
+        for bucket in self.encoder_buckets:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self._encode.capture(
+                    torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
+                )
+            pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
+            embeddings = self.encode([EncodeItem(f"warmup-{k}", pixels) for k in range(bucket)])
+            log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
+        entry = embeddings[0]
+        # Every form the compiled decoder specialises on: one set or many, few or more
+        # tokens (points, box, both); the sizes between reuse the same dynamic graph.
+        # Eager decoders have nothing to specialise: one form per bucket is enough.
+        h, w = entry.original_size
+        prompts = [
+            Prompt(points=((w / 2, h / 2),), labels=(1,)),
+            Prompt(points=((w / 3, h / 3), (w / 2, h / 2), (w / 4, h / 5)), labels=(1, 0, 1)),
+            Prompt(box=(w / 4, h / 4, w / 2, h / 2)),
+            Prompt(points=((w / 3, h / 3),), labels=(1,), box=(w / 4, h / 4, w / 2, h / 2)),
+        ][: 4 if self.compiled else 1]
+        started = time.perf_counter()
+        for bucket in self.decoder_buckets:
+            for prompt in prompts:
+                self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
+        log.info(
+            "warmed decoder buckets %s in %.2fs",
+            self.decoder_buckets,
+            time.perf_counter() - started,
+        )
+
+
+class SwinStage:
+    """The Swin classifier stage."""
+
+    def __init__(
+        self,
+        model: SwinTransformer,
+        config: SwinConfig,
+        device: torch.device,
+        options: OptimizeOptions,
+        buckets: Sequence[int],
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = options.dtype
+        self.buckets = list(buckets)
+        self._forward = GraphedBuckets(
+            compile_fn(model, options.compile_mode, dynamic=True), enabled=options.cuda_graphs
+        )
+
+    @torch.inference_mode()
+    def classify(self, items: list[ClassifyItem]) -> list[TopK]:
+        sizes = [(int(i.pixels.shape[0]), int(i.pixels.shape[1])) for i in items]
+        nested = nested_pixels([i.pixels for i in items], self.device)
+        batch = swin_tf.preprocess_images(nested, self.config, self.device, sizes)
+        bucket = bucket_for(len(items), self.buckets)
+        logits = self._forward(pad_batch(batch, bucket).to(self.dtype))[: len(items)]
+        probs = logits.float().softmax(dim=-1)
+        k = max(item.top_k for item in items)
+        top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        scores, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        return [
+            TopK(scores[n][: item.top_k], indices[n][: item.top_k]) for n, item in enumerate(items)
+        ]
+
+    def warmup(self) -> None:
+        """Run every bucket once before the service reports ready."""
+        started = time.perf_counter()
+        size = self.config.img_size
+        pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
+        for bucket in self.buckets:
+            with torch.inference_mode():
+                self._forward.capture(
+                    torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
+                )
+            self.classify([ClassifyItem(pixels, 1)] * bucket)
+        log.info("warmed swin buckets %s in %.2fs", self.buckets, time.perf_counter() - started)

@@ -1,0 +1,97 @@
+"""What the app holds between requests: settings, engine, metrics and the life-cycle flags.
+
+Kept on `app.state.serve`; the lifespan owns its transitions (loading -> ready -> draining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from server.engine import Engine
+from server.errors import ServiceError
+from server.metrics import Metrics
+from server.settings import Settings
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServeState:
+    settings: Settings
+    metrics: Metrics
+    decode_pool: ThreadPoolExecutor
+    engine: Engine | None = None
+    ready: bool = False
+    draining: bool = False
+    failure: str | None = None  # why start-up failed; /healthz reports it
+    started_at: float = field(default_factory=time.monotonic)
+    on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
+
+    def require_engine(self) -> Engine:
+        """The engine, or 503 while loading, warming, draining or failed."""
+        if self.draining:
+            raise ServiceError(503, "not_ready", "the service is shutting down")
+        if not self.ready or self.engine is None:
+            raise ServiceError(503, "not_ready", "the service is still loading or warming up")
+        return self.engine
+
+    async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """Run CPU work (image decoding, mask encoding) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.decode_pool, fn, *args)
+
+    def deadline(self, header: str | None) -> float:
+        """The request's monotonic deadline: the setting, shortened by a header if given."""
+        seconds = self.settings.request_timeout_s
+        if header:
+            try:
+                asked = float(header) / 1000.0
+            except ValueError:
+                raise ServiceError(
+                    422, "invalid_request", "X-Request-Timeout-Ms must be a number"
+                ) from None
+            if not asked > 0:
+                raise ServiceError(422, "invalid_request", "X-Request-Timeout-Ms must be > 0")
+            seconds = min(seconds, asked)
+        return time.monotonic() + seconds
+
+
+def serve_state(app_state: object) -> ServeState:
+    state = getattr(app_state, "serve", None)
+    if not isinstance(state, ServeState):
+        raise RuntimeError("app.state.serve is not set: build the app with build_app()")
+    return state
+
+
+async def watch_disconnect(
+    receive: Callable[[], Awaitable[dict[str, object]]], work: Awaitable[T]
+) -> T:
+    """Await `work`, cancelling it if the client disconnects first.
+
+    Cancelling drops the request's queued batch items, so abandoned work is not computed.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    raise ServiceError(499, "client_closed", "the client closed the connection")

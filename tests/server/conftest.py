@@ -1,0 +1,145 @@
+"""A real uvicorn server on a free loopback port, serving small models on the CPU."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from PIL import Image
+
+from server.app import build_app
+from server.settings import Settings
+
+PHOTOS = Path(__file__).resolve().parents[3] / "shared" / "data" / "images"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def small_settings(**overrides: object) -> Settings:
+    """Tiny models on the CPU: the same code paths as production, in milliseconds."""
+    values: dict[str, object] = {
+        "device": "cpu",
+        "sam_model": "vit_tiny",
+        "swin_model": "swin_test",
+        "max_batch_size": 4,
+        "batch_buckets": [1, 2, 4],
+        "max_queue_delay_ms": 5.0,
+        "decoder_max_batch_prompts": 32,
+        "decode_threads": 2,
+        "max_body_bytes": 4 * 1024 * 1024,
+        "max_image_pixels": 8_000_000,
+        "log_level": "WARNING",
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+class LiveServer:
+    """uvicorn in a thread; `url` answers once /readyz is 200 (or `wait_ready=False`)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = build_app(settings)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_config=None, lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, wait_ready: bool = True, timeout_s: float = 120.0) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        path = "/readyz" if wait_ready else "/healthz"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server did not answer {path} in {timeout_s}s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    server = LiveServer(small_settings()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., LiveServer]]:
+    """Servers with other settings, stopped at the end of the test."""
+    started: list[LiveServer] = []
+
+    def make(wait_ready: bool = True, **overrides: object) -> LiveServer:
+        server = LiveServer(small_settings(**overrides)).start(wait_ready=wait_ready)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def client(live_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, timeout=60) as c:
+        yield c
+
+
+def encode(image: Image.Image, fmt: str = "JPEG", **kw: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A smooth, photo-like RGB picture (gradients and a disc), so JPEG keeps it stable."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    cx, cy = width * rng.uniform(0.3, 0.7), height * rng.uniform(0.3, 0.7)
+    disc = ((xx - cx) ** 2 + (yy - cy) ** 2) < (min(width, height) / 4) ** 2
+    rgb = np.stack(
+        [xx / max(width, 1) * 255, yy / max(height, 1) * 255, np.full_like(xx, 90)], axis=-1
+    )
+    rgb[disc] = (230, 40, 40)
+    return Image.fromarray(rgb.astype(np.uint8))
+
+
+@pytest.fixture(scope="session")
+def jpeg_bytes() -> bytes:
+    return encode(photo_like(320, 240), "JPEG", quality=92)
+
+
+@pytest.fixture(scope="session")
+def png_bytes() -> bytes:
+    return encode(photo_like(200, 300, seed=1), "PNG")
+
+
+@pytest.fixture(scope="session")
+def real_photo() -> bytes:
+    """A real photograph from ../shared/data/images (beside the repository in CI)."""
+    path = PHOTOS / "dog.jpg"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: ../shared must sit beside the repository")
+    return path.read_bytes()

@@ -1,0 +1,270 @@
+"""SAM image-encoder throughput, memory and fidelity, variant by variant, on one GPU.
+
+Every variant runs our ViT encoder on the same seeded random weights; its embeddings of
+real photos are compared with the fp32 eager embeddings (relative error), and masks
+decoded from them (one box per photo, fp32 decoder) with the fp32 masks (IoU). Meta's
+official encoder runs in the same process as the baseline.
+
+    python bench/sam_encoder.py --images ../shared/data/images \
+        --variants bf16-eager bf16-compile-flex bf16-fp8-compile-flex --batch-sizes 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    DEFAULT_IMAGES,
+    cuda_time_ms,
+    empty_cache,
+    environment,
+    load_photos,
+    mask_iou,
+    peak_gib,
+    print_table,
+    relative_error,
+    reset_peak,
+    write_json,
+)
+from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
+from models.sam import SAM_CONFIGS, PromptSet, Sam, load_sam, pack_prompts
+from models.sam import transforms as tf
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run
+
+VARIANTS: dict[str, OptimizeOptions] = {
+    "fp32-eager": OptimizeOptions(),
+    "bf16-eager": OptimizeOptions(precision="bf16"),
+    "bf16-compile-sdpa": OptimizeOptions(
+        precision="bf16", compile_mode="default", attention="sdpa", cuda_graphs=True
+    ),
+    "bf16-compile-flex": OptimizeOptions(
+        precision="bf16", compile_mode="default", attention="flex", cuda_graphs=True
+    ),
+    "bf16-fp8-compile-flex": OptimizeOptions(
+        precision="bf16",
+        quantization="fp8",
+        compile_mode="default",
+        attention="flex",
+        cuda_graphs=True,
+    ),
+    "bf16-int8-compile-flex": OptimizeOptions(
+        precision="bf16",
+        quantization="int8",
+        compile_mode="default",
+        attention="flex",
+        cuda_graphs=True,
+    ),
+    "bf16-2:4-compile-flex": OptimizeOptions(
+        precision="bf16",
+        sparsity="2:4",
+        compile_mode="default",
+        attention="flex",
+        cuda_graphs=True,
+    ),
+    "bf16-autotune-flex": OptimizeOptions(
+        precision="bf16",
+        compile_mode="max-autotune-no-cudagraphs",
+        attention="flex",
+        cuda_graphs=True,
+    ),
+    "bf16-fp8-autotune-flex": OptimizeOptions(
+        precision="bf16",
+        quantization="fp8",
+        compile_mode="max-autotune-no-cudagraphs",
+        attention="flex",
+        cuda_graphs=True,
+    ),
+}
+
+
+def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:
+    """The photos pre-processed once, and one central box prompt per photo."""
+    config = model.config
+    batch, input_sizes = tf.preprocess_images(photos, config, DEVICE)
+    sets = []
+    for photo in photos:
+        h, w = photo.shape[:2]
+        box = torch.tensor([[w * 0.25, h * 0.25], [w * 0.75, h * 0.75]])
+        sets.append(PromptSet(box=tf.scale_coords(box, (h, w), config).reshape(4)))
+    prompts = pack_prompts(sets, list(range(len(photos))), DEVICE)
+    return batch, input_sizes, prompts
+
+
+def masks_of(
+    model: Sam, embeddings: torch.Tensor, prompts: Any, sizes, photos
+) -> list[torch.Tensor]:
+    low_res, _ = model.decode(embeddings.float(), prompts)
+    out = []
+    for k, photo in enumerate(photos):
+        logits = tf.postprocess_masks(
+            low_res[k : k + 1, :1].float(), sizes[k], photo.shape[:2], model.config
+        )
+        out.append(logits[0] > 0)
+    return out
+
+
+def official_baseline(batch_sizes: list[int], iters: int) -> list[dict[str, Any]]:
+    """Meta's own encoder (random init), fp32 and bf16 eager, as published."""
+    from segment_anything import sam_model_registry
+
+    encoder = sam_model_registry["vit_b"]().image_encoder.cuda().eval()
+    rows = []
+    for dtype, name in (
+        (torch.float32, "official-fp32-eager"),
+        (torch.bfloat16, "official-bf16-eager"),
+    ):
+        enc = copy.deepcopy(encoder).to(dtype)
+        for bs in batch_sizes:
+            if dtype == torch.float32 and bs > 8:
+                continue
+            x = torch.randn(bs, 3, 1024, 1024, device=DEVICE, dtype=dtype)
+            reset_peak()
+            with torch.inference_mode():
+                ms = cuda_time_ms(partial(enc, x), iters)
+            rows.append(
+                {
+                    "variant": name,
+                    "batch": bs,
+                    "img_per_s": bs * 1000 / ms,
+                    "ms": ms,
+                    "peak_gib": peak_gib(),
+                }
+            )
+    empty_cache()
+    return rows
+
+
+def run_variant(
+    name: str, base: Sam, photos, fid, ref_embed, ref_masks, batch_sizes, iters
+) -> list[dict[str, Any]]:
+    opts = VARIANTS[name]
+    model = copy.deepcopy(base).to(dtype=opts.dtype)
+    prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
+    fn = GraphedBuckets(
+        compile_fn(model.encode, opts.compile_mode, dynamic=True), enabled=opts.cuda_graphs
+    )
+    batch, sizes, prompts = fid
+    rows = []
+    first_compile_s = None
+    side = base.config.image_size
+    with torch.inference_mode():
+        for bs in batch_sizes:
+            x = torch.randn(bs, 3, side, side, device=DEVICE, dtype=opts.dtype)
+            started = time.perf_counter()
+            fn.capture(x)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            prepare_s = time.perf_counter() - started
+            if first_compile_s is None:
+                first_compile_s = prepare_s
+            reset_peak()
+            ms = cuda_time_ms(partial(fn, x), iters)
+            peak = peak_gib()
+            rows.append(
+                {
+                    "variant": name,
+                    "batch": bs,
+                    "img_per_s": bs * 1000 / ms,
+                    "ms": ms,
+                    "peak_gib": peak,
+                    "prepare_s": prepare_s,
+                }
+            )
+            print(rows[-1], flush=True)
+        # fidelity on the real photos, in chunks of the largest batch size
+        chunks = []
+        step = max(batch_sizes)
+        for i in range(0, batch.shape[0], step):
+            part = batch[i : i + step].to(opts.dtype)
+            pad = step - part.shape[0]
+            if pad:
+                part = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
+            chunks.append(fn(part)[: step - pad].float().clone())
+        embed = torch.cat(chunks)
+        masks = masks_of(base, embed, prompts, sizes, photos)
+    err = relative_error(embed, ref_embed)
+    ious = torch.cat([mask_iou(a[None], b[None]) for a, b in zip(masks, ref_masks, strict=True)])
+    for row in rows:
+        row.update(
+            embed_rel_err=err,
+            mask_iou_mean=float(ious.mean()),
+            mask_iou_min=float(ious.min()),
+            compile_s=first_compile_s,
+        )
+    torch._dynamo.reset()
+    empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="vit_b", choices=list(SAM_CONFIGS))
+    p.add_argument(
+        "--variants", nargs="+", default=["bf16-eager", "bf16-compile-flex"], choices=list(VARIANTS)
+    )
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--official", action="store_true", help="also time Meta's encoder")
+    p.add_argument("--budget-s", type=float, default=480, help="skip variants after this")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    started = time.perf_counter()
+    env = environment()
+    print(env, flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = load_sam(SAM_CONFIGS[args.model], None, seed=0).to(DEVICE)
+    photos = load_photos(args.images)
+    fid = fidelity_inputs(photos, base)
+    with torch.inference_mode():
+        ref_embed = torch.cat([base.encode(fid[0][i : i + 1]) for i in range(len(photos))])
+        ref_masks = masks_of(base, ref_embed, fid[2], fid[1], photos)
+    rows: list[dict[str, Any]] = []
+    if args.official:
+        rows += official_baseline([1, 8], args.iters)
+        print(rows[-2:], flush=True)
+    for name in args.variants:
+        if time.perf_counter() - started > args.budget_s:
+            print(f"budget spent: skipping {name}", flush=True)
+            continue
+        try:
+            rows += run_variant(
+                name, base, photos, fid, ref_embed, ref_masks, args.batch_sizes, args.iters
+            )
+        except Exception as exc:  # report and go on: one broken variant must not lose the rest
+            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            torch._dynamo.reset()
+            empty_cache()
+    write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
+    print(
+        f"\n{env['device']}, torch {env['torch']}, {env['date']}, model {args.model}, "
+        f"{len(photos)} photos for fidelity"
+    )
+    print_table(
+        rows,
+        [
+            "variant",
+            "batch",
+            "img_per_s",
+            "ms",
+            "peak_gib",
+            "compile_s",
+            "embed_rel_err",
+            "mask_iou_mean",
+            "mask_iou_min",
+            "error",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Drive a running service with N concurrent clients: real JPEGs, one box each.
+
+Prints throughput, p50/p95/p99 latency and the mean batch size per stage (read from the
+service's own /metrics), so batching settings can be compared run against run.
+
+    python bench/service_load.py --url http://127.0.0.1:8000 --clients 64 --seconds 30
+
+`--spawn` starts `python -m server` itself once per (max_batch_size, delay) pair given with
+`--grid`, e.g. `--grid 1:0 8:2 16:5 32:5`, and prints one row per pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
+
+
+def load_images(folder: Path) -> list[tuple[str, bytes, int, int]]:
+    from PIL import Image
+
+    out = []
+    for path in sorted(folder.glob("*.jpg")):
+        data = path.read_bytes()
+        with Image.open(path) as im:
+            out.append((path.name, data, im.width, im.height))
+    if not out:
+        raise SystemExit(f"no .jpg files in {folder}")
+    return out
+
+
+def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of serve_batch_size per stage."""
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "serve_batch_size":
+            continue
+        for s in family.samples:
+            stage = s.labels.get("stage", "")
+            entry = sums.setdefault(stage, [0.0, 0.0])
+            if s.name.endswith("_sum"):
+                entry[0] = s.value
+            elif s.name.endswith("_count"):
+                entry[1] = s.value
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+async def run_load(
+    url: str, images, clients: int, seconds: float, route: str, unique: bool, seed: int = 0
+):
+    latencies: list[float] = []
+    failures: list[str] = []
+    stop_at = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def client_loop(k: int, http: httpx.AsyncClient) -> None:
+        rng = random.Random(seed * 100_003 + k)
+        while time.perf_counter() < stop_at:
+            name, data, w, h = rng.choice(images)
+            if unique:  # defeat the embedding cache: different bytes, same picture
+                data = data + rng.randbytes(16)
+            x0, y0 = rng.uniform(0, w / 2), rng.uniform(0, h / 2)
+            box = [x0, y0, x0 + w / 3, y0 + h / 3]
+            files = {"image": (name, data, "image/jpeg")}
+            fields = {"box": box} if route == "/v1/segment" else {"top_k": 5}
+            started = time.perf_counter()
+            try:
+                r = await http.post(route, files=files, data={"request": json.dumps(fields)})
+                ok = r.status_code == 200
+                if ok and route == "/v1/segment":
+                    ok = r.json()["results"][0]["masks"][0]["segmentation"]["size"] == [h, w]
+                if not ok:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+                    continue
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+                continue
+            latencies.append(time.perf_counter() - started)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        before = batch_means((await http.get("/metrics")).text)
+        began = time.perf_counter()
+        await asyncio.gather(*(client_loop(k, http) for k in range(clients)))
+        elapsed = time.perf_counter() - began
+        after = batch_means((await http.get("/metrics")).text)
+    means = {}
+    for stage, (s1, c1) in after.items():
+        s0, c0 = before.get(stage, (0.0, 0.0))
+        if c1 > c0:
+            means[stage] = (s1 - s0) / (c1 - c0)
+    return latencies, failures, elapsed, means
+
+
+def _load_process(args: tuple) -> tuple[list[float], list[str], float]:
+    """One client process: its share of the clients, on its own event loop."""
+    url, images, clients, seconds, route, unique, seed = args
+    latencies, failures, elapsed, _ = asyncio.run(
+        run_load(url, images, clients, seconds, route, unique, seed)
+    )
+    return latencies, failures, elapsed
+
+
+def run_load_processes(
+    url: str, images, clients: int, seconds: float, route: str, unique: bool, procs: int
+):
+    """Spread the clients over `procs` processes, so the load generator is not the limit."""
+    if procs <= 1:
+        return asyncio.run(run_load(url, images, clients, seconds, route, unique))
+    before = batch_means(httpx.get(url + "/metrics", timeout=30).text)
+    shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    jobs = [(url, images, n, seconds, route, unique, i) for i, n in enumerate(shares) if n]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        results = pool.map(_load_process, jobs)
+    after = batch_means(httpx.get(url + "/metrics", timeout=30).text)
+    latencies = [x for r in results for x in r[0]]
+    failures = [x for r in results for x in r[1]]
+    elapsed = max(r[2] for r in results)
+    means = {}
+    for stage, (s1, c1) in after.items():
+        s0, c0 = before.get(stage, (0.0, 0.0))
+        if c1 > c0:
+            means[stage] = (s1 - s0) / (c1 - c0)
+    return latencies, failures, elapsed, means
+
+
+def summarize(latencies: list[float], failures: list[str], elapsed: float, means) -> dict:
+    qs = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    return {
+        "requests": len(latencies),
+        "failed": len(failures),
+        "req_per_s": len(latencies) / elapsed,
+        "p50_ms": qs[49] * 1000,
+        "p95_ms": qs[94] * 1000,
+        "p99_ms": qs[98] * 1000,
+        "mean_batch": {k: round(v, 2) for k, v in means.items()},
+    }
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> float:
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("server not ready in time")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=20)
+    p.add_argument("--warmup-seconds", type=float, default=3)
+    p.add_argument("--route", default="/v1/segment", choices=["/v1/segment", "/v1/classify"])
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--unique", action="store_true", help="new bytes per request (no cache hits)")
+    p.add_argument("--spawn", action="store_true", help="start the server for each grid point")
+    p.add_argument("--grid", nargs="*", default=["8:5"], help="max_batch_size:delay_ms pairs")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--procs", type=int, default=1, help="client processes")
+    p.add_argument("--server-log", type=Path, default=None, help="append the server's log here")
+    p.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for --spawn")
+    args = p.parse_args()
+    images = load_images(args.images)
+    rows = []
+    for point in args.grid if args.spawn else ["(running server)"]:
+        proc = None
+        url = args.url
+        ready_s = None
+        if args.spawn:
+            batch, delay = point.split(":")
+            url = f"http://127.0.0.1:{args.port}"
+            extra = dict(kv.split("=", 1) for kv in args.server_env)
+            env = {
+                **os.environ,
+                **extra,
+                "SERVE_MAX_BATCH_SIZE": batch,
+                "SERVE_MAX_QUEUE_DELAY_MS": delay,
+            }
+            log = args.server_log.open("a") if args.server_log else subprocess.DEVNULL
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "server", "--port", str(args.port)], env=env,
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            ready_s = wait_ready(url, proc)
+            print(f"{point}: ready after {ready_s:.1f}s", flush=True)
+        try:
+            load = (url, images, args.clients)
+            if args.warmup_seconds:
+                run_load_processes(*load, args.warmup_seconds, args.route, args.unique, args.procs)
+            row = summarize(
+                *run_load_processes(*load, args.seconds, args.route, args.unique, args.procs)
+            )
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=120)
+        row = {"config": point, "clients": args.clients, "ready_s": ready_s, **row}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| batch:delay_ms | clients | req/s | p50 ms | p95 ms | p99 ms | mean batch | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [
+            r["config"],
+            r["clients"],
+            f"{r['req_per_s']:.1f}",
+            f"{r['p50_ms']:.1f}",
+            f"{r['p95_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            r["mean_batch"],
+            r["failed"],
+        ]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+# syntax=docker/dockerfile:1
+#
+# sam-swin-serve image. Two runtime bases, picked with a build argument:
+#   docker build -t sam-swin-serve:gpu .                   # BASE=cuda (default): PyTorch's
+#                                                          # CUDA runtime image, torch 2.11
+#   docker build --build-arg BASE=cpu -t sam-swin-serve:cpu .   # python:3.11-slim + CPU torch
+# Weights are read from /weights and the torch.compile caches live in /cache (both mounted);
+# the root filesystem can be read-only, with a writable /tmp. See docs/DEPLOYMENT.md.
+
+ARG BASE=cuda
+ARG CUDA_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- 1. build the project wheel from pyproject.toml (pure Python, any base will do) ----
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY models/ models/
+COPY server/ server/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- 2a. CUDA base: torch, CUDA and cuDNN come with the image ----
+FROM ${CUDA_IMAGE} AS base-cuda
+
+# ---- 2b. CPU base for development: the CPU-only wheel of torch (no CUDA libraries) ----
+FROM ${PYTHON_IMAGE} AS base-cpu
+ARG TORCH_CPU_VERSION=2.13.0
+RUN pip install --no-cache-dir "torch==${TORCH_CPU_VERSION}" \
+        --index-url https://download.pytorch.org/whl/cpu
+
+# ---- 3. runtime: the chosen base plus our wheel, run as a non-root user ----
+# (DL3006 does not apply: base-${BASE} names one of the two stages above, both pinned.)
+# hadolint ignore=DL3006
+FROM base-${BASE} AS runtime
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
+    TRITON_CACHE_DIR=/cache/triton
+
+# torch.compile needs a host compiler at run time (Triton builds its launchers with gcc,
+# Inductor's CPU backend with g++); older runtime images ship none. The constraint keeps
+# the base's own torch build: pip may add our dependencies but never swap torch.
+# (DL3008: g++ comes from the base's own distribution release; its version follows it.)
+# hadolint ignore=DL3008
+RUN if ! command -v g++ >/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+COPY --from=wheel /wheels /wheels
+RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
+    && pip install --no-cache-dir --constraint /tmp/torch-constraint.txt /wheels/*.whl \
+    && rm -rf /wheels /tmp/torch-constraint.txt \
+    && groupadd --system --gid 10001 app \
+    && useradd --system --uid 10001 --gid app --home-dir /tmp --no-create-home \
+        --shell /usr/sbin/nologin app \
+    && mkdir -p /weights /cache/inductor /cache/triton \
+    && chown -R app:app /cache
+
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8000
+
+# Liveness only (/healthz answers while models load); the start period covers a cold
+# compile cache. Orchestrators use /readyz for traffic (see k8s/).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status != 200)"]
+
+ENTRYPOINT ["python", "-m", "server"]
+CMD ["--host", "0.0.0.0", "--port", "8000"]

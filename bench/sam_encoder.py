@@ -39,49 +39,35 @@ from models.sam import transforms as tf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run
 
+
+def _variant(name: str) -> OptimizeOptions:
+    """`bf16[-int8|-fp8|-2:4]-(eager|compile|autotune)[-sdpa|-flex]`, e.g. bf16-fp8-compile-sdpa."""
+    parts = name.split("-")
+    quant = next((q for q in ("int8", "fp8") if q in parts), "none")
+    mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
+    compile_mode = next(mode[p] for p in parts if p in mode)
+    return OptimizeOptions(
+        precision=parts[0],  # type: ignore[arg-type]
+        quantization=quant,  # type: ignore[arg-type]
+        sparsity="2:4" if "2:4" in parts else "none",
+        attention="flex" if "flex" in parts else "sdpa",
+        compile_mode=compile_mode,  # type: ignore[arg-type]
+        cuda_graphs=compile_mode != "none",
+    )
+
+
 VARIANTS: dict[str, OptimizeOptions] = {
-    "fp32-eager": OptimizeOptions(),
-    "bf16-eager": OptimizeOptions(precision="bf16"),
-    "bf16-compile-sdpa": OptimizeOptions(
-        precision="bf16", compile_mode="default", attention="sdpa", cuda_graphs=True
-    ),
-    "bf16-compile-flex": OptimizeOptions(
-        precision="bf16", compile_mode="default", attention="flex", cuda_graphs=True
-    ),
-    "bf16-fp8-compile-flex": OptimizeOptions(
-        precision="bf16",
-        quantization="fp8",
-        compile_mode="default",
-        attention="flex",
-        cuda_graphs=True,
-    ),
-    "bf16-int8-compile-flex": OptimizeOptions(
-        precision="bf16",
-        quantization="int8",
-        compile_mode="default",
-        attention="flex",
-        cuda_graphs=True,
-    ),
-    "bf16-2:4-compile-flex": OptimizeOptions(
-        precision="bf16",
-        sparsity="2:4",
-        compile_mode="default",
-        attention="flex",
-        cuda_graphs=True,
-    ),
-    "bf16-autotune-flex": OptimizeOptions(
-        precision="bf16",
-        compile_mode="max-autotune-no-cudagraphs",
-        attention="flex",
-        cuda_graphs=True,
-    ),
-    "bf16-fp8-autotune-flex": OptimizeOptions(
-        precision="bf16",
-        quantization="fp8",
-        compile_mode="max-autotune-no-cudagraphs",
-        attention="flex",
-        cuda_graphs=True,
-    ),
+    name: _variant(name)
+    for name in [
+        "fp32-eager",
+        "bf16-eager",
+        *(
+            f"bf16{q}-{mode}-{attn}"
+            for q in ("", "-int8", "-fp8", "-2:4")
+            for mode in ("compile", "autotune")
+            for attn in ("sdpa", "flex")
+        ),
+    ]
 }
 
 
@@ -143,13 +129,13 @@ def official_baseline(batch_sizes: list[int], iters: int) -> list[dict[str, Any]
 
 
 def run_variant(
-    name: str, base: Sam, photos, fid, ref_embed, ref_masks, batch_sizes, iters
+    static: bool, name: str, base: Sam, photos, fid, ref_embed, ref_masks, batch_sizes, iters
 ) -> list[dict[str, Any]]:
     opts = VARIANTS[name]
     model = copy.deepcopy(base).to(dtype=opts.dtype)
     prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
     fn = GraphedBuckets(
-        compile_fn(model.encode, opts.compile_mode, dynamic=True), enabled=opts.cuda_graphs
+        compile_fn(model.encode, opts.compile_mode, dynamic=not static), enabled=opts.cuda_graphs
     )
     batch, sizes, prompts = fid
     rows = []
@@ -204,6 +190,48 @@ def run_variant(
     return rows
 
 
+def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
+    """One global-attention layer of ViT-B (64x64 grid, 12 heads of 64) in every form."""
+    import torch.nn.functional as F
+
+    from models.sam.attention import flex_rel_pos_attention, rel_pos_attention, rel_pos_terms
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    shape = (batch, 12, 4096, 64)
+    q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in "qkv")
+    rph = torch.randn(127, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
+    rpw = torch.randn(127, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
+    rel_h, rel_w = rel_pos_terms(q, rph, rpw, 64, 64)
+    flops = 4 * batch * 12 * 4096 * 4096 * 64
+    forms = {
+        "sdpa-no-bias (floor)": lambda: F.scaled_dot_product_attention(q, k, v),
+        "sdpa-dense-bias": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa"),
+        "flex-factors-as-inputs": lambda: flex_rel_pos_attention(q, k, v, rel_h, rel_w),
+        "flex-factors-in-graph": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "flex"),
+    }
+    rows = []
+    ref = rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa").float()
+    for name, fn in forms.items():
+        for dynamic in (False, True) if "in-graph" in name else (False,):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, dynamic=dynamic)
+            with torch.inference_mode():
+                out = compiled()
+                ms = cuda_time_ms(compiled, iters)
+            err = relative_error(out.float(), ref) if "floor" not in name else float("nan")
+            rows.append(
+                {
+                    "variant": f"attn {name} dyn={dynamic}",
+                    "batch": batch,
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "rel_err": err,
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="vit_b", choices=list(SAM_CONFIGS))
@@ -216,6 +244,8 @@ def main() -> None:
     p.add_argument("--official", action="store_true", help="also time Meta's encoder")
     p.add_argument("--budget-s", type=float, default=480, help="skip variants after this")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
+    p.add_argument("--flex-kernel", action="store_true", help="time the attention kernels alone")
     args = p.parse_args()
     started = time.perf_counter()
     env = environment()
@@ -228,6 +258,8 @@ def main() -> None:
         ref_embed = torch.cat([base.encode(fid[0][i : i + 1]) for i in range(len(photos))])
         ref_masks = masks_of(base, ref_embed, fid[2], fid[1], photos)
     rows: list[dict[str, Any]] = []
+    if args.flex_kernel:
+        rows += attention_kernels(8, args.iters)
     if args.official:
         rows += official_baseline([1, 8], args.iters)
         print(rows[-2:], flush=True)
@@ -237,7 +269,15 @@ def main() -> None:
             continue
         try:
             rows += run_variant(
-                name, base, photos, fid, ref_embed, ref_masks, args.batch_sizes, args.iters
+                args.static,
+                name,
+                base,
+                photos,
+                fid,
+                ref_embed,
+                ref_masks,
+                args.batch_sizes,
+                args.iters,
             )
         except Exception as exc:  # report and go on: one broken variant must not lose the rest
             print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -259,6 +299,8 @@ def main() -> None:
             "peak_gib",
             "compile_s",
             "embed_rel_err",
+            "tflops",
+            "rel_err",
             "mask_iou_mean",
             "mask_iou_min",
             "error",

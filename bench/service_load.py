@@ -177,6 +177,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--procs", type=int, default=1, help="client processes")
     p.add_argument("--server-log", type=Path, default=None, help="append the server's log here")
+    p.add_argument("--metrics-out", type=Path, default=None, help="save /metrics after each run")
     p.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for --spawn")
     args = p.parse_args()
     images = load_images(args.images)
@@ -209,6 +210,10 @@ def main() -> None:
             row = summarize(
                 *run_load_processes(*load, args.seconds, args.route, args.unique, args.procs)
             )
+            if args.metrics_out is not None:
+                text = httpx.get(url + "/metrics", timeout=30).text
+                with args.metrics_out.open("a") as f:
+                    f.write(f"# ---- {point}\n{text}")
         finally:
             if proc is not None:
                 proc.terminate()

@@ -29,6 +29,7 @@ __all__ = [
     "Fp8RowwiseLinear",
     "Int8DynamicLinear",
     "Quantization",
+    "Sparse24Linear",
     "linear_reference",
     "prune_2to4",
     "quantize_linears",
@@ -134,6 +135,42 @@ def prune_2to4(weight: Tensor) -> Tensor:
     return (groups * mask).reshape(out_features, in_features)
 
 
+@torch.library.custom_op("samserve::sparse24_linear", mutates_args=())
+def sparse24_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """`x [M, K] @ W^T + b` with W 2:4-sparse and compressed by cuSPARSELt (`packed`).
+
+    An opaque op for torch.compile: the compressed weight is a plain tensor here, which
+    dynamo can trace, where torch's own sparse tensor subclass cannot be (torch 2.11).
+    """
+    m = x.shape[0]
+    pad = -m % 16  # cuSPARSELt wants the dense operand's dimensions in multiples of 16
+    dense = F.pad(x, (0, 0, 0, pad)) if pad else x
+    out = torch._cslt_sparse_mm(packed, dense.t(), bias=bias, transpose_result=True)
+    return out[:m] if pad else out
+
+
+@sparse24_linear.register_fake
+def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class Sparse24Linear(nn.Module):
+    """A Linear whose 2:4-pruned weight lives in cuSPARSELt's compressed form (CUDA only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        pruned = prune_2to4(linear.weight.detach())
+        self.register_buffer("packed", torch._cslt_compress(pruned))
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = sparse24_linear(x.reshape(-1, shape[-1]), self.packed, self.bias, self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 def semi_structured_2to4(
     module: nn.Module, include: Callable[[str, nn.Linear], bool], *, compress: bool
 ) -> list[str]:
@@ -143,17 +180,16 @@ def semi_structured_2to4(
     which gives the same numbers (used by the CPU tests and as the fidelity reference).
     """
     done = []
-    for name, layer in list(module.named_modules()):
-        if not isinstance(layer, nn.Linear) or not include(name, layer):
-            continue
-        pruned = prune_2to4(layer.weight.detach())
-        if compress:
-            from torch.sparse import to_sparse_semi_structured
-
-            layer.weight = nn.Parameter(to_sparse_semi_structured(pruned), requires_grad=False)
-        else:
-            layer.weight = nn.Parameter(pruned, requires_grad=False)
-        done.append(name)
+    for name, child in list(module.named_modules()):
+        for attr, layer in list(child.named_children()):
+            full = f"{name}.{attr}" if name else attr
+            if not isinstance(layer, nn.Linear) or not include(full, layer):
+                continue
+            if compress:
+                setattr(child, attr, Sparse24Linear(layer))
+            else:
+                layer.weight = nn.Parameter(prune_2to4(layer.weight.detach()), requires_grad=False)
+            done.append(full)
     return done
 
 

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = Settings()
     configure_logging(settings.log_level)
+    if settings.switch_interval_ms is not None:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     app = build_app(settings)
     state = serve_state(app.state)
     config = uvicorn.Config(

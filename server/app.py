@@ -20,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine import Engine
+from server.engine import Engine, compile_cache_hits
 from server.errors import ServiceError, error_body
 from server.metrics import Metrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ObserveMiddleware
@@ -44,6 +44,8 @@ async def start_engine(state: ServeState) -> None:
         engine.start()
         if state.settings.warmup:
             state.metrics.warmup_seconds.set(await engine.warmup())
+            for event, count in compile_cache_hits().items():
+                state.metrics.compile_cache.labels(event).set(count)
         state.ready = True
         state.metrics.ready.set(1)
         log.info("ready after %.1fs", time.perf_counter() - started)

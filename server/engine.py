@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,7 +63,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         compile_mode = "default" if cuda else "none"
     attention = settings.attention
     if attention == "auto":
-        attention = "flex" if cuda and compile_mode != "none" else "sdpa"
+        # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it
+        # on an H100 with torch 2.11 (docs/BENCHMARKS.md), so SDPA is the default.
+        attention = "sdpa"
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
@@ -73,6 +77,25 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         compile_mode=compile_mode,
         cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
     )
+
+
+def use_compile_cache(folder: Path) -> None:
+    """Keep inductor's and Triton's caches (FX graphs, kernels, autotuning) in `folder`.
+
+    Both read these variables when they first compile, which happens after this, on the
+    worker thread; a restart with the same folder skips code generation and autotuning.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    torch._inductor.config.fx_graph_cache = True
+    torch._inductor.config.autotune_local_cache = True
+
+
+def compile_cache_hits() -> dict[str, int]:
+    """Inductor's FX-graph cache hits and misses so far in this process."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
 
 
 def _ms(seconds: float) -> float:
@@ -117,6 +140,8 @@ class Engine:
 
     def _load_sync(self) -> None:
         s = self.settings
+        if s.compile_cache_dir is not None:
+            use_compile_cache(s.compile_cache_dir)
         if s.enable_sam:
             self.sam = self._load_sam()
         if s.enable_swin:
@@ -214,7 +239,7 @@ class Engine:
         if self.swin is not None:
             await loop.run_in_executor(self.worker, self.swin.stage.warmup)
         self.warmup_seconds = time.perf_counter() - started
-        log.info("warm-up took %.2fs", self.warmup_seconds)
+        log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds, compile_cache_hits())
         return self.warmup_seconds
 
     def start(self) -> None:

@@ -66,6 +66,10 @@ class Metrics(BatchObserver):
         self.warmup_seconds = Gauge(
             "serve_warmup_seconds", "Seconds the start-up warm-up took", registry=r
         )
+        self.compile_cache = Gauge(
+            "serve_compile_cache_events", "Inductor FX-graph cache hits and misses at warm-up",
+            ["event"], registry=r,
+        )  # fmt: skip
         self.ready = Gauge("serve_ready", "1 when every model is loaded and warm", registry=r)
         self.model_info = Gauge(
             "serve_model_info", "Loaded models (value 1)",

@@ -63,6 +63,10 @@ class Settings(BaseSettings):
 
     # Process.
     decode_threads: int = Field(4, ge=1)
+    # Python's GIL hand-over interval. The GPU worker thread needs the GIL for a moment
+    # between kernel launches; with busy decode threads a shorter interval gets it back
+    # sooner (Python's default is 5 ms). None keeps Python's default.
+    switch_interval_ms: float | None = Field(None, gt=0.0)
     log_level: str = "INFO"
 
     @field_validator("batch_buckets")

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from models.images import nested_pixels
@@ -147,7 +148,8 @@ class SamStages:
     def _postprocess(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
     ) -> list[list[PromptMasks]]:
-        per_item: list[tuple[torch.Tensor, torch.Tensor]] = []
+        flat_masks: list[torch.Tensor] = []
+        shapes: list[tuple[int, ...]] = []
         start = 0
         for item in items:
             stop = start + len(item.prompts)
@@ -157,16 +159,33 @@ class SamStages:
                 item.embedding.input_size,
                 item.embedding.original_size,
                 self.config,
+            )  # [prompts, K, H, W]
+            # stable on both sides, so the host's score order below is the same permutation
+            order = iou[start:stop, chosen].sort(dim=1, descending=True, stable=True).indices
+            masks = torch.take_along_dim(
+                logits.gt(self.config.mask_threshold), order[:, :, None, None], dim=1
             )
-            scores = iou[start:stop, chosen]
-            order = scores.argsort(dim=1, descending=True)
-            masks = logits.gt(self.config.mask_threshold)
-            masks = torch.take_along_dim(masks, order[:, :, None, None], dim=1)
-            per_item.append((masks, scores.gather(1, order)))
+            flat_masks.append(masks.reshape(-1))
+            shapes.append(tuple(masks.shape))
             start = stop
-        # One copy back per batch; everything before it stays asynchronous.
-        host = [(m.cpu().numpy(), s.cpu().numpy()) for m, s in per_item]
-        return [[PromptMasks(masks=m[p], scores=s[p]) for p in range(m.shape[0])] for m, s in host]
+        # One device-to-host copy for the whole batch (one sync), then views per request.
+        host_masks = torch.cat(flat_masks).cpu().numpy()
+        host_iou = iou.cpu().numpy()
+        results: list[list[PromptMasks]] = []
+        offset = start = 0
+        for item, shape in zip(items, shapes, strict=True):
+            size = int(np.prod(shape))
+            masks_np = host_masks[offset : offset + size].reshape(shape)
+            offset += size
+            chosen = slice(1, None) if item.multimask else slice(0, 1)
+            scores = host_iou[start : start + shape[0], chosen]
+            start += shape[0]
+            order = np.argsort(-scores, axis=1, kind="stable")
+            sorted_scores = np.take_along_axis(scores, order, axis=1)
+            results.append(
+                [PromptMasks(masks=masks_np[p], scores=sorted_scores[p]) for p in range(shape[0])]
+            )
+        return results
 
     def warmup(self) -> None:
         """Run every encoder and decoder bucket once, so first requests meet warm paths."""

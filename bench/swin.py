@@ -1,0 +1,159 @@
+"""Swin classifier throughput, memory and top-1 agreement with fp32, variant by variant.
+
+Inputs for agreement are real photos (random crops and flips of them, pre-processed by the
+service's own transform), so the variants are compared on the same images the fp32 eager
+model sees. Random weights give small logit margins, which makes agreement harder to keep
+than with trained weights.
+
+    python bench/swin.py --images ../shared/data/images --batch-sizes 64 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    DEFAULT_IMAGES,
+    cuda_time_ms,
+    empty_cache,
+    environment,
+    load_photos,
+    peak_gib,
+    print_table,
+    reset_peak,
+    write_json,
+)
+from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
+from models.swin import SWIN_CONFIGS, load_swin
+from models.swin import transforms as swin_tf
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+VARIANTS: dict[str, OptimizeOptions] = {
+    "fp32-eager": OptimizeOptions(),
+    "bf16-eager": OptimizeOptions(precision="bf16"),
+    "bf16-compile": OptimizeOptions(precision="bf16", compile_mode="default", cuda_graphs=True),
+    "bf16-int8-compile": OptimizeOptions(
+        precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
+    ),
+    "bf16-fp8-compile": OptimizeOptions(
+        precision="bf16", quantization="fp8", compile_mode="default", cuda_graphs=True
+    ),
+    "bf16-autotune": OptimizeOptions(
+        precision="bf16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
+    ),
+}
+
+
+def agreement_inputs(photos: list[torch.Tensor], n: int, size: int, config) -> torch.Tensor:
+    """`n` pre-processed views: random crops (40-100% of a side) and flips of the photos."""
+    g = torch.Generator().manual_seed(0)
+    views = []
+    for k in range(n):
+        photo = photos[k % len(photos)]
+        h, w = photo.shape[:2]
+        ch = int(h * (0.4 + 0.6 * torch.rand(1, generator=g).item()))
+        cw = int(w * (0.4 + 0.6 * torch.rand(1, generator=g).item()))
+        y = int(torch.randint(0, h - ch + 1, (1,), generator=g))
+        x = int(torch.randint(0, w - cw + 1, (1,), generator=g))
+        view = photo[y : y + ch, x : x + cw]
+        if k % 2:
+            view = view.flip(1)
+        views.append(view.contiguous())
+    return swin_tf.preprocess_images(views, config, DEVICE)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="swin_tiny_patch4_window7_224", choices=list(SWIN_CONFIGS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256, 512])
+    p.add_argument("--agreement-images", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--budget-s", type=float, default=400)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    started = time.perf_counter()
+    env = environment()
+    print(env, flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = SWIN_CONFIGS[args.model]
+    base = load_swin(config, None, seed=0).to(DEVICE)
+    inputs = agreement_inputs(
+        load_photos(args.images), args.agreement_images, config.img_size, config
+    )
+    with torch.inference_mode():
+        ref_top1 = torch.cat(
+            [base(inputs[i : i + 64]).argmax(-1) for i in range(0, len(inputs), 64)]
+        )
+    rows: list[dict[str, Any]] = []
+    for name in args.variants:
+        if time.perf_counter() - started > args.budget_s:
+            print(f"budget spent: skipping {name}", flush=True)
+            continue
+        opts = VARIANTS[name]
+        try:
+            model = copy.deepcopy(base).to(dtype=opts.dtype)
+            prepare_swin(model, opts)
+            fn = GraphedBuckets(
+                compile_fn(model, opts.compile_mode, dynamic=True), enabled=opts.cuda_graphs
+            )
+            side = config.img_size
+            compile_s = None
+            with torch.inference_mode():
+                for bs in args.batch_sizes:
+                    x = torch.randn(bs, 3, side, side, device=DEVICE, dtype=opts.dtype)
+                    t0 = time.perf_counter()
+                    fn.capture(x)
+                    compile_s = compile_s or time.perf_counter() - t0
+                    reset_peak()
+                    ms = cuda_time_ms(partial(fn, x), args.iters)
+                    rows.append(
+                        {
+                            "variant": name,
+                            "batch": bs,
+                            "img_per_s": bs * 1000 / ms,
+                            "ms": ms,
+                            "peak_gib": peak_gib(),
+                            "compile_s": compile_s,
+                        }
+                    )
+                    print(rows[-1], flush=True)
+                step = max(args.batch_sizes)
+                top1 = []
+                for i in range(0, len(inputs), step):
+                    part = inputs[i : i + step].to(opts.dtype)
+                    n = part.shape[0]
+                    if n < step:
+                        part = torch.cat([part, part.new_zeros(step - n, *part.shape[1:])])
+                    top1.append(fn(part)[:n].argmax(-1).clone())
+            agree = float((torch.cat(top1) == ref_top1).float().mean())
+            for row in rows:
+                if row["variant"] == name:
+                    row["top1_agree"] = agree
+        except Exception as exc:  # one broken variant must not lose the others
+            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        torch._dynamo.reset()
+        empty_cache()
+    write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
+    print(
+        f"\n{env['device']}, torch {env['torch']}, {env['date']}, {args.model}, "
+        f"top-1 agreement on {len(inputs)} views of real photos"
+    )
+    print_table(
+        rows,
+        ["variant", "batch", "img_per_s", "ms", "peak_gib", "compile_s", "top1_agree", "error"],
+    )
+
+
+if __name__ == "__main__":
+    main()

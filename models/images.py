@@ -7,14 +7,26 @@ is a single buffer; `split_images` cuts it back into per-image views.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["Size", "nested_pixels", "split_images"]
+__all__ = ["Size", "nested_pixels", "normalizer", "split_images"]
 
 Size = tuple[int, int]
+
+
+@functools.lru_cache(maxsize=16)
+def normalizer(
+    device: str, mean: tuple[float, ...], std: tuple[float, ...]
+) -> tuple[Tensor, Tensor]:
+    """Mean and std as `[3, 1, 1]` tensors on `device`, made once per process.
+
+    Building them per batch would copy host memory to the device each time, a sync.
+    """
+    return torch.tensor(mean).view(3, 1, 1).to(device), torch.tensor(std).view(3, 1, 1).to(device)
 
 
 def nested_pixels(images: Sequence[Tensor], device: torch.device | str) -> Tensor:

@@ -88,8 +88,12 @@ class PromptEncoder(nn.Module):
         position of the pixel centre (hence the +0.5).
         """
         height, width = self.input_image_size
-        scale = torch.tensor([width, height], device=points.device, dtype=torch.float32)
-        pe = self.pe_layer.encode((points.float() + 0.5) / scale)
+        centre = points.float() + 0.5
+        # Python scalars, not a tensor built here: that would be a host-to-device copy
+        # (a sync) on every decode.
+        pe = self.pe_layer.encode(
+            torch.stack((centre[..., 0] / width, centre[..., 1] / height), -1)
+        )
         has_position = (labels >= 0)[..., None]
         pe = torch.where(has_position, pe, torch.zeros_like(pe))
         kinds = [cast(nn.Embedding, e).weight for e in self.point_embeddings]

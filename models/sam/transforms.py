@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.images import Size, split_images
+from models.images import Size, normalizer, split_images
 from models.sam.config import SamConfig
 
 __all__ = [
@@ -48,8 +48,7 @@ def preprocess_images(
     """
     S = config.image_size
     views = split_images(images, sizes)
-    mean = torch.tensor(config.pixel_mean, device=device).view(3, 1, 1)
-    std = torch.tensor(config.pixel_std, device=device).view(3, 1, 1)
+    mean, std = normalizer(str(device), config.pixel_mean, config.pixel_std)
     batch = torch.zeros(len(views), 3, S, S, device=device)
     input_sizes: list[Size] = []
     for k, image in enumerate(views):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.images import Size, split_images
+from models.images import Size, normalizer, split_images
 from models.swin.config import SwinConfig
 
 __all__ = ["center_crop_offsets", "preprocess_images", "resize_shorter_side_size"]
@@ -74,8 +74,7 @@ def preprocess_images(
     """
     S = config.img_size
     views = split_images(images, sizes)
-    mean = torch.tensor(config.mean, device=device).view(3, 1, 1)
-    std = torch.tensor(config.std, device=device).view(3, 1, 1)
+    mean, std = normalizer(str(device), config.mean, config.std)
     batch = torch.empty(len(views), 3, S, S, device=device)
     for k, image in enumerate(views):
         if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:

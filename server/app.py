@@ -20,6 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server import page
 from server.engine import Engine, compile_cache_hits
 from server.errors import ServiceError, error_body
 from server.metrics import Metrics
@@ -139,6 +140,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
         decode_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode"),
     )
     app.include_router(router)
+    app.include_router(page.router)
     _install_handlers(app, metrics)
     # The last added is outermost: observe everything, CORS before auth, body limit inside.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
@@ -156,6 +158,6 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
-    leaf_routes = [*router.routes, *app.router.routes]  # ours, then /docs and /openapi.json
+    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + /docs
     app.add_middleware(ObserveMiddleware, metrics=metrics, routes=leaf_routes)
     return app

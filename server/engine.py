@@ -33,6 +33,7 @@ from server.domain import (
     SegmentResult,
 )
 from server.errors import ServiceError
+from server.everything import EverythingMasks, EverythingRunner
 from server.settings import Settings
 from server.stages import (
     ClassifyItem,
@@ -108,6 +109,7 @@ class _SamParts:
     info: ModelInfo
     encoder: Batcher[EncodeItem, ImageEmbedding]
     decoder: Batcher[DecodeItem, list[PromptMasks]]
+    everything: EverythingRunner
 
 
 @dataclass
@@ -201,7 +203,16 @@ class Engine:
             max_batch_cost=s.decoder_max_batch_prompts,
             **args,  # type: ignore[arg-type]
         )
-        return _SamParts(stages, info, encoder, decoder)
+        everything = EverythingRunner(
+            model,
+            self.worker,
+            max_bytes=s.everything_max_bytes,
+            max_concurrent=s.everything_max_concurrent,
+            max_waiting=s.everything_max_waiting,
+            max_masks=s.everything_max_masks,
+            max_work_bytes=s.everything_work_bytes,
+        )
+        return _SamParts(stages, info, encoder, decoder, everything)
 
     def _load_swin(self) -> _SwinParts:
         s = self.settings
@@ -325,6 +336,28 @@ class Engine:
             results=results,
             timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
         )
+
+    async def everything(
+        self,
+        image: Image | None,
+        image_id: str | None,
+        fields: dict[str, float | int],
+        deadline: float | None = None,
+    ) -> tuple[ImageEmbedding, EverythingMasks, dict[str, float]]:
+        """Every object in the image: SAM's automatic mask generation on the worker."""
+        sam = self._require_sam()
+        generator = sam.everything.generator(fields)
+        size = (image.height, image.width) if image is not None else None
+        if size is not None:  # refuse before encoding what could not be finished
+            sam.everything.check_memory(generator, size)
+        started = time.perf_counter()
+        entry, _ = await self._embedding(image, image_id, deadline)
+        encoded = time.perf_counter()
+        sam.everything.check_memory(generator, entry.original_size)
+        pixels = image.pixels if image is not None else None
+        masks = await sam.everything.run(generator, entry, pixels, deadline)
+        timing = {"encode": _ms(encoded - started), "generate": _ms(time.perf_counter() - encoded)}
+        return entry, masks, timing
 
     async def classify(
         self, image: Image, top_k: int, deadline: float | None = None

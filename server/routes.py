@@ -9,10 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server import imaging, masks
+from server import imaging
 from server.domain import Image, Prompt, SegmentRequest, SegmentResult
 from server.errors import ServiceError
+from server.everything import EverythingMasks
 from server.inputs import ParsedRequest, parse_image_request
+from server.masks import build_mask_objects
 from server.schemas import (
     ClassifyFields,
     ClassifyJSON,
@@ -21,6 +23,9 @@ from server.schemas import (
     EmbedJSON,
     EmbedResponse,
     ErrorResponse,
+    EverythingFields,
+    EverythingJSON,
+    EverythingResponse,
     ModelsResponse,
     SegmentFields,
     SegmentJSON,
@@ -117,8 +122,7 @@ def _segment_body(
         "width": result.width,
         "height": result.height,
         "results": [
-            {"masks": masks.build_mask_objects(r.masks, r.scores, output)}  # type: ignore[arg-type]
-            for r in result.results
+            {"masks": build_mask_objects(r.masks, r.scores, output)} for r in result.results
         ],
         "model": model,
         "timing_ms": timing,
@@ -163,6 +167,57 @@ async def segment(request: Request) -> Response:
     body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
     body["timing_ms"]["total"] = round((done - started) * 1000, 3)
     return JSONResponse(body)
+
+
+def _everything_body(masks: EverythingMasks, output: str) -> list[dict[str, Any]]:
+    objects = build_mask_objects(masks.masks, masks.scores, output)
+    for k, obj in enumerate(objects):
+        obj["stability_score"] = float(masks.stability[k])
+        obj["point_coords"] = [float(v) for v in masks.point_coords[k]]
+        obj["crop_box"] = [int(v) for v in masks.crop_boxes[k]]
+    return objects
+
+
+@router.post(
+    "/v1/segment/everything",
+    response_model=EverythingResponse,
+    responses=_ERRORS,
+    openapi_extra=_image_body_doc(EverythingJSON, EverythingFields),
+)
+async def segment_everything(request: Request) -> Response:
+    """Every object in the image (SAM's automatic mask generator), masks best score first."""
+    state = _state(request)
+    engine = state.require_engine()
+    started = time.perf_counter()
+    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
+    parsed = await parse_image_request(
+        request, EverythingJSON, EverythingFields, max_body_bytes=state.settings.max_body_bytes
+    )
+    fields = parsed.fields
+    image = await _load_image(state, parsed)
+    parsed_at = time.perf_counter()
+    work = engine.everything(image, parsed.image_id, fields.generator_fields(), deadline)
+    entry, masks, timing = await watch_disconnect(request.receive, work)
+    computed_at = time.perf_counter()
+    objects = await state.in_thread(_everything_body, masks, fields.output)
+    done = time.perf_counter()
+    state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
+    assert engine.sam is not None
+    return JSONResponse(
+        {
+            "image_id": entry.image_id,
+            "width": entry.original_size[1],
+            "height": entry.original_size[0],
+            "masks": objects,
+            "model": engine.sam.info.brief(),
+            "timing_ms": {
+                "parse_and_decode": round((parsed_at - started) * 1000, 3),
+                **timing,
+                "mask_encode": round((done - computed_at) * 1000, 3),
+                "total": round((done - started) * 1000, 3),
+            },
+        }
+    )
 
 
 @router.post(

@@ -71,6 +71,30 @@ class SegmentJSON(ImageSource, SegmentFields):
     """`application/json` body of `/v1/segment`."""
 
 
+class EverythingFields(_Strict):
+    """Fields of `/v1/segment/everything`: Meta's `SamAutomaticMaskGenerator` arguments."""
+
+    points_per_side: int = Field(32, ge=1, le=128)
+    points_per_batch: int = Field(64, ge=1, le=1024)
+    pred_iou_thresh: float = Field(0.88, ge=0.0, le=1.0)
+    stability_score_thresh: float = Field(0.95, ge=0.0, le=1.0)
+    stability_score_offset: float = Field(1.0, ge=0.0, le=100.0)
+    box_nms_thresh: float = Field(0.7, ge=0.0, le=1.0)
+    crop_n_layers: int = Field(0, ge=0, le=3)
+    crop_nms_thresh: float = Field(0.7, ge=0.0, le=1.0)
+    crop_overlap_ratio: float = Field(512 / 1500, ge=0.0, lt=1.0)
+    crop_n_points_downscale_factor: int = Field(1, ge=1, le=16)
+    min_mask_region_area: int = Field(0, ge=0, le=10_000_000)
+    output: Literal["rle", "png", "polygons"] = "rle"
+
+    def generator_fields(self) -> dict[str, float | int]:
+        return self.model_dump(exclude={"output"})
+
+
+class EverythingJSON(ImageSource, EverythingFields):
+    """`application/json` body of `/v1/segment/everything`."""
+
+
 class ClassifyFields(_Strict):
     top_k: int = Field(5, ge=1, le=1000)
 
@@ -100,9 +124,15 @@ class MaskObject(BaseModel):
     segmentation: dict[str, object] = Field(
         description="COCO RLE {size, counts}; or {size, png} / {size, polygons}"
     )
-    score: float
+    score: float = Field(description="the model's predicted IoU")
     area: int
     bbox: list[float] = Field(description="[x, y, w, h]")
+    low_res_handle: str | None = Field(
+        None, description="with return_low_res_logits: pass as mask_input to refine this mask"
+    )
+    stability_score: float | None = Field(None, description="segment everything only")
+    point_coords: list[float] | None = Field(None, description="segment everything only")
+    crop_box: list[int] | None = Field(None, description="segment everything only, [x, y, w, h]")
 
 
 class PromptResult(BaseModel):
@@ -114,6 +144,15 @@ class SegmentResponse(BaseModel):
     width: int
     height: int
     results: list[PromptResult]
+    model: ModelBrief
+    timing_ms: dict[str, float]
+
+
+class EverythingResponse(BaseModel):
+    image_id: str
+    width: int
+    height: int
+    masks: list[MaskObject] = Field(description="best predicted IoU first")
     model: ModelBrief
     timing_ms: dict[str, float]
 

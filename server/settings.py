@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     warmup: bool = True
     embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)
 
+    # Segment everything: bounds on memory and on concurrent jobs.
+    everything_max_bytes: int = Field(4 * 1024**3, ge=1)  # estimated device peak per request
+    everything_max_concurrent: int = Field(1, ge=1)
+    everything_max_waiting: int = Field(8, ge=0)
+    everything_max_masks: int = Field(200, ge=1)
+    everything_work_bytes: int = Field(256 * 1024**2, ge=1)
+
     # Limits on what a client may send.
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(40_000_000, ge=1)

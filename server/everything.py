@@ -1,0 +1,187 @@
+"""Segment everything inside the service: one image's automatic masks, step by step.
+
+Each step of `AutomaticMaskGenerator` (one crop encode, one decoder chunk, the finish) is
+its own job on the one GPU worker thread. Between two steps the worker takes whatever
+else is queued, so interactive encoder and decoder batches interleave with a long
+segment-everything request instead of waiting for it (interleaving, not priority: a step
+is a few milliseconds of GPU work, so an interactive batch waits at most one step).
+The full-image crop reuses the embedding cache; only the final masks leave the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from models.sam import Sam
+from models.sam.automatic import (
+    AutomaticMaskGenerator,
+    AutomaticMaskSettings,
+    CropJob,
+    MaskCandidates,
+)
+from server.cache import ImageEmbedding
+from server.errors import ServiceError
+
+T = TypeVar("T")
+
+GIB = 2**30
+
+
+@dataclass
+class EverythingMasks:
+    """Host copies of the final masks, best predicted IoU first."""
+
+    masks: np.ndarray  # bool [N, H, W]
+    scores: np.ndarray  # float32 [N] predicted IoU
+    stability: np.ndarray  # float32 [N]
+    point_coords: np.ndarray  # float32 [N, 2], the prompt that made each mask
+    crop_boxes: np.ndarray  # int64 [N, 4] XYWH
+    steps: int
+
+
+class EverythingRunner:
+    """Runs automatic mask generation jobs on the worker, bounded in memory and number."""
+
+    def __init__(
+        self,
+        model: Sam,
+        worker: Executor,
+        *,
+        max_bytes: int,
+        max_concurrent: int,
+        max_waiting: int,
+        max_masks: int,
+        max_work_bytes: int,
+    ) -> None:
+        self.model = model
+        self.worker = worker
+        self.max_bytes = max_bytes
+        self.max_masks = max_masks
+        self.max_work_bytes = max_work_bytes
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._max_waiting = max_waiting
+        self._waiting = 0
+        self.steps_run = 0
+
+    def generator(self, fields: dict[str, float | int]) -> AutomaticMaskGenerator:
+        """A generator for the request's settings, with the service's memory bounds."""
+        try:
+            settings = AutomaticMaskSettings(
+                **fields,  # type: ignore[arg-type]
+                max_masks=self.max_masks,
+                max_work_bytes=self.max_work_bytes,
+            )
+        except ValueError as exc:
+            raise ServiceError(422, "invalid_request", str(exc)) from None
+        return AutomaticMaskGenerator(self.model, settings)
+
+    def check_memory(self, generator: AutomaticMaskGenerator, size: tuple[int, int]) -> None:
+        """Refuse before running what could not fit (413), with what to lower."""
+        need = generator.estimate_peak_bytes(size)
+        if need > self.max_bytes:
+            raise ServiceError(
+                413,
+                "everything_too_large",
+                f"segment everything on a {size[1]}x{size[0]} image with these settings may "
+                f"need {need / GIB:.2f} GiB of device memory, over the limit of "
+                f"{self.max_bytes / GIB:.2f} GiB; lower points_per_side, points_per_batch or "
+                "crop_n_layers, or send a smaller image",
+            )
+
+    async def _step(self, fn: Callable[[], T], deadline: float | None) -> T:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ServiceError(504, "deadline_exceeded", "the request's deadline passed")
+        loop = asyncio.get_running_loop()
+
+        def run() -> T:
+            with torch.inference_mode():
+                return fn()
+
+        result = await loop.run_in_executor(self.worker, run)
+        self.steps_run += 1
+        return result
+
+    async def run(
+        self,
+        generator: AutomaticMaskGenerator,
+        entry: ImageEmbedding,
+        pixels: torch.Tensor | None,
+        deadline: float | None,
+    ) -> EverythingMasks:
+        """All steps for one image; `pixels` (uint8 [H, W, 3]) are needed for crop layers."""
+        size = entry.original_size
+        jobs = generator.plan(size)
+        if pixels is None and any(not job.is_full_image for job in jobs):
+            raise ServiceError(
+                422, "invalid_request", "crop_n_layers > 0 needs the image itself, not an image_id"
+            )
+        if self._slots.locked() and self._waiting >= self._max_waiting:
+            raise ServiceError(
+                429,
+                "queue_full",
+                f"{self._waiting} segment-everything requests are already waiting; retry shortly",
+                headers={"Retry-After": "2"},
+            )
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            return await self._run(generator, jobs, entry, pixels, deadline)
+        finally:
+            self._slots.release()
+
+    async def _run(
+        self,
+        generator: AutomaticMaskGenerator,
+        jobs: list[CropJob],
+        entry: ImageEmbedding,
+        pixels: torch.Tensor | None,
+        deadline: float | None,
+    ) -> EverythingMasks:
+        size = entry.original_size
+        device = generator.device
+        image = None
+        if pixels is not None and len(jobs) > 1:
+            image = await self._step(lambda: pixels.to(device, non_blocking=True), deadline)
+        per_crop: list[list[MaskCandidates]] = []
+        steps = 0
+        for job in jobs:
+            if job.is_full_image:
+                emb = generator.embedding_for(job, entry.embedding)
+            else:
+                assert image is not None
+                emb = await self._step(lambda j=job: generator.encode_crop(image, j), deadline)
+                steps += 1
+            chunks = []
+            for chunk in range(job.num_chunks):
+                chunks.append(
+                    await self._step(
+                        lambda j=job, e=emb, c=chunk: generator.decode_chunk(e, j, c),
+                        deadline,
+                    )
+                )
+                steps += 1
+            per_crop.append(chunks)
+
+        def finish() -> EverythingMasks:
+            out = generator.finish(per_crop, size)
+            return EverythingMasks(
+                masks=out.masks.cpu().numpy(),
+                scores=out.scores.float().cpu().numpy(),
+                stability=out.stability.float().cpu().numpy(),
+                point_coords=out.point_coords.float().cpu().numpy(),
+                crop_boxes=out.crop_boxes.cpu().numpy(),
+                steps=steps + 1,
+            )
+
+        return await self._step(finish, deadline)

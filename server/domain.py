@@ -38,6 +38,8 @@ class SegmentRequest:
     image: Image | None = None
     image_id: str | None = None
     deadline: float | None = None  # time.monotonic() instant
+    mask_input: str | None = None  # a low-res handle from an earlier response on this image
+    return_low_res: bool = False  # hand out handles for the returned masks
 
 
 @dataclass
@@ -46,6 +48,8 @@ class PromptMasks:
 
     masks: np.ndarray  # bool [K, H, W]
     scores: np.ndarray  # float32 [K]
+    low_res: torch.Tensor | None = None  # [K, m, m] logits on the device, when asked for
+    handles: list[str] | None = None  # their `mask_input` handles, set by the engine
 
 
 @dataclass

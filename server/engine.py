@@ -8,6 +8,7 @@ only on the worker thread, so the event loop never blocks and CUDA streams stay 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import time
@@ -15,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.sam import SAM_CONFIGS, load_sam
 from models.swin import IMAGENET_CLASSES, SWIN_CONFIGS, load_swin
 from server.batcher import Batcher, BatchObserver
-from server.cache import EmbeddingCache, ImageEmbedding
+from server.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
 from server.domain import (
     ClassifyResult,
     EmbedResult,
@@ -128,7 +130,13 @@ class Engine:
         self.options = optimize_options(settings, self.device)
         self.observer = observer or BatchObserver()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
-        self.cache = EmbeddingCache(settings.embedding_cache_bytes)
+        self.cache = EmbeddingCache(
+            settings.embedding_cache_bytes,
+            host_bytes=settings.embedding_cache_host_bytes,
+            device=self.device,
+            observer=observer if isinstance(observer, CacheObserver) else None,
+        )
+        self.low_res = LowResStore(settings.low_res_cache_bytes)
         self.sam: _SamParts | None = None
         self.swin: _SwinParts | None = None
         self.warmup_seconds: float | None = None
@@ -321,12 +329,27 @@ class Engine:
     async def segment(self, request: SegmentRequest) -> SegmentResult:
         sam = self._require_sam()
         started = time.perf_counter()
+        mask_input = None
+        if request.mask_input is not None:  # checked before any encoder work is spent
+            image_id = request.image.image_id if request.image else request.image_id
+            assert image_id is not None
+            mask_input = self.low_res.get(request.mask_input, image_id)
         entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
         encoded = time.perf_counter()
-        item = DecodeItem(entry, request.prompts, request.multimask)
+        item = DecodeItem(
+            entry, request.prompts, request.multimask, mask_input, request.return_low_res
+        )
         results = await sam.decoder.submit(
             item, cost=len(request.prompts), deadline=request.deadline
         )
+        for result in results:
+            if result.low_res is not None:
+                logits = result.low_res  # [K, m, m]
+                result.handles = [
+                    self.low_res.put(entry.image_id, logits[k : k + 1])
+                    for k in range(logits.shape[0])
+                ]
+                result.low_res = None
         done = time.perf_counter()
         return SegmentResult(
             image_id=entry.image_id,
@@ -336,6 +359,23 @@ class Engine:
             results=results,
             timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
         )
+
+    async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
+        """The cached embedding as a float16 `.npy` `[1, C, h, w]` (for browser decoders)."""
+        entry = self.cache.get(image_id)
+        if entry is None:
+            raise ServiceError(
+                404, "unknown_image_id", f"image_id {image_id} is not cached; embed it first"
+            )
+        loop = asyncio.get_running_loop()
+
+        def to_npy() -> bytes:
+            array = entry.embedding[None].to(torch.float16).cpu().numpy()
+            buf = io.BytesIO()
+            np.save(buf, array, allow_pickle=False)
+            return buf.getvalue()
+
+        return entry, await loop.run_in_executor(self.worker, to_npy)
 
     async def everything(
         self,

@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from server.batcher import BatchObserver
+from server.cache import CacheObserver
 from server.domain import ModelInfo
 
 LATENCY_BUCKETS = (
@@ -23,7 +24,7 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 
-class Metrics(BatchObserver):
+class Metrics(BatchObserver, CacheObserver):
     """Every metric family the service exports; also the batchers' observer."""
 
     def __init__(self) -> None:
@@ -76,9 +77,17 @@ class Metrics(BatchObserver):
             ["name", "weights", "precision", "device", "compile_mode"], registry=r,
         )  # fmt: skip
         self.cache_events = Counter(
-            "serve_embedding_cache_events", "Embedding cache hits, misses and evictions",
+            "serve_embedding_cache_events",
+            "Embedding cache hit, host_hit, miss, eviction, host_eviction",
             ["event"], registry=r,
         )  # fmt: skip
+        self.cache_bytes = Gauge(
+            "serve_embedding_cache_bytes", "Bytes of embeddings held, by tier", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.cache_entries = Gauge(
+            "serve_embedding_cache_entries", "Embeddings held, by tier", ["tier"], registry=r
+        )
         r.register(_TorchMemoryCollector())
 
     # -- BatchObserver ----------------------------------------------------------------
@@ -98,6 +107,15 @@ class Metrics(BatchObserver):
 
     def rejected(self, stage: str, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    # -- CacheObserver ----------------------------------------------------------------
+
+    def cache_event(self, event: str) -> None:
+        self.cache_events.labels(event).inc()
+
+    def cache_size(self, tier: str, entries: int, nbytes: int) -> None:
+        self.cache_entries.labels(tier).set(entries)
+        self.cache_bytes.labels(tier).set(nbytes)
 
     # -- engine ---------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import imaging
-from server.domain import Image, Prompt, SegmentRequest, SegmentResult
+from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError
 from server.everything import EverythingMasks
 from server.inputs import ParsedRequest, parse_image_request
@@ -30,6 +30,7 @@ from server.schemas import (
     SegmentFields,
     SegmentJSON,
     SegmentResponse,
+    is_image_id,
 )
 from server.state import ServeState, serve_state, watch_disconnect
 
@@ -114,6 +115,13 @@ def _prompts(fields: SegmentFields, state: ServeState) -> tuple[Prompt, ...]:
     )
 
 
+def _result_masks(result: PromptMasks, output: str) -> list[dict[str, Any]]:
+    objects = build_mask_objects(result.masks, result.scores, output)
+    for obj, handle in zip(objects, result.handles or [], strict=False):
+        obj["low_res_handle"] = handle
+    return objects
+
+
 def _segment_body(
     result: SegmentResult, output: str, model: dict[str, str], timing: dict[str, float]
 ) -> dict[str, Any]:
@@ -121,9 +129,7 @@ def _segment_body(
         "image_id": result.image_id,
         "width": result.width,
         "height": result.height,
-        "results": [
-            {"masks": build_mask_objects(r.masks, r.scores, output)} for r in result.results
-        ],
+        "results": [{"masks": _result_masks(r, output)} for r in result.results],
         "model": model,
         "timing_ms": timing,
     }
@@ -154,6 +160,8 @@ async def segment(request: Request) -> Response:
         image=image,
         image_id=parsed.image_id,
         deadline=deadline,
+        mask_input=fields.mask_input,
+        return_low_res=fields.return_low_res_logits,
     )
     result = await watch_disconnect(request.receive, engine.segment(seg))
     computed_at = time.perf_counter()
@@ -249,6 +257,29 @@ async def embed(request: Request) -> Response:
         {"image_id": result.image_id, "width": result.width, "height": result.height,
          "cached": result.cached, "timing_ms": result.timing_ms}
     )  # fmt: skip
+
+
+@router.get(
+    "/v1/embeddings/{image_id}",
+    responses={404: {"model": ErrorResponse}, 200: {"content": {"application/octet-stream": {}}}},
+)
+async def get_embedding(request: Request, image_id: str) -> Response:
+    """The cached image embedding as a float16 `.npy` `[1, 256, 64, 64]`, for decoders that
+    run in the browser (SAM's ONNX decoder takes it with the sizes in the headers)."""
+    state = _state(request)
+    engine = state.require_engine()
+    if not is_image_id(image_id):
+        raise ServiceError(422, "invalid_request", "image_id must be 64 lowercase hex digits")
+    entry, data = await engine.embedding_npy(image_id)
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={
+            "Content-Disposition": f'attachment; filename="{image_id}.npy"',
+            "X-Original-Size": f"{entry.original_size[0]},{entry.original_size[1]}",
+            "X-Input-Size": f"{entry.input_size[0]},{entry.input_size[1]}",
+        },
+    )
 
 
 @router.post(

@@ -45,6 +45,12 @@ class SegmentFields(_Strict):
     boxes: list[Box] | None = Field(None, description="several boxes: one result each")
     multimask_output: bool = False
     output: Literal["rle", "png", "polygons"] = "rle"
+    return_low_res_logits: bool = Field(
+        False, description="give each mask a low_res_handle, to send back as mask_input"
+    )
+    mask_input: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = Field(
+        None, description="a low_res_handle from an earlier response on the same image"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> SegmentFields:
@@ -62,8 +68,10 @@ class SegmentFields(_Strict):
         for box in [self.box] if self.box is not None else self.boxes or []:
             if box[2] < box[0] or box[3] < box[1]:
                 raise ValueError(f"box {list(box)} has x1 < x0 or y1 < y0")
-        if not coords and self.box is None and not self.boxes:
-            raise ValueError("give at least one prompt: point_coords/point_labels, box or boxes")
+        if not coords and self.box is None and not self.boxes and self.mask_input is None:
+            raise ValueError(
+                "give at least one prompt: point_coords/point_labels, box, boxes or mask_input"
+            )
         return self
 
 

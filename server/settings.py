@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0.0)
     warmup: bool = True
     embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)
+    embedding_cache_host_bytes: int = Field(0, ge=0)  # second tier in pinned host memory
+    low_res_cache_bytes: int = Field(256 * 1024**2, ge=0)  # mask_input handles
 
     # Segment everything: bounds on memory and on concurrent jobs.
     everything_max_bytes: int = Field(4 * 1024**3, ge=1)  # estimated device peak per request

@@ -55,6 +55,8 @@ class DecodeItem:
     embedding: ImageEmbedding
     prompts: tuple[Prompt, ...]
     multimask: bool
+    mask_input: torch.Tensor | None = None  # [1, m, m] low-res logits, for every prompt
+    return_low_res: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ class SamStages:
             for k, item in enumerate(items)
         ]
 
-    def _prompt_set(self, prompt: Prompt, entry: ImageEmbedding) -> PromptSet:
+    def _prompt_set(
+        self, prompt: Prompt, entry: ImageEmbedding, mask_input: torch.Tensor | None
+    ) -> PromptSet:
         """Clip pixel coordinates to the image, then scale them to the model input frame."""
         height, width = entry.original_size
         limit = torch.tensor([width, height], dtype=torch.float32)
@@ -123,7 +127,7 @@ class SamStages:
             points=sam_tf.scale_coords(points, entry.original_size, self.config),
             labels=torch.tensor(prompt.labels, dtype=torch.int64),
             box=box,
-            mask_input=None,
+            mask_input=mask_input,
         )
 
     @torch.inference_mode()
@@ -138,7 +142,7 @@ class SamStages:
                 slot[entry.image_id] = len(embeddings)
                 embeddings.append(entry.embedding)
             for prompt in item.prompts:
-                sets.append(self._prompt_set(prompt, entry))
+                sets.append(self._prompt_set(prompt, entry, item.mask_input))
                 image_index.append(slot[entry.image_id])
         prompts = pack_prompts(sets, image_index, self.device)
         # low_res: [P, 4, 4h, 4w]; iou: [P, 4]
@@ -150,6 +154,7 @@ class SamStages:
     ) -> list[list[PromptMasks]]:
         flat_masks: list[torch.Tensor] = []
         shapes: list[tuple[int, ...]] = []
+        low_res_kept: list[torch.Tensor | None] = []
         start = 0
         for item in items:
             stop = start + len(item.prompts)
@@ -167,13 +172,18 @@ class SamStages:
             )
             flat_masks.append(masks.reshape(-1))
             shapes.append(tuple(masks.shape))
+            kept = None
+            if item.return_low_res:  # [prompts, K, m, m], in the order the masks are returned
+                chosen_low = low_res[start:stop, chosen]
+                kept = torch.take_along_dim(chosen_low, order[:, :, None, None], dim=1).clone()
+            low_res_kept.append(kept)
             start = stop
         # One device-to-host copy for the whole batch (one sync), then views per request.
         host_masks = torch.cat(flat_masks).cpu().numpy()
         host_iou = iou.cpu().numpy()
         results: list[list[PromptMasks]] = []
         offset = start = 0
-        for item, shape in zip(items, shapes, strict=True):
+        for item, shape, kept in zip(items, shapes, low_res_kept, strict=True):
             size = int(np.prod(shape))
             masks_np = host_masks[offset : offset + size].reshape(shape)
             offset += size
@@ -183,7 +193,14 @@ class SamStages:
             order = np.argsort(-scores, axis=1, kind="stable")
             sorted_scores = np.take_along_axis(scores, order, axis=1)
             results.append(
-                [PromptMasks(masks=masks_np[p], scores=sorted_scores[p]) for p in range(shape[0])]
+                [
+                    PromptMasks(
+                        masks=masks_np[p],
+                        scores=sorted_scores[p],
+                        low_res=None if kept is None else kept[p],
+                    )
+                    for p in range(shape[0])
+                ]
             )
         return results
 

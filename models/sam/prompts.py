@@ -141,13 +141,14 @@ def _pack_masks(sets: Sequence[PromptSet]) -> tuple[Tensor | None, Tensor | None
     if not given:
         return None, None
     shape = tuple(given[0].shape[-2:])
-    masks = torch.zeros(len(sets), 1, *shape)
+    # built where the given masks live: a mask kept on the device never makes a round trip
+    masks = torch.zeros(len(sets), 1, *shape, device=given[0].device)
     has_mask = torch.zeros(len(sets), dtype=torch.bool)
     for p, s in enumerate(sets):
         if s.mask_input is None:
             continue
         if tuple(s.mask_input.shape[-2:]) != shape or s.mask_input.numel() != masks[p].numel():
             raise ValueError(f"mask inputs must all be [1, {shape[0]}, {shape[1]}]")
-        masks[p] = s.mask_input.reshape(1, *shape).float()
+        masks[p] = s.mask_input.reshape(1, *shape).to(masks.device).float()
         has_mask[p] = True
     return masks, has_mask

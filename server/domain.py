@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from server.rle import MaskRuns
+
 
 @dataclass(frozen=True)
 class Image:
@@ -40,14 +42,16 @@ class SegmentRequest:
     deadline: float | None = None  # time.monotonic() instant
     mask_input: str | None = None  # a low-res handle from an earlier response on this image
     return_low_res: bool = False  # hand out handles for the returned masks
+    output: str = "rle"  # rle, png or polygons
 
 
 @dataclass
 class PromptMasks:
     """The masks for one prompt, best score first."""
 
-    masks: np.ndarray  # bool [K, H, W]
+    masks: np.ndarray | None  # bool [K, H, W], unless the runs below stand for them
     scores: np.ndarray  # float32 [K]
+    runs: MaskRuns | None = None  # COCO runs made on the device (RLE output on CUDA)
     low_res: torch.Tensor | None = None  # [K, m, m] logits on the device, when asked for
     handles: list[str] | None = None  # their `mask_input` handles, set by the engine
 

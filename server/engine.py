@@ -128,6 +128,11 @@ class Engine:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.options = optimize_options(settings, self.device)
+        # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
+        # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
+        self.rle_on_device = settings.mask_rle == "device" or (
+            settings.mask_rle == "auto" and self.device.type == "cuda"
+        )
         self.observer = observer or BatchObserver()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
         self.cache = EmbeddingCache(
@@ -196,7 +201,9 @@ class Engine:
             )
         encoder_buckets = s.buckets_up_to(s.max_batch_size)
         decoder_buckets = s.buckets_up_to(s.decoder_max_batch_prompts)
-        stages = SamStages(model, config, self.device, opts, encoder_buckets, decoder_buckets)
+        stages = SamStages(
+            model, config, self.device, opts, encoder_buckets, decoder_buckets, self.rle_on_device
+        )
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         args = self._batcher_args()
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
@@ -219,6 +226,7 @@ class Engine:
             max_waiting=s.everything_max_waiting,
             max_masks=s.everything_max_masks,
             max_work_bytes=s.everything_work_bytes,
+            rle_on_device=self.rle_on_device,
         )
         return _SamParts(stages, info, encoder, decoder, everything)
 
@@ -337,7 +345,12 @@ class Engine:
         entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
         encoded = time.perf_counter()
         item = DecodeItem(
-            entry, request.prompts, request.multimask, mask_input, request.return_low_res
+            entry,
+            request.prompts,
+            request.multimask,
+            mask_input,
+            request.return_low_res,
+            request.output,
         )
         results = await sam.decoder.submit(
             item, cost=len(request.prompts), deadline=request.deadline
@@ -382,6 +395,7 @@ class Engine:
         image: Image | None,
         image_id: str | None,
         fields: dict[str, float | int],
+        output: str = "rle",
         deadline: float | None = None,
     ) -> tuple[ImageEmbedding, EverythingMasks, dict[str, float]]:
         """Every object in the image: SAM's automatic mask generation on the worker."""
@@ -395,7 +409,7 @@ class Engine:
         encoded = time.perf_counter()
         sam.everything.check_memory(generator, entry.original_size)
         pixels = image.pixels if image is not None else None
-        masks = await sam.everything.run(generator, entry, pixels, deadline)
+        masks = await sam.everything.run(generator, entry, pixels, output, deadline)
         timing = {"encode": _ms(encoded - started), "generate": _ms(time.perf_counter() - encoded)}
         return entry, masks, timing
 

@@ -29,6 +29,7 @@ from models.sam.automatic import (
 )
 from server.cache import ImageEmbedding
 from server.errors import ServiceError
+from server.rle import MaskRuns, mask_runs
 
 T = TypeVar("T")
 
@@ -39,7 +40,8 @@ GIB = 2**30
 class EverythingMasks:
     """Host copies of the final masks, best predicted IoU first."""
 
-    masks: np.ndarray  # bool [N, H, W]
+    masks: np.ndarray | None  # bool [N, H, W], unless `runs` stand for them
+    runs: MaskRuns | None  # COCO runs made on the device (RLE output with rle_on_device)
     scores: np.ndarray  # float32 [N] predicted IoU
     stability: np.ndarray  # float32 [N]
     point_coords: np.ndarray  # float32 [N, 2], the prompt that made each mask
@@ -60,12 +62,14 @@ class EverythingRunner:
         max_waiting: int,
         max_masks: int,
         max_work_bytes: int,
+        rle_on_device: bool = False,
     ) -> None:
         self.model = model
         self.worker = worker
         self.max_bytes = max_bytes
         self.max_masks = max_masks
         self.max_work_bytes = max_work_bytes
+        self.rle_on_device = rle_on_device
         self._slots = asyncio.Semaphore(max_concurrent)
         self._max_waiting = max_waiting
         self._waiting = 0
@@ -114,6 +118,7 @@ class EverythingRunner:
         generator: AutomaticMaskGenerator,
         entry: ImageEmbedding,
         pixels: torch.Tensor | None,
+        output: str,
         deadline: float | None,
     ) -> EverythingMasks:
         """All steps for one image; `pixels` (uint8 [H, W, 3]) are needed for crop layers."""
@@ -136,7 +141,7 @@ class EverythingRunner:
         finally:
             self._waiting -= 1
         try:
-            return await self._run(generator, jobs, entry, pixels, deadline)
+            return await self._run(generator, jobs, entry, pixels, output, deadline)
         finally:
             self._slots.release()
 
@@ -146,6 +151,7 @@ class EverythingRunner:
         jobs: list[CropJob],
         entry: ImageEmbedding,
         pixels: torch.Tensor | None,
+        output: str,
         deadline: float | None,
     ) -> EverythingMasks:
         size = entry.original_size
@@ -175,8 +181,10 @@ class EverythingRunner:
 
         def finish() -> EverythingMasks:
             out = generator.finish(per_crop, size)
+            device_rle = self.rle_on_device and output == "rle"
             return EverythingMasks(
-                masks=out.masks.cpu().numpy(),
+                masks=None if device_rle else out.masks.cpu().numpy(),
+                runs=mask_runs([out.masks])[0] if device_rle else None,
                 scores=out.scores.float().cpu().numpy(),
                 stability=out.stability.float().cpu().numpy(),
                 point_coords=out.point_coords.float().cpu().numpy(),

@@ -16,6 +16,8 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+from server.rle import MaskRuns, counts_string
+
 __all__ = ["build_mask_objects", "encode_rle", "mask_polygons"]
 
 
@@ -105,8 +107,27 @@ def _simplify(loop: list[tuple[int, int]]) -> list[float]:
     return [float(v) for p in kept for v in p]
 
 
-def build_mask_objects(masks: np.ndarray, scores: np.ndarray, output: str) -> list[dict[str, Any]]:
-    """bool masks `[K, H, W]` and scores `[K]` -> the `masks` list of one result."""
+def build_mask_objects(
+    scores: np.ndarray,
+    output: str,
+    masks: np.ndarray | None = None,
+    runs: MaskRuns | None = None,
+) -> list[dict[str, Any]]:
+    """Scores `[K]` and either bool masks `[K, H, W]` or their device-made runs -> the
+    `masks` list of one result. Runs serve `rle` without touching a full mask on the host."""
+    if runs is not None and output == "rle":
+        size = [runs.size[0], runs.size[1]]
+        return [
+            {
+                "segmentation": {"size": size, "counts": counts_string(runs.counts[k])},
+                "score": float(scores[k]),
+                "area": int(runs.areas[k]),
+                "bbox": [float(v) for v in runs.boxes[k]],
+            }
+            for k in range(len(runs))
+        ]
+    if masks is None:
+        raise ValueError(f"output {output!r} needs the masks themselves")
     rles = encode_rle(masks)
     areas = mask_utils.area(rles) if rles else []
     boxes = mask_utils.toBbox(rles) if rles else []

@@ -116,7 +116,7 @@ def _prompts(fields: SegmentFields, state: ServeState) -> tuple[Prompt, ...]:
 
 
 def _result_masks(result: PromptMasks, output: str) -> list[dict[str, Any]]:
-    objects = build_mask_objects(result.masks, result.scores, output)
+    objects = build_mask_objects(result.scores, output, masks=result.masks, runs=result.runs)
     for obj, handle in zip(objects, result.handles or [], strict=False):
         obj["low_res_handle"] = handle
     return objects
@@ -162,6 +162,7 @@ async def segment(request: Request) -> Response:
         deadline=deadline,
         mask_input=fields.mask_input,
         return_low_res=fields.return_low_res_logits,
+        output=fields.output,
     )
     result = await watch_disconnect(request.receive, engine.segment(seg))
     computed_at = time.perf_counter()
@@ -178,7 +179,7 @@ async def segment(request: Request) -> Response:
 
 
 def _everything_body(masks: EverythingMasks, output: str) -> list[dict[str, Any]]:
-    objects = build_mask_objects(masks.masks, masks.scores, output)
+    objects = build_mask_objects(masks.scores, output, masks=masks.masks, runs=masks.runs)
     for k, obj in enumerate(objects):
         obj["stability_score"] = float(masks.stability[k])
         obj["point_coords"] = [float(v) for v in masks.point_coords[k]]
@@ -204,7 +205,9 @@ async def segment_everything(request: Request) -> Response:
     fields = parsed.fields
     image = await _load_image(state, parsed)
     parsed_at = time.perf_counter()
-    work = engine.everything(image, parsed.image_id, fields.generator_fields(), deadline)
+    work = engine.everything(
+        image, parsed.image_id, fields.generator_fields(), fields.output, deadline
+    )
     entry, masks, timing = await watch_disconnect(request.receive, work)
     computed_at = time.perf_counter()
     objects = await state.in_thread(_everything_body, masks, fields.output)

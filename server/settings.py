@@ -72,6 +72,7 @@ class Settings(BaseSettings):
 
     # Process.
     decode_threads: int = Field(4, ge=1)
+    mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
     # Python's GIL hand-over interval. The GPU worker thread needs the GIL for a moment
     # between kernel launches; with busy decode threads a shorter interval gets it back
     # sooner (Python's default is 5 ms). None keeps Python's default.

@@ -24,6 +24,7 @@ from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
 from server.cache import ImageEmbedding
 from server.domain import Prompt, PromptMasks
+from server.rle import mask_runs
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class DecodeItem:
     multimask: bool
     mask_input: torch.Tensor | None = None  # [1, m, m] low-res logits, for every prompt
     return_low_res: bool = False
+    output: str = "rle"  # rle, png or polygons: rle can be made on the device
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ class SamStages:
         options: OptimizeOptions,
         encoder_buckets: Sequence[int],
         decoder_buckets: Sequence[int],
+        rle_on_device: bool = False,
     ) -> None:
         self.model = model
+        self.rle_on_device = rle_on_device
         self.config = config
         self.device = device
         self.dtype = options.dtype
@@ -152,7 +156,13 @@ class SamStages:
     def _postprocess(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
     ) -> list[list[PromptMasks]]:
-        flat_masks: list[torch.Tensor] = []
+        """Masks at each image's size, sorted by score, handed back in one transfer.
+
+        With `rle_on_device`, masks wanted as RLE never cross in full: their runs are found
+        on the device (`server.rle`); other outputs (png, polygons) copy the masks back.
+        """
+        on_device: list[torch.Tensor] = []  # [prompts * K, H, W] per item that gets runs
+        flat_masks: list[torch.Tensor] = []  # flattened masks of the other items
         shapes: list[tuple[int, ...]] = []
         low_res_kept: list[torch.Tensor | None] = []
         start = 0
@@ -170,36 +180,47 @@ class SamStages:
             masks = torch.take_along_dim(
                 logits.gt(self.config.mask_threshold), order[:, :, None, None], dim=1
             )
-            flat_masks.append(masks.reshape(-1))
             shapes.append(tuple(masks.shape))
+            if self.rle_on_device and item.output == "rle":
+                on_device.append(masks.flatten(0, 1))
+            else:
+                flat_masks.append(masks.reshape(-1))
             kept = None
             if item.return_low_res:  # [prompts, K, m, m], in the order the masks are returned
                 chosen_low = low_res[start:stop, chosen]
                 kept = torch.take_along_dim(chosen_low, order[:, :, None, None], dim=1).clone()
             low_res_kept.append(kept)
             start = stop
-        # One device-to-host copy for the whole batch (one sync), then views per request.
-        host_masks = torch.cat(flat_masks).cpu().numpy()
+        runs = iter(mask_runs(on_device))
+        host_masks = torch.cat(flat_masks).cpu().numpy() if flat_masks else None
         host_iou = iou.cpu().numpy()
         results: list[list[PromptMasks]] = []
         offset = start = 0
         for item, shape, kept in zip(items, shapes, low_res_kept, strict=True):
-            size = int(np.prod(shape))
-            masks_np = host_masks[offset : offset + size].reshape(shape)
-            offset += size
+            prompts, k = shape[0], shape[1]
             chosen = slice(1, None) if item.multimask else slice(0, 1)
-            scores = host_iou[start : start + shape[0], chosen]
-            start += shape[0]
+            scores = host_iou[start : start + prompts, chosen]
+            start += prompts
             order = np.argsort(-scores, axis=1, kind="stable")
             sorted_scores = np.take_along_axis(scores, order, axis=1)
+            item_runs = None
+            item_masks = None
+            if self.rle_on_device and item.output == "rle":
+                item_runs = next(runs)
+            else:
+                assert host_masks is not None
+                size = int(np.prod(shape))
+                item_masks = host_masks[offset : offset + size].reshape(shape)
+                offset += size
             results.append(
                 [
                     PromptMasks(
-                        masks=masks_np[p],
+                        masks=None if item_masks is None else item_masks[p],
+                        runs=None if item_runs is None else item_runs.select(p * k, p * k + k),
                         scores=sorted_scores[p],
                         low_res=None if kept is None else kept[p],
                     )
-                    for p in range(shape[0])
+                    for p in range(prompts)
                 ]
             )
         return results

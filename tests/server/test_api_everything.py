@@ -107,10 +107,10 @@ def test_interactive_requests_interleave_with_a_long_job(make_server, jpeg_bytes
     """A click answered while a many-step segment-everything job is still running."""
     import httpx
 
-    server = make_server(enable_swin=False)
+    server = make_server(enable_swin=False, request_timeout_s=600)
     with httpx.Client(base_url=server.url, timeout=120) as c:
         image_id = c.post("/v1/embed", json={"image": b64(jpeg_bytes)}).json()["image_id"]
-        long_job = {"image_id": image_id, **OPEN, "points_per_side": 48, "points_per_batch": 4}
+        long_job = {"image_id": image_id, **OPEN, "points_per_side": 16, "points_per_batch": 2}
         finished: dict[str, float] = {}
 
         def run_everything() -> None:
@@ -120,7 +120,7 @@ def test_interactive_requests_interleave_with_a_long_job(make_server, jpeg_bytes
 
         worker = threading.Thread(target=run_everything)
         worker.start()
-        time.sleep(0.3)  # the job is under way: 576 points in chunks of 4
+        time.sleep(0.3)  # the job is under way: 256 points in 128 chunks of 2
         click = {"image_id": image_id, "point_coords": [[100, 80]], "point_labels": [1]}
         r = c.post("/v1/segment", json=click)
         finished["click"] = time.monotonic()

@@ -1,20 +1,53 @@
-"""`python -m server --host H --port P`: the launcher owns uvicorn and the exit status."""
+"""`python -m server --host H --port P`: the launcher owns uvicorn, signals and the exit status.
+
+SIGTERM (Kubernetes stopping the pod) drains before uvicorn stops listening: readiness
+turns 503 at once and new requests get 503, while every request already accepted runs to
+completion (bounded by `SERVE_DRAIN_TIMEOUT_S`); then uvicorn shuts down and the process
+exits 0. A second SIGTERM, or SIGINT, stops at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
-from server.app import build_app
+from server.app import build_app, drain
 from server.logs import configure_logging
 from server.settings import Settings
-from server.state import serve_state
+from server.state import ServeState, serve_state
 
 log = logging.getLogger("server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains the service before the server stops."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._drain is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        log.info("SIGTERM: draining (readiness off, new requests 503)")
+        self.state.begin_drain()  # takes effect before the next request is read
+        loop = asyncio.get_running_loop()  # signal handlers run on the loop's thread
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await drain(self.state, self.state.settings.drain_timeout_s)
+        self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state)
 
     def stop() -> None:
         server.should_exit = True
 
     state.on_fatal = stop
-    # uvicorn drains on SIGTERM, restores the handler it found, then raises the signal
-    # again; with this no-op handler found, a clean drain ends in exit status 0.
+    # After a second signal uvicorn restores the handler it found and raises the signal
+    # again once it has shut down; with this no-op handler found, that ends in status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     if state.failure is not None:

@@ -31,7 +31,14 @@ from server.state import ServeState, serve_state
 
 log = logging.getLogger(__name__)
 
-_REASONS = {401: "unauthorized", 429: "queue_full", 503: "not_ready", 504: "deadline"}
+_REASONS = {
+    401: "unauthorized",
+    429: "queue_full",
+    499: "cancelled",
+    503: "not_ready",
+    504: "deadline",
+    507: "out_of_memory",
+}
 
 
 async def start_engine(state: ServeState) -> None:
@@ -58,28 +65,53 @@ async def start_engine(state: ServeState) -> None:
 
 
 async def drain(state: ServeState, timeout_s: float) -> None:
-    """Refuse new work, then wait (bounded) for accepted requests to finish."""
-    state.draining = True
-    state.metrics.ready.set(0)
+    """Refuse new work (503, readiness off), then wait, bounded, for accepted requests."""
+    state.begin_drain()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = state.metrics.in_flight._value.get() > 0
-        if not busy and (state.engine is None or state.engine.idle):
+        if state.in_flight == 0 and (state.engine is None or state.engine.idle):
+            log.info("drained: no request in flight")
             return
         await asyncio.sleep(0.02)
-    log.warning("drain timed out after %.1fs with requests still in flight", timeout_s)
+    log.warning("drain timed out after %.1fs with %d requests in flight", timeout_s,
+                state.in_flight)  # fmt: skip
+
+
+async def watchdog(state: ServeState, timeout_s: float) -> None:
+    """Mark the service unhealthy while a batch has computed for longer than `timeout_s`.
+
+    A hung GPU call (a driver fault, a deadlock) never returns; requests behind it fail at
+    their deadlines, and /healthz turning 503 lets Kubernetes restart the pod.
+    """
+    period = min(1.0, timeout_s / 4)
+    while True:
+        await asyncio.sleep(period)
+        engine = state.engine
+        if engine is None:
+            continue
+        stuck = []
+        for batcher in engine.batchers():
+            over = batcher.busy_for() > timeout_s
+            state.metrics.worker_stuck.labels(batcher.stage).set(int(over))
+            if over:
+                stuck.append(f"{batcher.stage} ({batcher.busy_for():.0f}s)")
+        if stuck and not state.stuck:
+            log.error("worker stuck: %s has computed one batch for over %.0fs", stuck, timeout_s)
+        state.stuck = ", ".join(stuck) or None
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = serve_state(app.state)
     task = asyncio.create_task(start_engine(state), name="start-engine")
+    guard = asyncio.create_task(watchdog(state, state.settings.watchdog_timeout_s), name="watchdog")
     try:
         yield
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for background in (task, guard):
+            if not background.done():
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
         await drain(state, state.settings.drain_timeout_s)
         if state.engine is not None:
             await state.engine.close()
@@ -159,5 +191,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
     leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + /docs
-    app.add_middleware(ObserveMiddleware, metrics=metrics, routes=leaf_routes)
+    app.add_middleware(
+        ObserveMiddleware, metrics=metrics, routes=leaf_routes, counter=app.state.serve
+    )
     return app

@@ -18,6 +18,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import torch
+
 from server.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ class BatchObserver:
 
     def rejected(self, stage: str, reason: str) -> None:
         """Called when an item is refused or dropped (queue_full, deadline, cancelled)."""
+
+    def out_of_memory(self, stage: str, size: int) -> None:
+        """Called when a batch of `size` items ran out of device memory (then split)."""
 
 
 @dataclass(eq=False)
@@ -81,6 +86,7 @@ class Batcher(Generic[Item, Result]):
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._busy = False
+        self._busy_since: float | None = None
         self.batches_run = 0
         self.items_run = 0
         self.largest_batch = 0
@@ -89,6 +95,12 @@ class Batcher(Generic[Item, Result]):
     def depth(self) -> int:
         """Items waiting (not counting the batch being computed)."""
         return len(self._queue)
+
+    def busy_for(self) -> float:
+        """Seconds the running batch has been computing (0 when none runs): the watchdog's
+        measure of a stuck worker."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def idle(self) -> bool:
@@ -164,6 +176,34 @@ class Batcher(Generic[Item, Result]):
         except asyncio.CancelledError:
             self._abandon(entry, "cancelled")
             raise
+
+    def _run_splitting(self, items: list[Item]) -> Sequence[Result | BaseException]:
+        """Run a batch on the worker; on out-of-memory, halve it and run the halves.
+
+        A request that cannot run even alone fails by itself with 507; the others of its
+        batch still get their answers, and the freed memory goes back to the allocator.
+        """
+        try:
+            return self._run_batch(items)
+        except Exception as exc:
+            if not _is_out_of_memory(exc):
+                raise
+            self._observer.out_of_memory(self.stage, len(items))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if len(items) == 1:
+                log.warning("%s: one request does not fit in device memory", self.stage)
+                return [
+                    ServiceError(
+                        507,
+                        "out_of_memory",
+                        f"the {self.stage} stage ran out of device memory on this request "
+                        "alone; send a smaller image or fewer prompts",
+                    )
+                ]
+            half = len(items) // 2
+            log.warning("%s: batch of %d ran out of memory; splitting", self.stage, len(items))
+            return [*self._run_splitting(items[:half]), *self._run_splitting(items[half:])]
 
     def _abandon(self, entry: _Entry[Item, Result], reason: str) -> None:
         """Drop an item whose caller stopped waiting; a running one finishes unobserved."""
@@ -242,11 +282,12 @@ class Batcher(Generic[Item, Result]):
             self.stage, len(batch), sum(e.cost for e in batch), [now - e.enqueued for e in batch]
         )
         self._busy = True
+        self._busy_since = time.monotonic()
         started = time.perf_counter()
         failed = False
         try:
             results = await loop.run_in_executor(
-                self._executor, self._run_batch, [e.item for e in batch]
+                self._executor, self._run_splitting, [e.item for e in batch]
             )
             if len(results) != len(batch):
                 raise RuntimeError(
@@ -259,6 +300,7 @@ class Batcher(Generic[Item, Result]):
             results = [error] * len(batch)
         finally:
             self._busy = False
+            self._busy_since = None
         self.batches_run += 1
         self.items_run += len(batch)
         self.largest_batch = max(self.largest_batch, len(batch))
@@ -270,6 +312,10 @@ class Batcher(Generic[Item, Result]):
                 entry.future.set_exception(result)
             else:
                 entry.future.set_result(result)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError)
 
 
 def _internal(stage: str, exc: BaseException) -> ServiceError:

@@ -12,9 +12,11 @@ import io
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from server.domain import (
 )
 from server.errors import ServiceError
 from server.everything import EverythingMasks, EverythingRunner
+from server.faults import Faults
 from server.settings import Settings
 from server.stages import (
     ClassifyItem,
@@ -162,6 +165,18 @@ class Engine:
         if s.enable_swin:
             self.swin = self._load_swin()
 
+    def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """The stage's batch function, with injected faults when a test asked for them."""
+        s = self.settings
+        faults = Faults(
+            oom_min_batch=s.fault_oom_min_batch,
+            oom_stage=s.fault_oom_stage,
+            hang_stage=s.fault_hang_stage,
+            hang_s=s.fault_hang_s,
+            raise_stage=s.fault_raise_stage,
+        )
+        return faults.wrap(stage, fn)
+
     def _batcher_args(self) -> dict[str, object]:
         s = self.settings
         return {
@@ -208,13 +223,13 @@ class Engine:
         args = self._batcher_args()
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
             "sam_encoder",
-            stages.encode,
+            self._stage_fn("sam_encoder", stages.encode),
             max_batch_cost=s.max_batch_size,
             **args,  # type: ignore[arg-type]
         )
         decoder: Batcher[DecodeItem, list[PromptMasks]] = Batcher(
             "sam_decoder",
-            stages.decode,
+            self._stage_fn("sam_decoder", stages.decode),
             max_batch_cost=s.decoder_max_batch_prompts,
             **args,  # type: ignore[arg-type]
         )
@@ -251,7 +266,7 @@ class Engine:
         info = self._info(s.swin_model, s.swin_checkpoint, buckets)
         batcher: Batcher[ClassifyItem, TopK] = Batcher(
             "swin",
-            stage.classify,
+            self._stage_fn("swin", stage.classify),
             max_batch_cost=s.max_batch_size,
             **self._batcher_args(),  # type: ignore[arg-type]
         )

@@ -56,6 +56,18 @@ class Metrics(BatchObserver, CacheObserver):
         self.batch_failures = Counter(
             "serve_batch_failures", "Batches that raised", ["stage"], registry=r
         )
+        self.batch_drops = Counter(
+            "serve_batch_drops", "Items refused or dropped by a stage's queue",
+            ["stage", "reason"], registry=r,
+        )  # fmt: skip
+        self.oom_events = Counter(
+            "serve_oom_events", "Batches that ran out of device memory (then split)",
+            ["stage"], registry=r,
+        )  # fmt: skip
+        self.worker_stuck = Gauge(
+            "serve_worker_stuck", "1 while a stage's batch has run past the watchdog timeout",
+            ["stage"], registry=r,
+        )  # fmt: skip
         self.queue_depth_gauge = Gauge(
             "serve_queue_depth", "Items waiting in a stage's queue", ["stage"], registry=r
         )
@@ -106,7 +118,11 @@ class Metrics(BatchObserver, CacheObserver):
             self.batch_failures.labels(stage).inc()
 
     def rejected(self, stage: str, reason: str) -> None:
-        self.rejections.labels(reason).inc()
+        # per stage; requests are counted once, by the HTTP layer, in serve_rejections
+        self.batch_drops.labels(stage, reason).inc()
+
+    def out_of_memory(self, stage: str, size: int) -> None:
+        self.oom_events.labels(stage).inc()
 
     # -- CacheObserver ----------------------------------------------------------------
 
@@ -152,3 +168,34 @@ class _TorchMemoryCollector(Collector):
             families["reserved"].add_metric(label, torch.cuda.memory_reserved(index))
             families["peak"].add_metric(label, torch.cuda.max_memory_allocated(index))
         yield from families.values()
+        yield from _nvml_families()
+
+
+def _nvml_families() -> Iterator[GaugeMetricFamily]:
+    """Device memory as the driver sees it (all processes), when nvidia-ml-py is installed."""
+    try:
+        import pynvml  # nvidia-ml-py: optional, present in CUDA images
+    except ImportError:
+        return
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return
+    used = GaugeMetricFamily(
+        "serve_gpu_device_used_bytes", "Device memory in use (NVML, all processes)",
+        labels=["device"],
+    )  # fmt: skip
+    total = GaugeMetricFamily(
+        "serve_gpu_device_total_bytes", "Device memory (NVML)", labels=["device"]
+    )
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            used.add_metric([str(index)], float(info.used))
+            total.add_metric([str(index)], float(info.total))
+    except pynvml.NVMLError:
+        return
+    finally:
+        pynvml.nvmlShutdown()
+    yield used
+    yield total

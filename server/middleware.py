@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.routing import Match
 
@@ -49,11 +49,18 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+class InFlight(Protocol):
+    in_flight: int
+
+
 class ObserveMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[Any]) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, routes: list[Any], counter: InFlight
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes
+        self.counter = counter  # the drain waits for its in_flight to reach 0
 
     def _route(self, scope: Scope) -> str:
         """The route template (`/v1/segment`), so metric labels stay few whatever the path.
@@ -87,9 +94,11 @@ class ObserveMiddleware:
             await send(message)
 
         self.metrics.in_flight.inc()
+        self.counter.in_flight += 1
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            self.counter.in_flight -= 1
             self.metrics.in_flight.dec()
             seconds = time.perf_counter() - started
             labels = (route, scope["method"], str(status))
@@ -104,8 +113,15 @@ class ObserveMiddleware:
                     "route": route,
                     "status": status,
                     "duration_ms": round(seconds * 1000, 3),
+                    **_phases(scope),
                 },
             )
+
+
+def _phases(scope: Scope) -> dict[str, Any]:
+    """The route's own timings (`request.state.timing_ms`), for the access log line."""
+    timing = scope.get("state", {}).get("timing_ms")
+    return {"timing_ms": timing} if timing else {}
 
 
 class BodyLimitMiddleware:

@@ -92,6 +92,17 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
     return image
 
 
+_PHASES = ("encode", "decode", "generate", "classify")
+
+
+def _record_timing(request: Request, state: ServeState, timing: dict[str, float]) -> None:
+    """Model phases into the phase histogram; all timings into the request's log line."""
+    for phase in _PHASES:
+        if phase in timing:
+            state.metrics.phase_seconds.labels(phase).observe(timing[phase] / 1000.0)
+    request.state.timing_ms = timing
+
+
 def _prompts(fields: SegmentFields, state: ServeState) -> tuple[Prompt, ...]:
     s = state.settings
     coords = [tuple(p) for p in fields.point_coords or []]
@@ -175,6 +186,7 @@ async def segment(request: Request) -> Response:
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
     body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
     body["timing_ms"]["total"] = round((done - started) * 1000, 3)
+    _record_timing(request, state, body["timing_ms"])
     return JSONResponse(body)
 
 
@@ -214,6 +226,13 @@ async def segment_everything(request: Request) -> Response:
     done = time.perf_counter()
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
     assert engine.sam is not None
+    timing_ms = {
+        "parse_and_decode": round((parsed_at - started) * 1000, 3),
+        **timing,
+        "mask_encode": round((done - computed_at) * 1000, 3),
+        "total": round((done - started) * 1000, 3),
+    }
+    _record_timing(request, state, timing_ms)
     return JSONResponse(
         {
             "image_id": entry.image_id,
@@ -221,12 +240,7 @@ async def segment_everything(request: Request) -> Response:
             "height": entry.original_size[0],
             "masks": objects,
             "model": engine.sam.info.brief(),
-            "timing_ms": {
-                "parse_and_decode": round((parsed_at - started) * 1000, 3),
-                **timing,
-                "mask_encode": round((done - computed_at) * 1000, 3),
-                "total": round((done - started) * 1000, 3),
-            },
+            "timing_ms": timing_ms,
         }
     )
 
@@ -256,6 +270,7 @@ async def embed(request: Request) -> Response:
              "height": entry.original_size[0], "cached": True, "timing_ms": {}}
         )  # fmt: skip
     result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+    _record_timing(request, state, result.timing_ms)
     return JSONResponse(
         {"image_id": result.image_id, "width": result.width, "height": result.height,
          "cached": result.cached, "timing_ms": result.timing_ms}
@@ -310,16 +325,15 @@ async def classify(request: Request) -> Response:
         request.receive, engine.classify(image, parsed.fields.top_k, deadline)
     )
     assert engine.swin is not None
+    timing_ms = {**result.timing_ms, "total": round((time.perf_counter() - started) * 1000, 3)}
+    _record_timing(request, state, timing_ms)
     return JSONResponse(
         {
             "predictions": [
                 {"label": p.label, "index": p.index, "score": p.score} for p in result.predictions
             ],
             "model": engine.swin.info.brief(),
-            "timing_ms": {
-                **result.timing_ms,
-                "total": round((time.perf_counter() - started) * 1000, 3),
-            },
+            "timing_ms": timing_ms,
         }
     )
 
@@ -330,7 +344,11 @@ async def healthz(request: Request) -> Response:
     state = _state(request)
     if state.failure is not None:
         raise ServiceError(503, "start_failed", state.failure)
-    return JSONResponse({"status": "ok", "ready": state.ready})
+    if state.stuck is not None:
+        raise ServiceError(
+            503, "worker_stuck", f"a batch has been computing too long: {state.stuck}"
+        )
+    return JSONResponse({"status": "ok", "ready": state.ready, "draining": state.draining})
 
 
 @router.get("/readyz", responses={503: {"model": ErrorResponse}})

@@ -65,6 +65,16 @@ class Settings(BaseSettings):
     max_boxes: int = Field(64, ge=1)
     max_top_k: int = Field(100, ge=1)
 
+    # Watchdog: a batch computing longer than this marks the worker stuck (/healthz 503).
+    watchdog_timeout_s: float = Field(120.0, gt=0.0)
+
+    # Fault injection, for tests of failure handling only (see server/faults.py).
+    fault_oom_min_batch: int = Field(0, ge=0)
+    fault_oom_stage: str = ""
+    fault_hang_stage: str = ""
+    fault_hang_s: float = Field(0.0, ge=0.0)
+    fault_raise_stage: str = ""
+
     # Access.
     api_key: str | None = None
     metrics_require_key: bool = False

@@ -29,8 +29,16 @@ class ServeState:
     ready: bool = False
     draining: bool = False
     failure: str | None = None  # why start-up failed; /healthz reports it
+    stuck: str | None = None  # stages whose batch outlived the watchdog; /healthz reports it
+    in_flight: int = 0  # HTTP requests being served (kept by ObserveMiddleware)
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
+
+    def begin_drain(self) -> None:
+        """From now on: readiness 503, new requests 503; accepted ones still complete."""
+        if not self.draining:
+            self.draining = True
+            self.metrics.ready.set(0)
 
     def require_engine(self) -> Engine:
         """The engine, or 503 while loading, warming, draining or failed."""

@@ -1,0 +1,57 @@
+"""Fault injection for tests of the service's failure handling (never set in production).
+
+Out-of-memory, hangs and exceptions cannot be provoked on demand by real requests on a
+CPU test machine; these settings make a stage's batch function fail the way a GPU would,
+so the tests exercise the real splitting, watchdog and isolation code paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """oom_min_batch: batches of at least this many items raise torch.OutOfMemoryError
+    (0: never) in `oom_stage` (every stage when empty); hang_stage/hang_s: that stage
+    sleeps this long in every batch; raise_stage: that stage raises RuntimeError."""
+
+    oom_min_batch: int = 0
+    oom_stage: str = ""
+    hang_stage: str = ""
+    hang_s: float = 0.0
+    raise_stage: str = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.oom_min_batch or (self.hang_stage and self.hang_s) or self.raise_stage)
+
+    def wrap(
+        self, stage: str, fn: Callable[[list[Item]], Sequence[Result | BaseException]]
+    ) -> Callable[[list[Item]], Sequence[Result | BaseException]]:
+        if not self.active:
+            return fn
+        log.warning("FAULT INJECTION is on for stage %s: %s", stage, self)
+
+        def faulty(items: list[Item]) -> Sequence[Result | BaseException]:
+            if self.raise_stage == stage:
+                raise RuntimeError(f"injected fault in {stage}")
+            if self.hang_stage == stage and self.hang_s > 0:
+                time.sleep(self.hang_s)
+            oom_here = self.oom_stage in ("", stage)
+            if oom_here and self.oom_min_batch and len(items) >= self.oom_min_batch:
+                raise torch.OutOfMemoryError(f"injected: {len(items)} items in {stage}")
+            return fn(items)
+
+        return faulty

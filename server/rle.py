@@ -70,7 +70,8 @@ def mask_runs(stacks: list[Tensor]) -> list[MaskRuns]:
     counts_per = [m.shape[0] for m in stacks]
     flat = torch.cat(flats)
     # every mask's start in `flat`, known on the host
-    starts = np.concatenate([[0], np.cumsum(np.repeat(lengths, counts_per))[:-1]]).astype(np.int64)
+    per_mask = np.repeat(np.asarray(lengths, dtype=np.int64), counts_per)
+    starts = np.concatenate([[0], np.cumsum(per_mask)])[:-1].astype(np.int64)
     change = (flat[1:] != flat[:-1]).nonzero().squeeze(1)  # positions before a change
     first = flat[torch.as_tensor(starts, device=device)]
     areas = torch.cat([m.flatten(1).sum(dim=1) for m in stacks])

@@ -52,6 +52,18 @@ def test_counts_match_pycocotools_in_one_batch():
             assert (decoded.astype(bool) == stack[k]).all()
 
 
+def test_empty_stacks_give_no_runs():
+    empty = torch.zeros(0, 12, 9, dtype=torch.bool)
+    one = torch.ones(1, 4, 4, dtype=torch.bool)
+    runs = mask_runs([empty, one, empty])
+    assert [len(r) for r in runs] == [0, 1, 0]
+    assert runs[0].size == (12, 9)
+    assert runs[1].rle(0)["counts"] == reference(np.ones((4, 4), bool))["counts"].decode()
+    assert mask_runs([]) == []
+    (alone,) = mask_runs([empty])
+    assert len(alone) == 0 and alone.areas.shape == (0,)
+
+
 @pytest.mark.parametrize("counts", [[0], [5], [0, 3, 2], [1, 2, 3, 4, 5], [70000, 1, 2**31 - 5]])
 def test_counts_string_matches_for_extreme_counts(counts):
     # a mask of one column whose runs are `counts`
@@ -77,6 +89,10 @@ def test_device_rle_server_answers_like_the_host_path(make_server, client, jpeg_
         everything = {"image": body["image"], "points_per_side": 6,
                       "pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}  # fmt: skip
         dev_all = c.post("/v1/segment/everything", json=everything)
+        # Meta's default thresholds keep no mask of random weights: an empty answer
+        none = c.post("/v1/segment/everything", json={"image": body["image"], "points_per_side": 4})
+        assert none.status_code == 200, none.text
+        assert none.json()["masks"] == []
     host_all = client.post("/v1/segment/everything", json=everything)
     assert host.status_code == device.status_code == 200, (host.text, device.text)
     assert device.json()["results"] == host.json()["results"]

@@ -41,7 +41,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-int8|-fp8|-2:4]-(eager|compile|autotune)[-sdpa|-flex]`, e.g. bf16-fp8-compile-sdpa."""
+    """`bf16[-int8|-fp8|-2:4]-(eager|compile|autotune)[-sdpa|-flex|-triton]`,
+    e.g. bf16-fp8-compile-triton."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
@@ -50,7 +51,7 @@ def _variant(name: str) -> OptimizeOptions:
         precision=parts[0],  # type: ignore[arg-type]
         quantization=quant,  # type: ignore[arg-type]
         sparsity="2:4" if "2:4" in parts else "none",
-        attention="flex" if "flex" in parts else "sdpa",
+        attention=next((a for a in ("flex", "triton") if a in parts), "sdpa"),  # type: ignore[arg-type]
         compile_mode=compile_mode,  # type: ignore[arg-type]
         cuda_graphs=compile_mode != "none",
     )
@@ -65,8 +66,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
             f"bf16{q}-{mode}-{attn}"
             for q in ("", "-int8", "-fp8", "-2:4")
             for mode in ("compile", "autotune")
-            for attn in ("sdpa", "flex")
+            for attn in ("sdpa", "flex", "triton")
         ),
+        "bf16-eager-triton",
     ]
 }
 
@@ -195,6 +197,7 @@ def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from models.sam.attention import flex_rel_pos_attention, rel_pos_attention, rel_pos_terms
+    from models.sam.fused_attention import KernelConfig, fused_rel_pos_attention
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     shape = (batch, 12, 4096, 64)
@@ -208,6 +211,7 @@ def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
         "sdpa-dense-bias": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa"),
         "flex-factors-as-inputs": lambda: flex_rel_pos_attention(q, k, v, rel_h, rel_w),
         "flex-factors-in-graph": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "flex"),
+        "triton-fused": lambda: fused_rel_pos_attention(q, k, v, rel_h, rel_w),
     }
     rows = []
     ref = rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa").float()
@@ -229,6 +233,32 @@ def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
                 }
             )
             print(rows[-1], flush=True)
+    # the kernel's launch shape, swept: the best one goes into KernelConfig's defaults
+    cfg = KernelConfig
+    default = (cfg.block_m, cfg.num_warps, cfg.num_stages)
+    for block_m, warps, stages in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
+        KernelConfig.block_m, KernelConfig.num_warps, KernelConfig.num_stages = (
+            block_m,
+            warps,
+            stages,
+        )
+        try:
+            out = fused_rel_pos_attention(q, k, v, rel_h, rel_w)
+            ms = cuda_time_ms(lambda: fused_rel_pos_attention(q, k, v, rel_h, rel_w), iters)
+        except Exception as exc:  # a launch shape that does not fit (registers, shared memory)
+            print(f"triton {block_m}/{warps}/{stages} failed: {exc}", flush=True)
+            continue
+        rows.append(
+            {
+                "variant": f"attn triton bm={block_m} w={warps} s={stages}",
+                "batch": batch,
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "rel_err": relative_error(out.float(), ref),
+            }
+        )
+        print(rows[-1], flush=True)
+    cfg.block_m, cfg.num_warps, cfg.num_stages = default
     return rows
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from models.quantize import Quantization, quantize_linears, semi_structured_2to4
 from models.sam.attention import AttentionImpl
+from models.sam.fused_attention import fused_supported
 
 __all__ = [
     "DTYPES",
@@ -87,10 +88,19 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
         )
-    if options.attention == "flex":
+    if options.attention in ("flex", "triton"):
         for block in getattr(encoder, "blocks", []):
-            if block.window == 0:  # global blocks: the dense bias would be 4096^2 per head
-                block.attn.impl = "flex"
+            if block.window != 0:  # windows (14x14) keep the dense bias: it is small there
+                continue
+            # global blocks: the dense bias would be 4096^2 per head
+            grid = (
+                (block.attn.rel_pos_h.shape[0] + 1) // 2,
+                (block.attn.rel_pos_w.shape[0] + 1) // 2,
+            )
+            if options.attention == "triton" and not fused_supported(grid, device):
+                log.warning("SAM encoder: fused attention cannot run a %s grid here; SDPA", grid)
+                continue
+            block.attn.impl = options.attention
 
 
 def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:

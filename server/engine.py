@@ -23,6 +23,8 @@ import torch
 
 from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.sam import SAM_CONFIGS, load_sam
+from models.sam.automatic import AutomaticMaskGenerator
+from models.sam.fused_attention import triton_available
 from models.swin import IMAGENET_CLASSES, SWIN_CONFIGS, load_swin
 from server.batcher import Batcher, BatchObserver
 from server.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
@@ -69,9 +71,10 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         compile_mode = "default" if cuda else "none"
     attention = settings.attention
     if attention == "auto":
-        # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it
-        # on an H100 with torch 2.11 (docs/BENCHMARKS.md), so SDPA is the default.
-        attention = "sdpa"
+        # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
+        # an H100 with torch 2.11; our Triton kernel avoids it without that cost
+        # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
+        attention = "triton" if cuda and triton_available() else "sdpa"
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
@@ -98,10 +101,26 @@ def use_compile_cache(folder: Path) -> None:
     torch._inductor.config.autotune_local_cache = True
 
 
-def compile_cache_hits() -> dict[str, int]:
-    """Inductor's FX-graph cache hits and misses so far in this process."""
+def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:
+    """Inductor's FX-graph cache hits and misses in this process (since a snapshot).
+
+    The counters are process-wide: an engine reports the difference over its own warm-up.
+    """
     counters = torch._dynamo.utils.counters["inductor"]
-    return {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
+    now = {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
+    base = since or {}
+    return {event: count - base.get(event, 0) for event, count in now.items()}
+
+
+def _check_everything(
+    runner: EverythingRunner, generator: AutomaticMaskGenerator, size: tuple[int, int]
+) -> None:
+    """A job that cannot run on this image is the client's 422 (or 413 for memory)."""
+    try:
+        generator.check_size(size)
+    except ValueError as exc:
+        raise ServiceError(422, "invalid_request", str(exc)) from None
+    runner.check_memory(generator, size)
 
 
 def _ms(seconds: float) -> float:
@@ -148,6 +167,7 @@ class Engine:
         self.sam: _SamParts | None = None
         self.swin: _SwinParts | None = None
         self.warmup_seconds: float | None = None
+        self.compile_cache_events: dict[str, int] = {"hit": 0, "miss": 0}
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -275,13 +295,16 @@ class Engine:
     async def warmup(self) -> float:
         """Run every bucket of every stage once; returns (and keeps) the seconds it took."""
         started = time.perf_counter()
+        before = compile_cache_hits()
         loop = asyncio.get_running_loop()
         if self.sam is not None:
             await loop.run_in_executor(self.worker, self.sam.stages.warmup)
         if self.swin is not None:
             await loop.run_in_executor(self.worker, self.swin.stage.warmup)
         self.warmup_seconds = time.perf_counter() - started
-        log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds, compile_cache_hits())
+        self.compile_cache_events = compile_cache_hits(since=before)
+        log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds,
+                 self.compile_cache_events)  # fmt: skip
         return self.warmup_seconds
 
     def start(self) -> None:
@@ -418,11 +441,11 @@ class Engine:
         generator = sam.everything.generator(fields)
         size = (image.height, image.width) if image is not None else None
         if size is not None:  # refuse before encoding what could not be finished
-            sam.everything.check_memory(generator, size)
+            _check_everything(sam.everything, generator, size)
         started = time.perf_counter()
         entry, _ = await self._embedding(image, image_id, deadline)
         encoded = time.perf_counter()
-        sam.everything.check_memory(generator, entry.original_size)
+        _check_everything(sam.everything, generator, entry.original_size)
         pixels = image.pixels if image is not None else None
         masks = await sam.everything.run(generator, entry, pixels, output, deadline)
         timing = {"encode": _ms(encoded - started), "generate": _ms(time.perf_counter() - encoded)}

@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
     quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
     sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
-    attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex when compiling on CUDA
+    # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
+    attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
     compile_mode: Literal[
         "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs"
     ] = "auto"  # auto: "default" on CUDA, "none" on the CPU

@@ -10,7 +10,9 @@ read once more than the attention itself. Both forms here start from the two sma
   reference form; any device, eager or compiled; cheap for 14x14 windows);
 - `flex`: FlexAttention with a score modification that adds `rel_h[.., kv // w]` and
   `rel_w[.., kv % w]` per tile inside the fused kernel, so the dense bias never exists.
-  It is fused only under `torch.compile` (eagerly it falls back to an unfused reference).
+  It is fused only under `torch.compile` (eagerly it falls back to an unfused reference);
+- `triton`: our flash-attention kernel (`fused_attention.py`) that adds `rel_h` per key row
+  and keeps the `rel_w` tile in registers; CUDA only, grids of power-of-two width.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = [
     "rel_pos_terms",
 ]
 
-AttentionImpl = Literal["sdpa", "flex"]
+AttentionImpl = Literal["sdpa", "flex", "triton"]
 
 
 def relative_index(size: int, device: torch.device) -> Tensor:
@@ -84,6 +86,10 @@ def rel_pos_attention(
     rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_bias(rel_h, rel_w))
+    if impl == "triton":
+        from models.sam.fused_attention import fused_rel_pos_attention
+
+        return fused_rel_pos_attention(q, k, v, rel_h, rel_w)
 
     return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
 

@@ -117,9 +117,8 @@ class AutomaticMaskGenerator:
         Points are computed in float64 on the host as Meta computes them (grid x crop size),
         then scaled to the model input frame with `scale_coords`; one small copy per crop.
         """
+        self.check_size(original_size)
         h, w = original_size
-        if h <= 0 or w <= 0:
-            raise ValueError(f"image size must be positive, got {original_size}")
         s = self.settings
         jobs = []
         for index, (box, layer) in enumerate(
@@ -144,6 +143,21 @@ class AutomaticMaskGenerator:
                 )
             )
         return jobs
+
+    def check_size(self, original_size: tuple[int, int]) -> None:
+        """Refuse an image too small for the crop layers: a crop of zero pixels has no grid."""
+        h, w = original_size
+        if h <= 0 or w <= 0:
+            raise ValueError(f"image size must be positive, got {original_size}")
+        s = self.settings
+        for (x0, y0, x1, y1), layer in crop_boxes(
+            original_size, s.crop_n_layers, s.crop_overlap_ratio
+        ):
+            if x1 <= x0 or y1 <= y0:
+                raise ValueError(
+                    f"crop_n_layers={s.crop_n_layers} cuts a {w}x{h} image into crops of zero "
+                    f"pixels at layer {layer}: use fewer crop layers or a larger image"
+                )
 
     @torch.inference_mode()
     def encode_crop(self, image: Tensor, job: CropJob) -> CropEmbedding:

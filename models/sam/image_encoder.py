@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid[0] - 1, head_dim))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid[1] - 1, head_dim))
-        # "sdpa" (dense bias) or "flex" (fused, for compiled global blocks); see attention.py
+        # "sdpa" (dense bias), "flex" or "triton" (fused, global blocks); see attention.py
         self.impl: AttentionImpl = "sdpa"
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,0 +1,172 @@
+"""Flash attention with SAM's decomposed relative positions, as one Triton kernel.
+
+Why a kernel of our own: the global blocks of the encoder attend over 4096 tokens, and the
+decomposed bias `rel_h[q, y'] + rel_w[q, x']` written out is as large as the attention
+matrix (400 MB per image in bf16). SDPA with that dense bias falls back to the
+memory-efficient kernel and reads the bias from memory; FlexAttention gathers two bias
+terms per score and measured 3.5x slower still on an H100 (docs/BENCHMARKS.md).
+
+The layout makes the bias nearly free: keys are stored row-major on the `h x w` grid, so a
+block of `w` consecutive keys is exactly one grid row y'. For a block of queries, the
+`rel_w` term is then the same `[BLOCK_M, w]` tile for every key block (loaded once, kept in
+registers), and the `rel_h` term is one column `rel_h[:, y']` per key block. The kernel is
+an online-softmax loop over the `h` key rows, each iteration one `q @ k^T` and one `p @ v`.
+
+Limits (callers check with `fused_supported`): the grid width is a power of two >= 16 (64
+for 1024-px inputs of every SAM size); any head dim (padded to a power of two with masked
+loads: ViT-H's 80 runs as 128). Forward only: this is an inference service.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["KernelConfig", "fused_rel_pos_attention", "fused_supported", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused_supported(grid: tuple[int, int], device: torch.device) -> bool:
+    """Whether the kernel can run this grid here: CUDA (or the Triton interpreter), Triton
+    installed, a power-of-two width of at least 16 (`tl.dot` needs 16 along each side)."""
+    w = grid[1]
+    return triton_available() and w >= 16 and w & (w - 1) == 0 and device.type == "cuda"
+
+
+class KernelConfig:
+    """Launch shape; measured on an H100 by `bench/sam_encoder.py --attention-kernels`."""
+
+    block_m: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Build the kernel on first use, so importing this module never needs Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rel_pos_flash_fwd(
+        Q, K, V, RH, RW, O,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_hb, stride_hh, stride_hn,
+        stride_wb, stride_wh, stride_wn,
+        stride_ob, stride_oh, stride_on,
+        heads, n_ctx, head_dim, qk_scale,
+        GRID_H: tl.constexpr, GRID_W: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        LOG2E: tl.constexpr = 1.4426950408889634
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // heads
+        h = pid_bh % heads
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_w = tl.arange(0, GRID_W)
+        mask_m = offs_m < n_ctx
+        mask_d = offs_d < head_dim
+
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        # rel_w[q, x'] for x' = 0..w-1: the same for every key row, so loaded once.
+        rw_ptrs = RW + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wn + offs_w[None, :]
+        rw = tl.load(rw_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32) * LOG2E
+        rh_ptrs = RH + b * stride_hb + h * stride_hh + offs_m * stride_hn
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for row in range(GRID_H):  # key block = grid row y' = row
+            offs_n = row * GRID_W + offs_w
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=mask_d[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: scale * log2(e) folded in
+            rh = tl.load(rh_ptrs + row, mask=mask_m, other=0.0).to(tl.float32) * LOG2E
+            s = s + rh[:, None] + rw
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=mask_d[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+    return rel_pos_flash_fwd
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def launch(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    """Run the kernel: q, k, v `[B, heads, h*w, C]`, rel_h `[B, heads, h*w, h]`,
+    rel_w `[B, heads, h*w, w]` -> `[B, heads, h*w, C]` (q's dtype)."""
+    import triton
+
+    q, k, v, rel_h, rel_w = (_last_dim_contiguous(t) for t in (q, k, v, rel_h, rel_w))
+    B, heads, n_ctx, head_dim = q.shape
+    grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
+    if grid_h * grid_w != n_ctx:
+        raise ValueError(f"{n_ctx} tokens do not make a {grid_h}x{grid_w} grid")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    block_m = KernelConfig.block_m
+    launch_grid = (triton.cdiv(n_ctx, block_m), B * heads)
+    _kernel()[launch_grid](
+        q, k, v, rel_h, rel_w, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        rel_h.stride(0), rel_h.stride(1), rel_h.stride(2),
+        rel_w.stride(0), rel_w.stride(1), rel_w.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        heads, n_ctx, head_dim, head_dim**-0.5 * 1.4426950408889634,
+        GRID_H=grid_h, GRID_W=grid_w,
+        HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
+        num_warps=KernelConfig.num_warps, num_stages=KernelConfig.num_stages,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("sam_serve::rel_pos_flash", mutates_args=())
+def fused_rel_pos_attention(
+    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor
+) -> Tensor:
+    """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias.
+
+    An opaque op to torch.compile (the kernel is already fused), captured by CUDA graphs.
+    """
+    return launch(q, k, v, rel_h, rel_w)
+
+
+@fused_rel_pos_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -21,10 +21,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
-from server.engine import Engine, compile_cache_hits
+from server.engine import Engine
 from server.errors import ServiceError, error_body
 from server.metrics import Metrics
-from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ObserveMiddleware
+from server.middleware import (
+    PROBE_PATHS,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    ObserveMiddleware,
+)
 from server.routes import router
 from server.settings import Settings
 from server.state import ServeState, serve_state
@@ -52,7 +57,7 @@ async def start_engine(state: ServeState) -> None:
         engine.start()
         if state.settings.warmup:
             state.metrics.warmup_seconds.set(await engine.warmup())
-            for event, count in compile_cache_hits().items():
+            for event, count in engine.compile_cache_events.items():
                 state.metrics.compile_cache.labels(event).set(count)
         state.ready = True
         state.metrics.ready.set(1)
@@ -121,7 +126,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        if exc.status in _REASONS:
+        if request.url.path in PROBE_PATHS:
+            pass  # a probe's 503 during warm-up or drain is an answer, not a refused request
+        elif exc.status in _REASONS:
             metrics.rejections.labels(_REASONS[exc.status]).inc()
         elif 400 <= exc.status < 500:
             metrics.rejections.labels("bad_input").inc()

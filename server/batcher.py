@@ -35,6 +35,9 @@ BatchFn = Callable[[list[Item]], Sequence[Result | BaseException]]
 class BatchObserver:
     """Hooks the batcher calls so metrics stay out of the batching logic."""
 
+    def declare(self, stage: str) -> None:
+        """Called once per stage when its batcher is made, before any item arrives."""
+
     def queue_depth(self, stage: str, depth: int) -> None:
         """Called whenever the number of waiting items changes."""
 
@@ -81,6 +84,7 @@ class Batcher(Generic[Item, Result]):
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue_size
         self._observer = observer or BatchObserver()
+        self._observer.declare(stage)
         self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -21,6 +21,15 @@ from server.errors import ServiceError
 Fields = TypeVar("Fields", bound=BaseModel)
 
 _MAX_JSON_DEPTH = 32
+# No field of ours takes more than a few hundred values (points, boxes); bodies are big
+# only for their base64 string, which holds no comma. Counting commas before parsing
+# bounds what json.loads, the depth walk and pydantic (one error per bad item) cost on
+# the event loop: a 20 MB body of `[0,0,...]` would otherwise hold it for seconds.
+_MAX_JSON_VALUES = 20_000
+# No coordinate or count needs more digits (Python itself refuses past 4300: a 400).
+_MAX_NUMBER_DIGITS = 400
+# Shown in a 422 message; the rest are counted (one error per item of a long list).
+_MAX_REPORTED_ERRORS = 10
 
 
 @dataclass
@@ -32,11 +41,14 @@ class ParsedRequest(Generic[Fields]):
 
 
 def validation_message(exc: ValidationError) -> str:
-    """One line per problem: `field.path: what is wrong`."""
+    """One line per problem: `field.path: what is wrong` (the first few, then a count)."""
     parts = []
-    for err in exc.errors(include_url=False):
+    for err in exc.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
         where = ".".join(str(p) for p in err["loc"]) or "body"
         parts.append(f"{where}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    if more > 0:
+        parts.append(f"and {more} more")
     return "; ".join(parts)
 
 
@@ -52,22 +64,43 @@ def _check_depth(value: object, depth: int = 0) -> None:
             _check_depth(item, depth + 1)
 
 
-def parse_json_text(text: bytes | str) -> object:
+def _parse_int(digits: str) -> int:
+    if len(digits) > _MAX_NUMBER_DIGITS:
+        raise ServiceError(422, "invalid_request", f"a number has {len(digits)} digits")
+    return int(digits)
+
+
+def parse_json_text(text: str) -> object:
+    """Parse with the guards above; a syntax error is a 400, a shape error a 422."""
+    values = text.count(",") + 1
+    if values > _MAX_JSON_VALUES:
+        raise ServiceError(
+            422,
+            "invalid_request",
+            f"the JSON holds about {values} values; no request needs over {_MAX_JSON_VALUES}",
+        )
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_parse_int)
     except RecursionError:
         raise ServiceError(422, "invalid_request", "JSON nests too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise ServiceError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
     _check_depth(value)
     return value
 
 
-def validate(model: type[Fields], data: object) -> Fields:
-    if not isinstance(data, dict):
+def validate(model: type[Fields], text: bytes | str) -> Fields:
+    """The fields of a JSON text, validated with JSON's own types (strict): `true` is not
+    a number and `"5"` not an integer, as the OpenAPI schema says, rather than coerced."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ServiceError(400, "invalid_json", f"body is not UTF-8: {exc}") from None
+    if not isinstance(parse_json_text(text), dict):  # the guards and the syntax, first
         raise ServiceError(422, "invalid_request", "the JSON body must be an object")
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise ServiceError(422, "invalid_request", validation_message(exc)) from None
 
@@ -86,8 +119,7 @@ async def parse_image_request(
     """Read the body in either accepted form; return the fields and the image reference."""
     kind = media_type(request)
     if kind == "application/json":
-        data = parse_json_text(await request.body())
-        full = validate(json_model, data)
+        full = validate(json_model, await request.body())
         values = full.model_dump(exclude={"image", "image_id"})
         fields = fields_model.model_validate(values)
         return ParsedRequest(
@@ -107,7 +139,9 @@ async def _parse_multipart(
     request: Request, fields_model: type[Fields], max_body_bytes: int
 ) -> ParsedRequest[Fields]:
     try:
-        form = await request.form(max_files=1, max_fields=4, max_part_size=max_body_bytes)
+        # Room for a duplicate or a stray part, so those get a 422 that names them; past
+        # these counts the body is refused as malformed (400).
+        form = await request.form(max_files=4, max_fields=8, max_part_size=max_body_bytes)
     except ServiceError:
         raise
     except Exception as exc:  # starlette raises its own types for malformed bodies
@@ -118,18 +152,21 @@ async def _parse_multipart(
             raise ServiceError(
                 422, "invalid_request", f"unknown form parts {unknown}; expected image, request"
             )
+        repeated = sorted(k for k in ("image", "request") if len(form.getlist(k)) > 1)
+        if repeated:
+            raise ServiceError(
+                422, "invalid_request", f"form parts {repeated} are repeated; send each once"
+            )
         image = form.get("image")
         if not isinstance(image, UploadFile):
             raise ServiceError(
-                422, "invalid_request", "multipart body needs a file part named 'image'"
+                422,
+                "invalid_request",
+                "multipart body needs a file part named 'image' (curl -F image=@photo.jpg)",
             )
         data = await image.read()
         raw = form.get("request")
-        if raw is None:
-            values: object = {}
-        else:
-            text = await raw.read() if isinstance(raw, UploadFile) else raw
-            values = parse_json_text(text)
-        return ParsedRequest(validate(fields_model, values), data, None, None)
+        text = "{}" if raw is None else await raw.read() if isinstance(raw, UploadFile) else raw
+        return ParsedRequest(validate(fields_model, text), data, None, None)
     finally:
         await form.close()

@@ -7,7 +7,8 @@ import logging
 import time
 from typing import Any
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# uvicorn adds `color_message` (the same text with terminal colour escapes) to its records.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):

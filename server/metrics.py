@@ -24,6 +24,13 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 
+# The `reason` label of serve_rejections_total: what docs/OBSERVABILITY.md lists.
+REJECTION_REASONS = (
+    "unauthorized", "queue_full", "cancelled", "not_ready", "deadline", "out_of_memory",
+    "bad_input", "internal",
+)  # fmt: skip
+
+
 class Metrics(BatchObserver, CacheObserver):
     """Every metric family the service exports; also the batchers' observer."""
 
@@ -41,7 +48,12 @@ class Metrics(BatchObserver, CacheObserver):
         self.rejections = Counter(
             "serve_rejections", "Requests refused or dropped, by reason", ["reason"], registry=r
         )
-        self.in_flight = Gauge("serve_in_flight_requests", "Requests being served", registry=r)
+        for reason in REJECTION_REASONS:  # every series from the start, at 0
+            self.rejections.labels(reason)
+        self.in_flight = Gauge(
+            "serve_in_flight_requests", "Requests being served (probes and scrapes excluded)",
+            registry=r,
+        )  # fmt: skip
         self.queue_wait = Histogram(
             "serve_queue_wait_seconds", "Time an item waited in a stage's queue",
             ["stage"], buckets=LATENCY_BUCKETS, registry=r,
@@ -103,6 +115,14 @@ class Metrics(BatchObserver, CacheObserver):
         r.register(_TorchMemoryCollector())
 
     # -- BatchObserver ----------------------------------------------------------------
+
+    def declare(self, stage: str) -> None:
+        """Create the stage's series at 0 now, so that `rate()` sees the first event and
+        an autoscaler sees `serve_queue_depth` before any request."""
+        self.queue_depth_gauge.labels(stage).set(0)
+        self.worker_stuck.labels(stage).set(0)
+        self.batch_failures.labels(stage)
+        self.oom_events.labels(stage)
 
     def queue_depth(self, stage: str, depth: int) -> None:
         self.queue_depth_gauge.labels(stage).set(depth)

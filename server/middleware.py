@@ -28,6 +28,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+# Kubelet probes and Prometheus scrapes: answered, counted by route, but not "work".
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
 access_log = logging.getLogger("server.access")
 
 
@@ -93,13 +96,17 @@ class ObserveMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        self.metrics.in_flight.inc()
+        # Probes and scrapes are not work: an idle server shows 0 to the scrape reading it.
+        work = scope["path"] not in PROBE_PATHS
+        if work:
+            self.metrics.in_flight.inc()
         self.counter.in_flight += 1
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.counter.in_flight -= 1
-            self.metrics.in_flight.dec()
+            if work:
+                self.metrics.in_flight.dec()
             seconds = time.perf_counter() - started
             labels = (route, scope["method"], str(status))
             self.metrics.request_seconds.labels(*labels).observe(seconds)

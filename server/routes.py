@@ -279,7 +279,11 @@ async def embed(request: Request) -> Response:
 
 @router.get(
     "/v1/embeddings/{image_id}",
-    responses={404: {"model": ErrorResponse}, 200: {"content": {"application/octet-stream": {}}}},
+    responses={
+        404: {"model": ErrorResponse},
+        422: {"model": ErrorResponse},
+        200: {"content": {"application/octet-stream": {}}},
+    },
 )
 async def get_embedding(request: Request, image_id: str) -> Response:
     """The cached image embedding as a float16 `.npy` `[1, 256, 64, 64]`, for decoders that

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 Coord = Annotated[float, Field(allow_inf_nan=False)]
 Point = tuple[Coord, Coord]
@@ -40,7 +40,10 @@ class SegmentFields(_Strict):
     """Prompt fields of `/v1/segment`, shared by the JSON and multipart forms."""
 
     point_coords: list[Point] | None = Field(None, description="[[x, y], ...] in pixels")
-    point_labels: list[Literal[0, 1]] | None = Field(None, description="1 foreground, 0 back")
+    # StrictInt first: a bare Literal[0, 1] would take JSON's `true` as 1
+    point_labels: list[Annotated[StrictInt, Field(ge=0, le=1)]] | None = Field(
+        None, description="1 foreground, 0 background"
+    )
     box: Box | None = Field(None, description="[x0, y0, x1, y1] in pixels")
     boxes: list[Box] | None = Field(None, description="several boxes: one result each")
     multimask_output: bool = False

@@ -52,6 +52,7 @@ def _variant(name: str) -> OptimizeOptions:
         quantization=quant,  # type: ignore[arg-type]
         sparsity="2:4" if "2:4" in parts else "none",
         attention=next((a for a in ("flex", "triton") if a in parts), "sdpa"),  # type: ignore[arg-type]
+        window_attention="triton" if "win" in parts else "sdpa",
         compile_mode=compile_mode,  # type: ignore[arg-type]
         cuda_graphs=compile_mode != "none",
     )
@@ -69,6 +70,8 @@ VARIANTS: dict[str, OptimizeOptions] = {
             for attn in ("sdpa", "flex", "triton")
         ),
         "bf16-eager-triton",
+        "bf16-compile-triton-win",
+        "bf16-fp8-compile-triton-win",
     ]
 }
 
@@ -192,6 +195,35 @@ def run_variant(
     return rows
 
 
+def profile_variant(name: str, base: Sam, batch: int, out: Path | None) -> None:
+    """Where the time goes: the variant compiled without CUDA graphs (so each kernel shows),
+    five calls under the profiler, the 25 costliest kernels printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opts = VARIANTS[name]
+    model = copy.deepcopy(base).to(dtype=opts.dtype)
+    prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
+    fn = compile_fn(model.encode, opts.compile_mode, dynamic=False)
+    side = base.config.image_size
+    x = torch.randn(batch, 3, side, side, device=DEVICE, dtype=opts.dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn(x)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+    )
+    print(f"profile of {name} at batch {batch} (5 calls):\n{table}", flush=True)
+    if out is not None:
+        out.write_text(table)
+    torch._dynamo.reset()
+    empty_cache()
+
+
 def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
     """One global-attention layer of ViT-B (64x64 grid, 12 heads of 64) in every form."""
     import torch.nn.functional as F
@@ -276,6 +308,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
     p.add_argument("--flex-kernel", action="store_true", help="time the attention kernels alone")
+    p.add_argument("--profile", default=None, choices=list(VARIANTS), help="profile a variant")
+    p.add_argument("--profile-out", type=Path, default=None)
     args = p.parse_args()
     started = time.perf_counter()
     env = environment()
@@ -290,6 +324,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     if args.flex_kernel:
         rows += attention_kernels(8, args.iters)
+    if args.profile:
+        profile_variant(args.profile, base, 8, args.profile_out)
     if args.official:
         rows += official_baseline([1, 8], args.iters)
         print(rows[-2:], flush=True)

@@ -40,6 +40,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "fp32-eager": OptimizeOptions(),
     "bf16-eager": OptimizeOptions(precision="bf16"),
     "bf16-compile": OptimizeOptions(precision="bf16", compile_mode="default", cuda_graphs=True),
+    "fp16-compile": OptimizeOptions(precision="fp16", compile_mode="default", cuda_graphs=True),
     "bf16-int8-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
     ),
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--budget-s", type=float, default=400)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
     args = p.parse_args()
     started = time.perf_counter()
     env = environment()
@@ -104,7 +106,8 @@ def main() -> None:
             model = copy.deepcopy(base).to(dtype=opts.dtype)
             prepare_swin(model, opts)
             fn = GraphedBuckets(
-                compile_fn(model, opts.compile_mode, dynamic=True), enabled=opts.cuda_graphs
+                compile_fn(model, opts.compile_mode, dynamic=not args.static),
+                enabled=opts.cuda_graphs,
             )
             side = config.img_size
             compile_s = None

@@ -46,7 +46,8 @@ class OptimizeOptions:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Quantization = "none"
     sparsity: Literal["none", "2:4"] = "none"
-    attention: AttentionImpl = "sdpa"
+    attention: AttentionImpl = "sdpa"  # the global blocks
+    window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
     compile_mode: CompileMode = "none"
     cuda_graphs: bool = False
 
@@ -88,19 +89,15 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
         )
-    if options.attention in ("flex", "triton"):
-        for block in getattr(encoder, "blocks", []):
-            if block.window != 0:  # windows (14x14) keep the dense bias: it is small there
-                continue
-            # global blocks: the dense bias would be 4096^2 per head
-            grid = (
-                (block.attn.rel_pos_h.shape[0] + 1) // 2,
-                (block.attn.rel_pos_w.shape[0] + 1) // 2,
-            )
-            if options.attention == "triton" and not fused_supported(grid, device):
-                log.warning("SAM encoder: fused attention cannot run a %s grid here; SDPA", grid)
-                continue
-            block.attn.impl = options.attention
+    for block in getattr(encoder, "blocks", []):
+        # global blocks: the dense bias would be 4096^2 per head; windows: 196^2
+        impl = options.attention if block.window == 0 else options.window_attention
+        attn = block.attn
+        grid = ((attn.rel_pos_h.shape[0] + 1) // 2, (attn.rel_pos_w.shape[0] + 1) // 2)
+        if impl == "triton" and not fused_supported(grid, device):
+            log.warning("SAM encoder: fused attention cannot run a %s grid here; SDPA", grid)
+            impl = "sdpa"
+        attn.impl = impl
 
 
 def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:

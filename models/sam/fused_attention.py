@@ -12,9 +12,10 @@ block of `w` consecutive keys is exactly one grid row y'. For a block of queries
 registers), and the `rel_h` term is one column `rel_h[:, y']` per key block. The kernel is
 an online-softmax loop over the `h` key rows, each iteration one `q @ k^T` and one `p @ v`.
 
-Limits (callers check with `fused_supported`): the grid width is a power of two >= 16 (64
-for 1024-px inputs of every SAM size); any head dim (padded to a power of two with masked
-loads: ViT-H's 80 runs as 128). Forward only: this is an inference service.
+Any grid: a key row of width w is loaded as a block of the next power of two (at least 16,
+what `tl.dot` needs) with the extra keys masked out, so the 14x14 windows run as 14x16 and
+the 64x64 global grid exactly. Any head dim, padded the same way (ViT-H's 80 runs as 128).
+Forward only: this is an inference service.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["KernelConfig", "fused_rel_pos_attention", "fused_supported", "triton_available"]
+__all__ = [
+    "MAX_GRID_W",
+    "KernelConfig",
+    "fused_rel_pos_attention",
+    "fused_supported",
+    "triton_available",
+]
 
 
 @functools.cache
@@ -38,18 +45,22 @@ def triton_available() -> bool:
 
 
 def fused_supported(grid: tuple[int, int], device: torch.device) -> bool:
-    """Whether the kernel can run this grid here: CUDA (or the Triton interpreter), Triton
-    installed, a power-of-two width of at least 16 (`tl.dot` needs 16 along each side)."""
-    w = grid[1]
-    return triton_available() and w >= 16 and w & (w - 1) == 0 and device.type == "cuda"
+    """Whether the kernel can run this grid here: CUDA, Triton installed, a row of keys
+    that fits one block (the kernel keeps a `[BLOCK_M, w]` tile in registers)."""
+    return triton_available() and device.type == "cuda" and 0 < grid[1] <= MAX_GRID_W
+
+
+MAX_GRID_W = 128
 
 
 class KernelConfig:
-    """Launch shape; measured on an H100 by `bench/sam_encoder.py --attention-kernels`."""
+    """Launch shape. On an H100 (torch 2.11, triton 3.6; bench/sam_encoder.py --flex-kernel)
+    a ViT-B global layer at batch 8 took 1.31 ms with 64/4/3, 1.44 with 64/4/2, 1.56 with
+    128/4/2, 1.71 with 128/8/3 and 2.14 with 128/8/2 (docs/BENCHMARKS.md)."""
 
-    block_m: int = 128
-    num_warps: int = 8
-    num_stages: int = 2
+    block_m: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @functools.cache
@@ -67,8 +78,8 @@ def _kernel() -> Any:
         stride_hb, stride_hh, stride_hn,
         stride_wb, stride_wh, stride_wn,
         stride_ob, stride_oh, stride_on,
-        heads, n_ctx, head_dim, qk_scale,
-        GRID_H: tl.constexpr, GRID_W: tl.constexpr,
+        heads, n_ctx, head_dim, grid_w, qk_scale,
+        GRID_H: tl.constexpr, BLOCK_W: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -78,15 +89,17 @@ def _kernel() -> Any:
         h = pid_bh % heads
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_w = tl.arange(0, GRID_W)
+        offs_w = tl.arange(0, BLOCK_W)
         mask_m = offs_m < n_ctx
         mask_d = offs_d < head_dim
+        mask_w = offs_w < grid_w  # keys past the row's width: -inf, so they weigh nothing
 
         q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         # rel_w[q, x'] for x' = 0..w-1: the same for every key row, so loaded once.
         rw_ptrs = RW + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wn + offs_w[None, :]
-        rw = tl.load(rw_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32) * LOG2E
+        rw = tl.load(rw_ptrs, mask=mask_m[:, None] & mask_w[None, :], other=0.0)
+        rw = tl.where(mask_w[None, :], rw.to(tl.float32) * LOG2E, float("-inf"))
         rh_ptrs = RH + b * stride_hb + h * stride_hh + offs_m * stride_hn
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
@@ -95,10 +108,10 @@ def _kernel() -> Any:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for row in range(GRID_H):  # key block = grid row y' = row
-            offs_n = row * GRID_W + offs_w
+            offs_n = row * grid_w + offs_w
             k = tl.load(
                 k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=mask_d[None, :],
+                mask=mask_w[:, None] & mask_d[None, :],
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: scale * log2(e) folded in
@@ -110,7 +123,7 @@ def _kernel() -> Any:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
-                mask=mask_d[None, :],
+                mask=mask_w[:, None] & mask_d[None, :],
                 other=0.0,
             )
             acc = acc * alpha[:, None]
@@ -148,8 +161,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Ten
         rel_h.stride(0), rel_h.stride(1), rel_h.stride(2),
         rel_w.stride(0), rel_w.stride(1), rel_w.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        heads, n_ctx, head_dim, head_dim**-0.5 * 1.4426950408889634,
-        GRID_H=grid_h, GRID_W=grid_w,
+        heads, n_ctx, head_dim, grid_w, head_dim**-0.5 * 1.4426950408889634,
+        GRID_H=grid_h, BLOCK_W=max(16, triton.next_power_of_2(grid_w)),
         HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
         num_warps=KernelConfig.num_warps, num_stages=KernelConfig.num_stages,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from models.sam.fused_attention import fused_supported
+from models.sam.fused_attention import MAX_GRID_W, fused_supported, triton_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +49,8 @@ CASES = [
     (2, 3, 16, 16, 32, 64),  # 4 query blocks, 16 key rows
     (1, 2, 12, 16, 16, 128),  # 192 tokens: the second query block is half masked
     (1, 2, 8, 32, 24, 64),  # head dim 24 runs padded to 32 (ViT-H's 80 -> 128 the same way)
+    (3, 2, 14, 14, 16, 64),  # SAM's 14x14 windows: rows of 14 keys in blocks of 16
+    (1, 1, 5, 20, 16, 64),  # a row wider than 16 and narrower than 32
 ]
 
 
@@ -70,9 +72,8 @@ def test_kernel_matches_dense_bias_attention() -> None:
         assert r["rel_err"] < 1e-5, r  # fp32 throughout: only summation order differs
 
 
-def test_supported_only_for_power_of_two_widths_on_cuda() -> None:
+def test_supported_on_cuda_for_rows_that_fit_a_block() -> None:
     cuda = torch.device("cuda")
     assert not fused_supported((64, 64), torch.device("cpu"))
-    assert not fused_supported((14, 14), cuda)  # windowed blocks keep the dense bias
-    assert not fused_supported((64, 48), cuda)
-    assert fused_supported((64, 64), cuda) == fused_supported((8, 16), cuda)
+    assert not fused_supported((4, MAX_GRID_W + 1), cuda)
+    assert fused_supported((64, 64), cuda) == fused_supported((14, 14), cuda) == triton_available()

@@ -28,6 +28,7 @@ __all__ = [
     "AttentionImpl",
     "dense_bias",
     "flex_rel_pos_attention",
+    "fused_qkv_attention",
     "rel_pos_attention",
     "rel_pos_terms",
 ]
@@ -87,11 +88,24 @@ def rel_pos_attention(
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_bias(rel_h, rel_w))
     if impl == "triton":
-        from models.sam.fused_attention import fused_rel_pos_attention
+        from models.sam.fused_attention import launch
 
-        return fused_rel_pos_attention(q, k, v, rel_h, rel_w)
+        return launch(q, k, v, rel_h, rel_w)
 
     return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
+
+
+def fused_qkv_attention(
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, grid: tuple[int, int]
+) -> Tensor:
+    """The Triton kernel straight on the qkv projection: `[B, N, 3, heads, C]` ->
+    `[B, N, heads * C]`, ready for the output projection (no permute or copy either side)."""
+    from models.sam.fused_attention import fused_rel_pos_attention
+
+    h, w = grid
+    q = qkv[:, :, 0].transpose(1, 2)  # [B, heads, N, C], a view
+    rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
+    return fused_rel_pos_attention(qkv, rel_h, rel_w)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

@@ -140,9 +140,12 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def launch(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
-    """Run the kernel: q, k, v `[B, heads, h*w, C]`, rel_h `[B, heads, h*w, h]`,
-    rel_w `[B, heads, h*w, w]` -> `[B, heads, h*w, C]` (q's dtype)."""
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, out: Tensor | None = None
+) -> Tensor:
+    """Run the kernel: q, k, v `[B, heads, h*w, C]` (any strides with a contiguous last
+    dim), rel_h `[B, heads, h*w, h]`, rel_w `[B, heads, h*w, w]` -> `[B, heads, h*w, C]`,
+    written into `out` (which may be a strided view) when given."""
     import triton
 
     q, k, v, rel_h, rel_w = (_last_dim_contiguous(t) for t in (q, k, v, rel_h, rel_w))
@@ -150,7 +153,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Ten
     grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
     if grid_h * grid_w != n_ctx:
         raise ValueError(f"{n_ctx} tokens do not make a {grid_h}x{grid_w} grid")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_m = KernelConfig.block_m
     launch_grid = (triton.cdiv(n_ctx, block_m), B * heads)
     _kernel()[launch_grid](
@@ -170,16 +174,22 @@ def launch(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Ten
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash", mutates_args=())
-def fused_rel_pos_attention(
-    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor
-) -> Tensor:
+def fused_rel_pos_attention(qkv: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias.
 
-    An opaque op to torch.compile (the kernel is already fused), captured by CUDA graphs.
+    qkv `[B, N, 3, heads, C]` (the qkv projection, reshaped) -> `[B, N, heads * C]`: q, k
+    and v are read in place and the output is written token-major, ready for the output
+    projection. An opaque op to torch.compile (the kernel is already fused), captured by
+    CUDA graphs.
     """
-    return launch(q, k, v, rel_h, rel_w)
+    B, N, _, heads, C = qkv.shape
+    out = torch.empty(B, N, heads, C, dtype=qkv.dtype, device=qkv.device)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
+    launch(q, k, v, rel_h, rel_w, out=out.transpose(1, 2))
+    return out.reshape(B, N, heads * C)
 
 
 @fused_rel_pos_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _(qkv: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    B, N, _, heads, C = qkv.shape
+    return qkv.new_empty(B, N, heads * C)

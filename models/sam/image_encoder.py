@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.sam.attention import AttentionImpl, rel_pos_attention
+from models.sam.attention import AttentionImpl, fused_qkv_attention, rel_pos_attention
 from models.sam.common import LayerNorm2d, MLPBlock
 from models.sam.config import SamConfig
 
@@ -64,8 +64,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: `[B, h, w, D]` -> `[B, h, w, D]`."""
         B, h, w, D = x.shape
-        qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each [B, heads, h*w, head_dim]
+        qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1)  # [B, N, 3, heads, C]
+        if self.impl == "triton":
+            # the kernel reads q, k, v out of qkv and writes [B, N, heads * C]: no copies
+            out = fused_qkv_attention(qkv, self.rel_pos_h, self.rel_pos_w, (h, w))
+            return self.proj(out.reshape(B, h, w, D))
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, h*w, head_dim]
         out = rel_pos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
         out = out.transpose(1, 2).reshape(B, h, w, D)
         return self.proj(out)
@@ -106,7 +110,15 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x).permute(0, 2, 3, 1)
+        # A stride-p conv over non-overlapping p x p patches is one matmul over the patches:
+        # cuDNN ran this conv as a generic implicit GEMM at ~18 TFLOP/s on an H100, 8% of
+        # the encoder's time (docs/BENCHMARKS.md). Same weights, same sums, one GEMM.
+        B, C, H, W = x.shape
+        p = self.proj.kernel_size[0]
+        patches = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+        patches = patches.reshape(B, H // p, W // p, C * p * p)  # (c, ky, kx) as the weight
+        weight = self.proj.weight.reshape(self.proj.out_channels, C * p * p)
+        return F.linear(patches, weight, self.proj.bias)  # [B, H/p, W/p, D]
 
 
 class ImageEncoderViT(nn.Module):

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 import torch
-from models.sam.attention import rel_pos_attention, rel_pos_terms
+from models.sam.attention import fused_qkv_attention, rel_pos_attention, rel_pos_terms
 from models.sam.fused_attention import KernelConfig, launch
 
 results = []
@@ -39,6 +39,9 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     rel_h, rel_w = rel_pos_terms(q, rph, rpw, gh, gw)
     out = launch(q, k, v, rel_h, rel_w)
     err = float((out - ref).norm() / ref.norm())
+    # the op the encoder calls: q, k, v read out of the qkv projection, output token-major
+    fused = fused_qkv_attention(qkv.permute(1, 3, 0, 2, 4).contiguous(), rph, rpw, (gh, gw))
+    err = max(err, float((fused - ref.transpose(1, 2).reshape(fused.shape)).norm() / ref.norm()))
     results.append({"shape": [B, heads, gh, gw, C, block_m], "rel_err": err,
                     "finite": bool(torch.isfinite(out).all())})
 print(json.dumps(results))

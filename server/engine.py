@@ -83,6 +83,8 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         quantization=settings.quantization,
         sparsity=settings.sparsity,
         attention=attention,
+        # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)
+        window_attention="triton" if attention == "triton" else "sdpa",
         compile_mode=compile_mode,
         cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
     )

@@ -305,6 +305,11 @@ class Engine:
             await loop.run_in_executor(self.worker, self.swin.stage.warmup)
         self.warmup_seconds = time.perf_counter() - started
         self.compile_cache_events = compile_cache_hits(since=before)
+        if self.options.compile_mode != "none":
+            # Serving must never stall on the compiler: a shape warm-up did not meet runs
+            # eagerly (a few ms slower) instead of recompiling on the one GPU worker
+            # thread, which holds the GIL for seconds and stalls every request.
+            torch.compiler.set_stance("eager_on_recompile")
         log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds,
                  self.compile_cache_events)  # fmt: skip
         return self.warmup_seconds

@@ -136,19 +136,20 @@ class SamStages:
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:
+        # One embedding row per prompt set (the decoder repeats them per set anyway), so
+        # the compiled decoder sees one batch dimension whatever mix of images a batch
+        # holds: warm-up's shapes are the served shapes. With a separate image dimension,
+        # every new (images, prompts) pair recompiled on the worker thread under load.
         embeddings: list[torch.Tensor] = []
-        slot: dict[str, int] = {}
         sets: list[PromptSet] = []
-        image_index: list[int] = []
         for item in items:
             entry = item.embedding
-            if entry.image_id not in slot:
-                slot[entry.image_id] = len(embeddings)
-                embeddings.append(entry.embedding)
             for prompt in item.prompts:
                 sets.append(self._prompt_set(prompt, entry, item.mask_input))
-                image_index.append(slot[entry.image_id])
-        prompts = pack_prompts(sets, image_index, self.device)
+                embeddings.append(entry.embedding)
+        image_index = list(range(len(sets)))
+        mask_size = 4 * self.config.embedding_size if self.compiled else None
+        prompts = pack_prompts(sets, image_index, self.device, mask_size)
         # low_res: [P, 4, 4h, 4w]; iou: [P, 4]
         low_res, iou = self._decode(torch.stack(embeddings), prompts)
         return self._postprocess(items, low_res.float(), iou.float())
@@ -251,6 +252,7 @@ class SamStages:
         started = time.perf_counter()
         for bucket in self.decoder_buckets:
             for prompt in prompts:
+                # compiled, a refinement click (mask_input) runs the same graph: see decode
                 self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
         log.info(
             "warmed decoder buckets %s in %.2fs",

@@ -105,12 +105,14 @@ def pack_prompts(
     sets: Sequence[PromptSet],
     image_index: Sequence[int] | Tensor,
     device: torch.device | str,
+    mask_size: int | None = None,
 ) -> PromptBatch:
     """Canonicalise and pad prompt sets into one `PromptBatch` on `device`.
 
     `image_index[p]` names the embedding (row of the `embeddings` given to `Sam.decode`)
     that set p decodes against; a tensor already on the device is used as is, so no
-    host round trip is needed.
+    host round trip is needed. With `mask_size`, a batch without mask inputs still carries
+    a zero `[P, 1, m, m]` mask input flagged absent (the same result, one graph shape).
     """
     if not sets:
         raise ValueError("pack_prompts needs at least one prompt set")
@@ -124,6 +126,11 @@ def pack_prompts(
         points[p, : coords.shape[0]] = coords
         labels[p, : kinds.shape[0]] = kinds
     mask_input, has_mask = _pack_masks(sets)
+    if mask_input is None and mask_size is not None:
+        # A compiled decoder gets a mask input always (zeros, flagged absent): one graph for
+        # every prompt form, refinement included, instead of one more per form to warm up.
+        mask_input = torch.zeros(P, 1, mask_size, mask_size, device=device)
+        has_mask = torch.zeros(P, dtype=torch.bool)
     batch = PromptBatch(
         image_index=torch.as_tensor(image_index, dtype=torch.int64),
         points=points,

@@ -135,3 +135,23 @@ def test_decode_rejects_wrong_mask_size(tiny_sam: Sam, embeddings: Tensor) -> No
     batch = pack_prompts([PromptSet(mask_input=torch.zeros(1, 32, 32))], [0], "cpu")
     with pytest.raises(ValueError, match="mask_input"):
         tiny_sam.decode(embeddings, batch)
+
+
+def test_zero_mask_input_flagged_absent_changes_nothing(tiny_sam: Sam, embeddings: Tensor) -> None:
+    """`pack_prompts(mask_size=...)` (one compiled graph for every form) gives the masks of
+    the batch without a mask input, and a set with a real mask still gets its own."""
+    side = 4 * tiny_sam.config.embedding_size
+    sets = [
+        PromptSet(points=torch.tensor([[10.0, 20.0]]), labels=torch.tensor([1])),
+        PromptSet(box=torch.tensor([5.0, 5.0, 40.0, 50.0])),
+    ]
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        plain = tiny_sam.decode(embeddings, pack_prompts(sets, [0, 1], "cpu"))
+        padded = tiny_sam.decode(embeddings, pack_prompts(sets, [0, 1], "cpu", mask_size=side))
+        assert torch.equal(plain[0], padded[0]) and torch.equal(plain[1], padded[1])
+        mask = torch.randn(1, side, side, generator=g) * 10
+        refined = [sets[0], PromptSet(box=sets[1].box, mask_input=mask)]
+        mixed = tiny_sam.decode(embeddings, pack_prompts(refined, [0, 1], "cpu", mask_size=side))
+        assert torch.equal(mixed[0][0], plain[0][0])  # the set without a mask: unchanged
+        assert not torch.allclose(mixed[0][1], plain[0][1])  # the refined one moved

@@ -58,16 +58,62 @@ def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in sums.items()}
 
 
+async def embed_all(http: httpx.AsyncClient, images) -> list[str]:
+    """Encode each photo once (the annotation tool's first request); their image_ids."""
+    ids = []
+    for name, data, _, _ in images:
+        r = await http.post("/v1/embed", files={"image": (name, data, "image/jpeg")})
+        r.raise_for_status()
+        ids.append(r.json()["image_id"])
+    return ids
+
+
+async def click_loop(http, rng, images, ids, points: int, stop_at, latencies, server, failures):
+    """Interactive annotation: clicks on cached embeddings, by image_id, as JSON."""
+    while time.perf_counter() < stop_at:
+        k = rng.randrange(len(images))
+        _, _, w, h = images[k]
+        coords = [[rng.uniform(0, w), rng.uniform(0, h)] for _ in range(points)]
+        body = {"image_id": ids[k], "point_coords": coords, "point_labels": [1] * points,
+                "multimask_output": True}  # fmt: skip
+        started = time.perf_counter()
+        try:
+            r = await http.post("/v1/segment", json=body)
+        except httpx.HTTPError as exc:
+            failures.append(repr(exc))
+            continue
+        if r.status_code != 200 or r.json()["results"][0]["masks"][0]["segmentation"]["size"] != [
+            h,
+            w,
+        ]:
+            failures.append(f"{r.status_code} {r.text[:200]}")
+            continue
+        latencies.append(time.perf_counter() - started)
+        server.append(r.json()["timing_ms"]["total"] / 1000)
+
+
 async def run_load(
-    url: str, images, clients: int, seconds: float, route: str, unique: bool, seed: int = 0
+    url: str,
+    images,
+    clients: int,
+    seconds: float,
+    route: str,
+    unique: bool,
+    seed: int = 0,
+    clicks: int = 0,
 ):
     latencies: list[float] = []
+    server: list[float] = []  # the service's own timing_ms.total, for --clicks
     failures: list[str] = []
     stop_at = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async def client_loop(k: int, http: httpx.AsyncClient) -> None:
         rng = random.Random(seed * 100_003 + k)
+        if clicks:
+            ids = await embed_all(http, images)
+            await click_loop(http, rng, images, ids, clicks, stop_at, latencies, server, failures)
+            return
         while time.perf_counter() < stop_at:
             name, data, w, h = rng.choice(images)
             if unique:  # defeat the embedding cache: different bytes, same picture
@@ -101,44 +147,63 @@ async def run_load(
         s0, c0 = before.get(stage, (0.0, 0.0))
         if c1 > c0:
             means[stage] = (s1 - s0) / (c1 - c0)
-    return latencies, failures, elapsed, means
+    return latencies, failures, elapsed, means, server
 
 
-def _load_process(args: tuple) -> tuple[list[float], list[str], float]:
+def _load_process(args: tuple) -> tuple[list[float], list[str], float, list[float]]:
     """One client process: its share of the clients, on its own event loop."""
-    url, images, clients, seconds, route, unique, seed = args
-    latencies, failures, elapsed, _ = asyncio.run(
-        run_load(url, images, clients, seconds, route, unique, seed)
+    url, images, clients, seconds, route, unique, seed, clicks = args
+    latencies, failures, elapsed, _, server = asyncio.run(
+        run_load(url, images, clients, seconds, route, unique, seed, clicks)
     )
-    return latencies, failures, elapsed
+    return latencies, failures, elapsed, server
 
 
 def run_load_processes(
-    url: str, images, clients: int, seconds: float, route: str, unique: bool, procs: int
+    url: str,
+    images,
+    clients: int,
+    seconds: float,
+    route: str,
+    unique: bool,
+    procs: int,
+    clicks: int = 0,
 ):
     """Spread the clients over `procs` processes, so the load generator is not the limit."""
     if procs <= 1:
-        return asyncio.run(run_load(url, images, clients, seconds, route, unique))
+        return asyncio.run(run_load(url, images, clients, seconds, route, unique, 0, clicks))
     before = batch_means(httpx.get(url + "/metrics", timeout=30).text)
     shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    jobs = [(url, images, n, seconds, route, unique, i) for i, n in enumerate(shares) if n]
+    jobs = [(url, images, n, seconds, route, unique, i, clicks) for i, n in enumerate(shares) if n]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = pool.map(_load_process, jobs)
     after = batch_means(httpx.get(url + "/metrics", timeout=30).text)
     latencies = [x for r in results for x in r[0]]
     failures = [x for r in results for x in r[1]]
+    server = [x for r in results for x in r[3]]
     elapsed = max(r[2] for r in results)
     means = {}
     for stage, (s1, c1) in after.items():
         s0, c0 = before.get(stage, (0.0, 0.0))
         if c1 > c0:
             means[stage] = (s1 - s0) / (c1 - c0)
-    return latencies, failures, elapsed, means
+    return latencies, failures, elapsed, means, server
 
 
-def summarize(latencies: list[float], failures: list[str], elapsed: float, means) -> dict:
-    qs = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+def _quantiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=100) if len(values) >= 2 else [float("nan")] * 99
+
+
+def summarize(
+    latencies: list[float], failures: list[str], elapsed: float, means, server: list[float]
+) -> dict:
+    qs = _quantiles(latencies)
+    extra = {}
+    if server:  # the service's own view (timing_ms.total), without the HTTP hop
+        sq = _quantiles(server)
+        extra = {"server_p50_ms": sq[49] * 1000, "server_p99_ms": sq[98] * 1000}
     return {
+        **extra,
         "requests": len(latencies),
         "failed": len(failures),
         "req_per_s": len(latencies) / elapsed,
@@ -172,6 +237,9 @@ def main() -> None:
     p.add_argument("--route", default="/v1/segment", choices=["/v1/segment", "/v1/classify"])
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--unique", action="store_true", help="new bytes per request (no cache hits)")
+    p.add_argument(
+        "--clicks", type=int, default=0, help="N points per click on cached embeddings (issue 5)"
+    )
     p.add_argument("--spawn", action="store_true", help="start the server for each grid point")
     p.add_argument("--grid", nargs="*", default=["8:5"], help="max_batch_size:delay_ms pairs")
     p.add_argument("--port", type=int, default=8765)
@@ -206,9 +274,13 @@ def main() -> None:
         try:
             load = (url, images, args.clients)
             if args.warmup_seconds:
-                run_load_processes(*load, args.warmup_seconds, args.route, args.unique, args.procs)
+                run_load_processes(
+                    *load, args.warmup_seconds, args.route, args.unique, args.procs, args.clicks
+                )
             row = summarize(
-                *run_load_processes(*load, args.seconds, args.route, args.unique, args.procs)
+                *run_load_processes(
+                    *load, args.seconds, args.route, args.unique, args.procs, args.clicks
+                )
             )
             if args.metrics_out is not None:
                 text = httpx.get(url + "/metrics", timeout=30).text

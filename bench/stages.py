@@ -1,0 +1,138 @@
+"""The SAM stages as the service's GPU worker runs them, without HTTP, on real photos.
+
+Builds the engine exactly as `python -m server` does (same settings, same optimizations,
+same warm-up), then calls the encoder and decoder stage functions directly:
+
+- wall time per batch (what `serve_batch_duration_seconds` measures), split by a profiler
+  table of the host ops and the device kernels, to find what a batch waits on;
+- decoder-only latency on a cached embedding for 1, 5 and 10 clicks, one request at a time
+  (the interactive-annotation path of issue 5, without the HTTP hop).
+
+    python -m bench.stages --images .benchdata/images --batch 16 --iters 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import DEFAULT_IMAGES, environment, print_table
+from server.domain import Prompt
+from server.engine import Engine
+from server.imaging import decode_image
+from server.metrics import Metrics
+from server.settings import Settings
+from server.stages import DecodeItem, EncodeItem
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        _sync()
+        started = time.perf_counter()
+        fn()
+        _sync()
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def _profile(name: str, fn, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    averages = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        if key == "self_device_time_total" and not torch.cuda.is_available():
+            continue
+        table = averages.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        print(f"--- {name}: top by {key}\n{table}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--clicks-iters", type=int, default=100)
+    p.add_argument("--profile-rows", type=int, default=18)
+    args = p.parse_args()
+    env = environment()
+    print(env, flush=True)
+    settings = Settings(enable_swin=False, max_batch_size=args.batch, batch_buckets=[1, args.batch])
+    engine = Engine(settings, Metrics())
+    asyncio.run(engine.load())
+    assert engine.sam is not None
+    stages = engine.sam.stages
+    started = time.perf_counter()
+    stages.warmup()
+    print(f"warm-up {time.perf_counter() - started:.1f}s", flush=True)
+
+    photos = sorted(args.images.glob("*.jpg"))
+    decoded = [
+        decode_image(path.read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20)
+        for path in photos
+    ]
+    decode_ms = _timed(
+        lambda: decode_image(photos[0].read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20), 5
+    )
+    items = [EncodeItem(f"img-{k}", decoded[k % len(decoded)].pixels) for k in range(args.batch)]
+    embeddings = stages.encode(items)
+    boxes = [
+        DecodeItem(
+            e,
+            (Prompt(box=(w * 0.25, h * 0.25, w * 0.6, h * 0.6)),),
+            multimask=False,
+        )
+        for e in embeddings
+        for h, w in [e.original_size]
+    ]
+    rows = []
+    for name, fn in (
+        (f"encode {args.batch} photos", lambda: stages.encode(items)),
+        (f"decode {args.batch} boxes (+ masks, RLE runs)", lambda: stages.decode(boxes)),
+    ):
+        ms = _timed(fn, args.iters)
+        rows.append({"call": name, "p50_ms": statistics.median(ms), "max_ms": max(ms)})
+        print(rows[-1], flush=True)
+    rows.append({"call": f"decode_image {photos[0].name}", "p50_ms": statistics.median(decode_ms)})
+    entry = embeddings[0]
+    h, w = entry.original_size
+    for n in (1, 5, 10):
+        points = tuple((w * (0.2 + 0.6 * k / n), h * (0.3 + 0.4 * (k % 2))) for k in range(n))
+        click = DecodeItem(entry, (Prompt(points=points, labels=(1,) * n),), multimask=True)
+        ms = _timed(lambda click=click: stages.decode([click]), args.clicks_iters)
+        q = statistics.quantiles(ms, n=100)
+        rows.append(
+            {
+                "call": f"clicks: {n} points, cached embedding",
+                "p50_ms": q[49],
+                "p99_ms": q[98],
+                "max_ms": max(ms),
+            }
+        )
+        print(rows[-1], flush=True)
+    _profile("encode", lambda: stages.encode(items), args.profile_rows)
+    _profile("decode", lambda: stages.decode(boxes), args.profile_rows)
+    print(
+        f"\n{env['device']}, torch {env['torch']}, {env['date']}, photos {[p.name for p in photos]}"
+    )
+    print_table(rows, ["call", "p50_ms", "p99_ms", "max_ms"])
+
+
+if __name__ == "__main__":
+    main()

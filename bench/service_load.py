@@ -136,12 +136,18 @@ async def run_load(
                 continue
             latencies.append(time.perf_counter() - started)
 
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        before = batch_means((await http.get("/metrics")).text)
+    # several replicas (comma-separated URLs): client k talks to replica k mod n, a
+    # client-side round robin standing in for the load balancer
+    https = [httpx.AsyncClient(base_url=u, timeout=120, limits=limits) for u in url.split(",")]
+    try:
+        before = batch_means((await https[0].get("/metrics")).text)
         began = time.perf_counter()
-        await asyncio.gather(*(client_loop(k, http) for k in range(clients)))
+        await asyncio.gather(*(client_loop(k, https[k % len(https)]) for k in range(clients)))
         elapsed = time.perf_counter() - began
-        after = batch_means((await http.get("/metrics")).text)
+        after = batch_means((await https[0].get("/metrics")).text)
+    finally:
+        for http in https:
+            await http.aclose()
     means = {}
     for stage, (s1, c1) in after.items():
         s0, c0 = before.get(stage, (0.0, 0.0))
@@ -172,12 +178,13 @@ def run_load_processes(
     """Spread the clients over `procs` processes, so the load generator is not the limit."""
     if procs <= 1:
         return asyncio.run(run_load(url, images, clients, seconds, route, unique, 0, clicks))
-    before = batch_means(httpx.get(url + "/metrics", timeout=30).text)
+    first = url.split(",")[0]  # batch sizes as the first replica saw them
+    before = batch_means(httpx.get(first + "/metrics", timeout=30).text)
     shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
     jobs = [(url, images, n, seconds, route, unique, i, clicks) for i, n in enumerate(shares) if n]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = pool.map(_load_process, jobs)
-    after = batch_means(httpx.get(url + "/metrics", timeout=30).text)
+    after = batch_means(httpx.get(first + "/metrics", timeout=30).text)
     latencies = [x for r in results for x in r[0]]
     failures = [x for r in results for x in r[1]]
     server = [x for r in results for x in r[3]]
@@ -230,7 +237,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="one URL, or several with commas")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--warmup-seconds", type=float, default=3)
@@ -283,7 +290,7 @@ def main() -> None:
                 )
             )
             if args.metrics_out is not None:
-                text = httpx.get(url + "/metrics", timeout=30).text
+                text = httpx.get(url.split(",")[0] + "/metrics", timeout=30).text
                 with args.metrics_out.open("a") as f:
                     f.write(f"# ---- {point}\n{text}")
         finally:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Scale-out as run on a two-GPU machine (docs/BENCHMARKS.md): one service process per GPU
+# (CUDA_VISIBLE_DEVICES), the same load against one replica and then against both (clients
+# spread round-robin over the two URLs, as a load balancer would), then Locust's three user
+# classes headless against one replica.
+#
+#   OUT=/tmp/out bash bench/gpu_scaleout.sh
+#
+# Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH (locust among them) and the photos
+# in .benchdata/images.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# never NVLink multicast on shared hosts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+COMMON=(
+  SERVE_DEVICE=cuda SERVE_SAM_MODEL=vit_b SERVE_MAX_BATCH_SIZE=16 SERVE_MAX_QUEUE_DELAY_MS=5
+  "SERVE_BATCH_BUCKETS=[1,2,4,8,16]" SERVE_DECODER_MAX_BATCH_PROMPTS=64 SERVE_DECODE_THREADS=12
+)
+URLS=()
+for gpu in 0 1; do
+  port=$((8001 + gpu))
+  URLS+=("http://127.0.0.1:$port")
+  CUDA_VISIBLE_DEVICES=$gpu env "${COMMON[@]}" SERVE_COMPILE_CACHE_DIR=/tmp/cc$gpu \
+    python3 -m server --host 127.0.0.1 --port $port > "$OUT/replica$gpu.log" 2>&1 &
+done
+started=$(date +%s)
+python3 - "${URLS[@]}" <<'PY'
+import sys, time, httpx
+pending = set(sys.argv[1:])
+for _ in range(1800):
+    for url in list(pending):
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                pending.discard(url)
+        except httpx.HTTPError:
+            pass
+    if not pending:
+        break
+    time.sleep(0.5)
+sys.exit(1 if pending else 0)
+PY
+echo "both replicas ready after $(( $(date +%s) - started ))s"
+
+LOAD=(--unique --seconds 15 --warmup-seconds 3 --images .benchdata/images)
+echo "== one replica, 128 clients"
+python3 bench/service_load.py --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
+echo "== two replicas, 256 clients"
+python3 bench/service_load.py --url "${URLS[0]},${URLS[1]}" --clients 256 --procs 12 "${LOAD[@]}" \
+  | grep '^{'
+
+echo "== locust, one replica"
+LOADTEST_IMAGES=.benchdata/images timeout 120 locust -f loadtest/locustfile.py --headless \
+  -u 64 -r 16 -t 40s --processes 4 --host "${URLS[0]}" --csv "$OUT/locust" --only-summary \
+  > "$OUT/locust.log" 2>&1
+tail -30 "$OUT/locust.log"
+kill %1 %2 2> /dev/null
+wait

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,32 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spawn_server(env: dict[str, str], port: int, log: object) -> subprocess.Popen:
+    """`python -m server` on 127.0.0.1:port as users start it, its output into `log` (a
+    file: a pipe nobody reads would fill up and block the server)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def wait_until_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    """Poll /readyz until 200; fail with the server's log if it exits or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, f"python -m server was not ready in {timeout_s:.0f} s"
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
 
 
 def small_settings(**overrides: object) -> Settings:

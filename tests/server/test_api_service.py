@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.swin import IMAGENET_CLASSES
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, spawn_server, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,22 +98,10 @@ def test_python_dash_m_server_serves(real_photo, tmp_path):
            "SERVE_LOG_LEVEL": "INFO"}  # fmt: skip
     # The log goes to a file: a pipe nobody reads fills up and blocks the server.
     log = (tmp_path / "server.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = spawn_server(env, port, log)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "python -m server was not ready in 240 s"
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_until_ready(proc, url, tmp_path / "server.log", 240)
         r = httpx.post(url + "/v1/segment", timeout=60,
                        files={"image": ("dog.jpg", real_photo, "image/jpeg")},
                        data={"request": '{"box": [100, 50, 600, 500]}'})  # fmt: skip

@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +24,7 @@ import httpx
 import pytest
 
 from server.logs import JsonFormatter
-from tests.server.conftest import encode, free_port, photo_like
+from tests.server.conftest import encode, free_port, photo_like, spawn_server, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 BOX = [10, 10, 100, 90]
@@ -192,21 +190,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
            "SERVE_LOG_LEVEL": "INFO"}  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        proc = spawn_server(env, port, log)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, path.read_text()
-                assert time.monotonic() < deadline, "python -m server was not ready in 120 s"
-                try:
-                    if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
+            wait_until_ready(proc, url, path, 120)
             yield url, path
         finally:
             proc.terminate()

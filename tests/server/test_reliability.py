@@ -8,8 +8,6 @@ import base64
 import concurrent.futures
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import encode, free_port, photo_like
+from tests.server.conftest import encode, free_port, photo_like, spawn_server, wait_until_ready
 from tests.server.test_api_errors import assert_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,21 +54,9 @@ def test_sigterm_drains_accepted_requests_then_exits_zero(tmp_path):
            "SERVE_FAULT_HANG_STAGE": "sam_encoder", "SERVE_FAULT_HANG_S": "0.4",
            "SERVE_DRAIN_TIMEOUT_S": "60", "SERVE_LOG_LEVEL": "INFO"}  # fmt: skip
     log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = spawn_server(env, port, log)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "not ready in 240 s"
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_until_ready(proc, url, tmp_path / "server.log", 240)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             burst = [pool.submit(segment, url, seed) for seed in range(8)]
             with httpx.Client(base_url=url, timeout=10) as c:

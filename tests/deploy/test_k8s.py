@@ -21,7 +21,6 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from server.metrics import Metrics
-
 from server.settings import Settings
 from tests.deploy.conftest import Manifest
 

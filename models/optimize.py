@@ -58,7 +58,7 @@ class OptimizeOptions:
     @property
     def variant(self) -> str:
         """E.g. `bf16`, `bf16+fp8`, `bf16+int8+2:4`: what every response's precision says."""
-        parts = [self.precision]
+        parts: list[str] = [self.precision]
         if self.quantization != "none":
             parts.append(self.quantization)
         if self.sparsity != "none":

@@ -46,6 +46,11 @@ _EPS = 1e-12
 class Int8DynamicLinear(nn.Module):
     """`y = x W^T + b` with int8 W (per output channel) and int8 x (per token)."""
 
+    # buffers, typed for the checker (register_buffer makes them attributes)
+    weight_int8: Tensor
+    weight_scale: Tensor
+    bias: Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [N, K]
@@ -72,6 +77,10 @@ class Int8DynamicLinear(nn.Module):
 
 class Fp8RowwiseLinear(nn.Module):
     """`y = x W^T + b` with float8 e4m3 W and x, one scale per row of each (bf16 output)."""
+
+    weight_fp8: Tensor
+    weight_scale: Tensor
+    bias: Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -156,6 +165,9 @@ def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tens
 
 class Sparse24Linear(nn.Module):
     """A Linear whose 2:4-pruned weight lives in cuSPARSELt's compressed form (CUDA only)."""
+
+    packed: Tensor
+    bias: Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

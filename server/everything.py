@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -166,15 +167,12 @@ class EverythingRunner:
                 emb = generator.embedding_for(job, entry.embedding)
             else:
                 assert image is not None
-                emb = await self._step(lambda j=job: generator.encode_crop(image, j), deadline)
+                emb = await self._step(partial(generator.encode_crop, image, job), deadline)
                 steps += 1
             chunks = []
             for chunk in range(job.num_chunks):
                 chunks.append(
-                    await self._step(
-                        lambda j=job, e=emb, c=chunk: generator.decode_chunk(e, j, c),
-                        deadline,
-                    )
+                    await self._step(partial(generator.decode_chunk, emb, job, chunk), deadline)
                 )
                 steps += 1
             per_crop.append(chunks)

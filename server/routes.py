@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from server import imaging
 from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
@@ -41,7 +42,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _image_body_doc(json_model: type, fields_model: type) -> dict[str, Any]:
+def _image_body_doc(json_model: type[BaseModel], fields_model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI for bodies we parse by hand: JSON with base64/image_id, or multipart."""
     return {
         "requestBody": {

@@ -202,8 +202,8 @@ class SamStages:
             chosen = slice(1, None) if item.multimask else slice(0, 1)
             scores = host_iou[start : start + prompts, chosen]
             start += prompts
-            order = np.argsort(-scores, axis=1, kind="stable")
-            sorted_scores = np.take_along_axis(scores, order, axis=1)
+            ranking = np.argsort(-scores, axis=1, kind="stable")  # the device's order, above
+            sorted_scores = np.take_along_axis(scores, ranking, axis=1)
             item_runs = None
             item_masks = None
             if self.rle_on_device and item.output == "rle":

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from server.engine import Engine
 from server.errors import ServiceError
@@ -77,7 +77,7 @@ def serve_state(app_state: object) -> ServeState:
 
 
 async def watch_disconnect(
-    receive: Callable[[], Awaitable[dict[str, object]]], work: Awaitable[T]
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Awaitable[T]
 ) -> T:
     """Await `work`, cancelling it if the client disconnects first.
 

@@ -1,0 +1,73 @@
+"""Served decoder batches reuse the graphs warm-up compiled: no recompilation under load.
+
+On an H100 the compiled decoder recompiled for every new mix of (images, prompts) in a
+batch, holding the GIL on the GPU worker thread for seconds (docs/BENCHMARKS.md). Whether a
+call recompiles is decided by dynamo's guards, whatever the backend, so the `eager` backend
+checks it here in seconds: after warm-up, `fail_on_recompile` turns any recompilation into
+an error while batches shaped as the service forms them run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from models.optimize import OptimizeOptions
+from models.sam import SAM_CONFIGS, load_sam
+from server.domain import Prompt
+from server.stages import DecodeItem, EncodeItem, SamStages
+
+
+@pytest.fixture
+def stages() -> Iterator[SamStages]:
+    torch._dynamo.reset()
+    config = SAM_CONFIGS["vit_tiny"]
+    model = load_sam(config, None, seed=0)
+    stages = SamStages(model, config, torch.device("cpu"), OptimizeOptions(), [1, 2], [1, 2, 4, 8])
+    # as the service compiles it on CUDA, with the cheapest backend: guards are the same
+    stages.compiled = True
+    stages._decode = torch.compile(model.decode, dynamic=True, backend="eager")
+    stages.warmup()
+    yield stages
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+def _prompts(w: int, h: int) -> list[Prompt]:
+    return [
+        Prompt(points=((w / 2, h / 2),), labels=(1,)),
+        Prompt(box=(w / 5, h / 5, w / 2, h / 2)),
+        Prompt(
+            points=((w / 3, h / 3), (w / 4, h / 5), (w / 2, h / 3)),
+            labels=(1, 0, 1),
+            box=(1.0, 2.0, w / 2, h / 2),
+        ),
+        Prompt(points=tuple((w * k / 11, h * k / 11) for k in range(1, 11)), labels=(1,) * 10),
+    ]
+
+
+def test_service_shaped_batches_do_not_recompile(stages: SamStages) -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = [(120, 160), (300, 200), (256, 256)]
+    pixels = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g) for h, w in sizes]
+    entries = stages.encode([EncodeItem(f"img-{k}", p) for k, p in enumerate(pixels)])
+    mask = torch.randn(1, 64, 64, generator=g)
+    batches = [
+        # requests on three images in one batch, one prompt each (the one-box load test)
+        [DecodeItem(e, (_prompts(*e.original_size[::-1])[1],), False) for e in entries],
+        # mixed prompt kinds and counts, multimask or not, a refinement click among them
+        [
+            DecodeItem(entries[0], tuple(_prompts(160, 120)), True),
+            DecodeItem(entries[1], (_prompts(200, 300)[3],), False, mask_input=mask),
+            DecodeItem(entries[2], tuple(_prompts(256, 256)[:2]), True),
+        ],
+        # one request alone, and sizes between the buckets
+        [DecodeItem(entries[2], (_prompts(256, 256)[0],), True)],
+        [DecodeItem(entries[k % 3], (_prompts(50, 50)[k % 4],), False) for k in range(7)],
+    ]
+    torch.compiler.set_stance("fail_on_recompile")
+    for items in batches:
+        results = stages.decode(items)  # raises if dynamo needed a new graph
+        assert [len(r) for r in results] == [len(i.prompts) for i in items]

@@ -84,10 +84,12 @@ class Settings(BaseSettings):
     # Process.
     decode_threads: int = Field(4, ge=1)
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
-    # Python's GIL hand-over interval. The GPU worker thread needs the GIL for a moment
-    # between kernel launches; with busy decode threads a shorter interval gets it back
-    # sooner (Python's default is 5 ms). None keeps Python's default.
-    switch_interval_ms: float | None = Field(None, gt=0.0)
+    # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
+    # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
+    # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's
+    # encoder call took 7.6 s at Python's 5 ms and 0.96 s at 0.5 ms (31 ms alone; CPU,
+    # bench/gil_contention.py, docs/BENCHMARKS.md). None keeps Python's default.
+    switch_interval_ms: float | None = Field(0.5, gt=0.0)
     log_level: str = "INFO"
 
     @field_validator("batch_buckets")

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Scale-out as run on a two-GPU machine (docs/BENCHMARKS.md): one service process per GPU
-# (CUDA_VISIBLE_DEVICES), the same load against one replica and then against both (clients
-# spread round-robin over the two URLs, as a load balancer would), then Locust's three user
+# (CUDA_VISIBLE_DEVICES), the same load against one replica and then against all (clients
+# spread round-robin over the URLs, as a load balancer would), then Locust's three user
 # classes headless against one replica.
 #
 #   OUT=/tmp/out bash bench/gpu_scaleout.sh
+#
+# REPLICA_GPUS lists the GPU of each replica (default "0 1"); "0 0 0" runs three replicas
+# sharing one GPU, and one compile cache. CLIENTS_ALL (default 128 per replica) loads all of
+# them; LOCUST=0 skips Locust; EXTRA_ENV adds server settings.
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH (locust among them) and the photos
 # in .benchdata/images.
@@ -18,12 +22,17 @@ COMMON=(
   SERVE_DEVICE=cuda SERVE_SAM_MODEL=vit_b SERVE_MAX_BATCH_SIZE=16 SERVE_MAX_QUEUE_DELAY_MS=5
   "SERVE_BATCH_BUCKETS=[1,2,4,8,16]" SERVE_DECODER_MAX_BATCH_PROMPTS=64 SERVE_DECODE_THREADS=12
 )
+read -r -a GPUS <<< "${REPLICA_GPUS:-0 1}"
 URLS=()
-for gpu in 0 1; do
-  port=$((8001 + gpu))
+PIDS=()
+for n in "${!GPUS[@]}"; do
+  gpu=${GPUS[$n]}
+  port=$((8001 + n))
   URLS+=("http://127.0.0.1:$port")
-  CUDA_VISIBLE_DEVICES=$gpu env "${COMMON[@]}" SERVE_COMPILE_CACHE_DIR=/tmp/cc$gpu \
-    python3 -m server --host 127.0.0.1 --port $port > "$OUT/replica$gpu.log" 2>&1 &
+  # shellcheck disable=SC2086  # EXTRA_ENV is a list of settings
+  CUDA_VISIBLE_DEVICES=$gpu env "${COMMON[@]}" SERVE_COMPILE_CACHE_DIR=/tmp/cc$gpu ${EXTRA_ENV:-} \
+    python3 -m server --host 127.0.0.1 --port $port > "$OUT/replica$n.log" 2>&1 &
+  PIDS+=($!)
 done
 started=$(date +%s)
 python3 - "${URLS[@]}" <<'PY'
@@ -41,19 +50,24 @@ for _ in range(1800):
     time.sleep(0.5)
 sys.exit(1 if pending else 0)
 PY
-echo "both replicas ready after $(( $(date +%s) - started ))s"
+echo "${#URLS[@]} replicas ready after $(( $(date +%s) - started ))s"
 
 LOAD=(--unique --seconds 15 --warmup-seconds 3 --images .benchdata/images)
 echo "== one replica, 128 clients"
 python3 bench/service_load.py --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
-echo "== two replicas, 256 clients"
-python3 bench/service_load.py --url "${URLS[0]},${URLS[1]}" --clients 256 --procs 12 "${LOAD[@]}" \
-  | grep '^{'
+CLIENTS_ALL=${CLIENTS_ALL:-$((128 * ${#URLS[@]}))}
+ALL=$(IFS=,; echo "${URLS[*]}")
+echo "== ${#URLS[@]} replicas, $CLIENTS_ALL clients"
+python3 bench/service_load.py --url "$ALL" --clients "$CLIENTS_ALL" --procs $((6 * ${#URLS[@]})) \
+  "${LOAD[@]}" | grep '^{'
 
-echo "== locust, one replica"
-LOADTEST_IMAGES=.benchdata/images timeout 120 locust -f loadtest/locustfile.py --headless \
-  -u 64 -r 16 -t 40s --processes 4 --host "${URLS[0]}" --csv "$OUT/locust" --only-summary \
-  > "$OUT/locust.log" 2>&1
-tail -30 "$OUT/locust.log"
-kill %1 %2 2> /dev/null
+if [ "${LOCUST:-1}" = 1 ]; then
+  echo "== locust, one replica"
+  LOADTEST_IMAGES=.benchdata/images timeout 120 locust -f loadtest/locustfile.py --headless \
+    -u 64 -r 16 -t 40s --processes 4 --host "${URLS[0]}" --csv "$OUT/locust" --only-summary \
+    > "$OUT/locust.log" 2>&1
+  tail -30 "$OUT/locust.log"
+fi
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_memory.csv" 2>&1
+kill "${PIDS[@]}" 2> /dev/null
 wait

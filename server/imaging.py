@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from models.images import pinned_pixels
 from server.errors import ServiceError
 
 __all__ = ["DecodedImage", "decode_base64_image", "decode_image", "sha256_hex"]
@@ -41,7 +42,7 @@ MAX_ASPECT_RATIO = 64
 
 @dataclass(frozen=True)
 class DecodedImage:
-    pixels: torch.Tensor  # uint8 [H, W, 3], CPU, contiguous
+    pixels: torch.Tensor  # uint8 [H, W, 3], CPU (pinned when serving on CUDA), contiguous
     width: int
     height: int
 
@@ -139,11 +140,17 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
         return np.repeat(gray[:, :, None], 3, axis=2)
     if mode != "RGB":
         image = image.convert("RGB")
-    return np.array(image)  # a writable copy: torch.from_numpy shares it
+    return np.asarray(image)  # read-only; `pinned_pixels` makes the one copy the tensor owns
 
 
-def decode_image(data: bytes, *, max_pixels: int, max_bytes: int) -> DecodedImage:
-    """Decode, orient and convert one image file; raise `ServiceError` for bad input."""
+def decode_image(
+    data: bytes, *, max_pixels: int, max_bytes: int, device: torch.device | str = "cpu"
+) -> DecodedImage:
+    """Decode, orient and convert one image file; raise `ServiceError` for bad input.
+
+    `device` is where the model runs: for CUDA the pixels land in pinned memory here, in the
+    decode thread, so the GPU worker's upload is an asynchronous DMA transfer.
+    """
     if not data:
         raise _bad("the image is empty (0 bytes)")
     if len(data) > max_bytes:
@@ -159,5 +166,5 @@ def decode_image(data: bytes, *, max_pixels: int, max_bytes: int) -> DecodedImag
         raise _bomb(exc) from None
     except Exception as exc:  # truncated or corrupt pixel data
         raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
-    pixels = torch.from_numpy(np.ascontiguousarray(rgb))
+    pixels = pinned_pixels(rgb, device)
     return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -16,6 +16,7 @@ from server.errors import ServiceError
 from server.everything import EverythingMasks
 from server.inputs import ParsedRequest, parse_image_request
 from server.masks import build_mask_objects
+from server.responses import FastJSONResponse
 from server.schemas import (
     ClassifyFields,
     ClassifyJSON,
@@ -77,6 +78,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         return None
     s = state.settings
     started = time.perf_counter()
+    device = state.engine.device if state.engine is not None else "cpu"
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -84,7 +86,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         decoded = imaging.decode_image(
-            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes
+            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, device=device
         )
         return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
 
@@ -188,7 +190,7 @@ async def segment(request: Request) -> Response:
     body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
     body["timing_ms"]["total"] = round((done - started) * 1000, 3)
     _record_timing(request, state, body["timing_ms"])
-    return JSONResponse(body)
+    return FastJSONResponse(body)
 
 
 def _everything_body(masks: EverythingMasks, output: str) -> list[dict[str, Any]]:
@@ -234,7 +236,7 @@ async def segment_everything(request: Request) -> Response:
         "total": round((done - started) * 1000, 3),
     }
     _record_timing(request, state, timing_ms)
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "image_id": entry.image_id,
             "width": entry.original_size[1],
@@ -266,13 +268,13 @@ async def embed(request: Request) -> Response:
         entry = engine.cache.get(parsed.image_id)
         if entry is None:
             raise ServiceError(404, "unknown_image_id", f"image_id {parsed.image_id} is not cached")
-        return JSONResponse(
+        return FastJSONResponse(
             {"image_id": entry.image_id, "width": entry.original_size[1],
              "height": entry.original_size[0], "cached": True, "timing_ms": {}}
         )  # fmt: skip
     result = await watch_disconnect(request.receive, engine.embed(image, deadline))
     _record_timing(request, state, result.timing_ms)
-    return JSONResponse(
+    return FastJSONResponse(
         {"image_id": result.image_id, "width": result.width, "height": result.height,
          "cached": result.cached, "timing_ms": result.timing_ms}
     )  # fmt: skip
@@ -332,7 +334,7 @@ async def classify(request: Request) -> Response:
     assert engine.swin is not None
     timing_ms = {**result.timing_ms, "total": round((time.perf_counter() - started) * 1000, 3)}
     _record_timing(request, state, timing_ms)
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "predictions": [
                 {"label": p.label, "index": p.index, "score": p.score} for p in result.predictions
@@ -353,7 +355,7 @@ async def healthz(request: Request) -> Response:
         raise ServiceError(
             503, "worker_stuck", f"a batch has been computing too long: {state.stuck}"
         )
-    return JSONResponse({"status": "ok", "ready": state.ready, "draining": state.draining})
+    return FastJSONResponse({"status": "ok", "ready": state.ready, "draining": state.draining})
 
 
 @router.get("/readyz", responses={503: {"model": ErrorResponse}})
@@ -364,7 +366,7 @@ async def readyz(request: Request) -> Response:
         raise ServiceError(503, "not_ready", "draining")
     if not state.ready:
         raise ServiceError(503, "not_ready", state.failure or "loading or warming up")
-    return JSONResponse({"status": "ready"})
+    return FastJSONResponse({"status": "ready"})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -378,7 +380,7 @@ async def models(request: Request) -> Response:
     """What is loaded: names, weights source, precision, compile mode, buckets, device."""
     state = _state(request)
     loaded = state.engine.models() if state.engine is not None else []
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "models": [
                 {"name": m.name, "weights": m.weights, "precision": m.precision,

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from models.images import nested_pixels
+from models.images import jagged_on, nested_pixels, pinned_pixels
 from models.swin import SWIN_CONFIGS, SwinConfig
 from models.swin import transforms as swin_tf
 
@@ -91,6 +91,31 @@ def test_list_and_nested_batch_agree(name: str) -> None:
     # each image alone gives the same as in the batch
     for k, image in enumerate(images):
         assert torch.equal(swin_tf.preprocess_images([image], config, "cpu")[0], from_list[k])
+
+
+def test_device_packing_equals_host_nested_tensor() -> None:
+    """The accelerator path (values allocated on the device, filled slice by slice) builds
+    the same jagged tensor as `torch.nested.nested_tensor` does on the host; run here with
+    the host as the target, since CI has no GPU."""
+    images = [_random(h, w, seed=k) for k, (h, w) in enumerate(SIZES)]
+    rows = [image.reshape(-1, 3) for image in images]
+    packed = jagged_on(rows, torch.device("cpu"))
+    reference = nested_pixels(images, "cpu")
+    assert packed.is_nested and packed.layout == torch.jagged
+    assert torch.equal(packed.values(), reference.values())
+    assert torch.equal(packed.offsets(), reference.offsets())
+    from_packed = swin_tf.preprocess_images(packed, TINY, torch.device("cpu"), SIZES)
+    assert torch.equal(from_packed, swin_tf.preprocess_images(images, TINY, "cpu"))
+
+
+def test_pinned_pixels_owns_a_writable_copy() -> None:
+    source = np.arange(5 * 4 * 3, dtype=np.uint8).reshape(5, 4, 3)
+    source.flags.writeable = False  # what np.asarray(PIL image) gives
+    pixels = pinned_pixels(source, "cpu")
+    assert pixels.dtype == torch.uint8 and tuple(pixels.shape) == (5, 4, 3)
+    assert np.array_equal(pixels.numpy(), source)
+    pixels[0, 0, 0] = 255  # writable, and not the caller's buffer
+    assert source[0, 0, 0] == 0
 
 
 def test_nested_batch_needs_matching_sizes() -> None:

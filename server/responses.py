@@ -3,7 +3,8 @@
 A segment response carries each mask's RLE as text, hundreds of kilobytes for detailed
 masks; the standard library's encoder ran on the event loop's thread, holding the GIL,
 for about 11% of the GIL's busy time under load on an H100 (py-spy, docs/BENCHMARKS.md).
-orjson writes the same JSON several times faster.
+orjson writes the same JSON about ten times faster (0.14 vs 1.5 ms for a 616 KB body,
+`python -m bench.host_costs` on the 2-core CPU).
 """
 
 from __future__ import annotations

@@ -88,8 +88,10 @@ class Settings(BaseSettings):
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's
     # encoder call took 7.6 s at Python's 5 ms and 0.96 s at 0.5 ms (31 ms alone; CPU,
-    # bench/gil_contention.py, docs/BENCHMARKS.md). None keeps Python's default.
-    switch_interval_ms: float | None = Field(0.5, gt=0.0)
+    # bench/gil_contention.py, docs/BENCHMARKS.md). But the GPU service at 0.5 ms served
+    # 57.9 req/s, against 57.9 to 75.8 in four runs at Python's 5 ms (H100, batch 16, 5 ms
+    # delay): no gain shown where it matters, so None (Python's default) stays the default.
+    switch_interval_ms: float | None = Field(None, gt=0.0)
     log_level: str = "INFO"
 
     @field_validator("batch_buckets")

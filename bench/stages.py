@@ -6,7 +6,11 @@ same warm-up), then calls the encoder and decoder stage functions directly:
 - wall time per batch (what `serve_batch_duration_seconds` measures), split by a profiler
   table of the host ops and the device kernels, to find what a batch waits on;
 - decoder-only latency on a cached embedding for 1, 5 and 10 clicks, one request at a time
-  (the interactive-annotation path of issue 5, without the HTTP hop).
+  (the interactive-annotation path of issue 5, without the HTTP hop);
+- on CUDA, how many host-device synchronisations each call makes, counted with
+  `torch.cuda.set_sync_debug_mode("warn")` (column `syncs`). The encoder call should make
+  none, so the worker prepares the next batch while the GPU runs this one; the decoder's
+  come at its end, where the masks' runs are copied back.
 
     python -m bench.stages --images .benchdata/images --batch 16 --iters 10
 """
@@ -17,6 +21,7 @@ import argparse
 import asyncio
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,6 +49,22 @@ def _timed(fn, iters: int) -> list[float]:
         _sync()
         out.append((time.perf_counter() - started) * 1000)
     return out
+
+
+def _count_syncs(fn) -> int | str:
+    """Synchronising CUDA calls made by one `fn()` (warnings from the sync debug mode)."""
+    if not torch.cuda.is_available():
+        return "n/a (CPU)"
+    _sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _profile(name: str, fn, rows: int) -> None:
@@ -108,7 +129,14 @@ def main() -> None:
         (f"decode {args.batch} boxes (+ masks, RLE runs)", lambda: stages.decode(boxes)),
     ):
         ms = _timed(fn, args.iters)
-        rows.append({"call": name, "p50_ms": statistics.median(ms), "max_ms": max(ms)})
+        rows.append(
+            {
+                "call": name,
+                "p50_ms": statistics.median(ms),
+                "max_ms": max(ms),
+                "syncs": _count_syncs(fn),
+            }
+        )
         print(rows[-1], flush=True)
     rows.append({"call": f"decode_image {photos[0].name}", "p50_ms": statistics.median(decode_ms)})
     entry = embeddings[0]
@@ -124,6 +152,7 @@ def main() -> None:
                 "p50_ms": q[49],
                 "p99_ms": q[98],
                 "max_ms": max(ms),
+                "syncs": _count_syncs(lambda click=click: stages.decode([click])),
             }
         )
         print(rows[-1], flush=True)
@@ -132,7 +161,7 @@ def main() -> None:
     print(
         f"\n{env['device']}, torch {env['torch']}, {env['date']}, photos {[p.name for p in photos]}"
     )
-    print_table(rows, ["call", "p50_ms", "p99_ms", "max_ms"])
+    print_table(rows, ["call", "p50_ms", "p99_ms", "max_ms", "syncs"])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -28,8 +29,24 @@ from prometheus_client.parser import text_string_to_metric_families
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
 
+Photo = tuple[str, bytes, int, int]  # file name, JPEG bytes, width, height
 
-def load_images(folder: Path) -> list[tuple[str, bytes, int, int]]:
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One load run, as both runners and every client process take it (it is pickled to
+    each process whole; `replace` gives a warm-up run or one process's share)."""
+
+    url: str  # one URL, or several with commas: client k talks to replica k mod n
+    images: tuple[Photo, ...]
+    clients: int
+    seconds: float
+    route: str = "/v1/segment"
+    unique: bool = False  # new bytes per request, so the embedding cache never hits
+    clicks: int = 0  # > 0: clicks of this many points on cached embeddings instead
+
+
+def load_images(folder: Path) -> tuple[Photo, ...]:
     from PIL import Image
 
     out = []
@@ -39,7 +56,7 @@ def load_images(folder: Path) -> list[tuple[str, bytes, int, int]]:
             out.append((path.name, data, im.width, im.height))
     if not out:
         raise SystemExit(f"no .jpg files in {folder}")
-    return out
+    return tuple(out)
 
 
 def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
@@ -92,31 +109,26 @@ async def click_loop(http, rng, images, ids, points: int, stop_at, latencies, se
         server.append(r.json()["timing_ms"]["total"] / 1000)
 
 
-async def run_load(
-    url: str,
-    images,
-    clients: int,
-    seconds: float,
-    route: str,
-    unique: bool,
-    seed: int = 0,
-    clicks: int = 0,
-):
+async def run_load(spec: LoadSpec, seed: int = 0):
+    """`spec.clients` clients on this event loop; `seed` tells processes' clients apart."""
+    images, route = spec.images, spec.route
     latencies: list[float] = []
     server: list[float] = []  # the service's own timing_ms.total, for --clicks
     failures: list[str] = []
-    stop_at = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    stop_at = time.perf_counter() + spec.seconds
+    limits = httpx.Limits(max_connections=spec.clients, max_keepalive_connections=spec.clients)
 
     async def client_loop(k: int, http: httpx.AsyncClient) -> None:
         rng = random.Random(seed * 100_003 + k)
-        if clicks:
+        if spec.clicks:
             ids = await embed_all(http, images)
-            await click_loop(http, rng, images, ids, clicks, stop_at, latencies, server, failures)
+            await click_loop(
+                http, rng, images, ids, spec.clicks, stop_at, latencies, server, failures
+            )
             return
         while time.perf_counter() < stop_at:
             name, data, w, h = rng.choice(images)
-            if unique:  # defeat the embedding cache: different bytes, same picture
+            if spec.unique:  # defeat the embedding cache: different bytes, same picture
                 data = data + rng.randbytes(16)
             x0, y0 = rng.uniform(0, w / 2), rng.uniform(0, h / 2)
             box = [x0, y0, x0 + w / 3, y0 + h / 3]
@@ -138,11 +150,13 @@ async def run_load(
 
     # several replicas (comma-separated URLs): client k talks to replica k mod n, a
     # client-side round robin standing in for the load balancer
-    https = [httpx.AsyncClient(base_url=u, timeout=120, limits=limits) for u in url.split(",")]
+    urls = spec.url.split(",")
+    https = [httpx.AsyncClient(base_url=u, timeout=120, limits=limits) for u in urls]
     try:
         before = batch_means((await https[0].get("/metrics")).text)
         began = time.perf_counter()
-        await asyncio.gather(*(client_loop(k, https[k % len(https)]) for k in range(clients)))
+        loops = (client_loop(k, https[k % len(https)]) for k in range(spec.clients))
+        await asyncio.gather(*loops)
         elapsed = time.perf_counter() - began
         after = batch_means((await https[0].get("/metrics")).text)
     finally:
@@ -156,32 +170,22 @@ async def run_load(
     return latencies, failures, elapsed, means, server
 
 
-def _load_process(args: tuple) -> tuple[list[float], list[str], float, list[float]]:
+def _load_process(job: tuple[LoadSpec, int]) -> tuple[list[float], list[str], float, list[float]]:
     """One client process: its share of the clients, on its own event loop."""
-    url, images, clients, seconds, route, unique, seed, clicks = args
-    latencies, failures, elapsed, _, server = asyncio.run(
-        run_load(url, images, clients, seconds, route, unique, seed, clicks)
-    )
+    spec, seed = job
+    latencies, failures, elapsed, _, server = asyncio.run(run_load(spec, seed))
     return latencies, failures, elapsed, server
 
 
-def run_load_processes(
-    url: str,
-    images,
-    clients: int,
-    seconds: float,
-    route: str,
-    unique: bool,
-    procs: int,
-    clicks: int = 0,
-):
+def run_load_processes(spec: LoadSpec, procs: int):
     """Spread the clients over `procs` processes, so the load generator is not the limit."""
     if procs <= 1:
-        return asyncio.run(run_load(url, images, clients, seconds, route, unique, 0, clicks))
-    first = url.split(",")[0]  # batch sizes as the first replica saw them
+        return asyncio.run(run_load(spec))
+    first = spec.url.split(",")[0]  # batch sizes as the first replica saw them
     before = batch_means(httpx.get(first + "/metrics", timeout=30).text)
+    clients = spec.clients
     shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    jobs = [(url, images, n, seconds, route, unique, i, clicks) for i, n in enumerate(shares) if n]
+    jobs = [(replace(spec, clients=n), i) for i, n in enumerate(shares) if n]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = pool.map(_load_process, jobs)
     after = batch_means(httpx.get(first + "/metrics", timeout=30).text)
@@ -279,16 +283,18 @@ def main() -> None:
             ready_s = wait_ready(url, proc)
             print(f"{point}: ready after {ready_s:.1f}s", flush=True)
         try:
-            load = (url, images, args.clients)
-            if args.warmup_seconds:
-                run_load_processes(
-                    *load, args.warmup_seconds, args.route, args.unique, args.procs, args.clicks
-                )
-            row = summarize(
-                *run_load_processes(
-                    *load, args.seconds, args.route, args.unique, args.procs, args.clicks
-                )
+            spec = LoadSpec(
+                url=url,
+                images=images,
+                clients=args.clients,
+                seconds=args.seconds,
+                route=args.route,
+                unique=args.unique,
+                clicks=args.clicks,
             )
+            if args.warmup_seconds:
+                run_load_processes(replace(spec, seconds=args.warmup_seconds), args.procs)
+            row = summarize(*run_load_processes(spec, args.procs))
             if args.metrics_out is not None:
                 text = httpx.get(url.split(",")[0] + "/metrics", timeout=30).text
                 with args.metrics_out.open("a") as f:

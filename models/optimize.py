@@ -9,8 +9,10 @@ so a served batch costs one graph replay instead of hundreds of kernel launches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,9 +25,11 @@ from models.sam.fused_attention import fused_supported
 
 __all__ = [
     "DTYPES",
+    "EAGER_ON_RECOMPILE",
     "CompileMode",
     "GraphedBuckets",
     "OptimizeOptions",
+    "SharedStance",
     "compile_fn",
     "prepare_sam_encoder",
     "prepare_swin",
@@ -124,6 +128,42 @@ def compile_fn(
     if mode == "max-autotune":
         mode = "max-autotune-no-cudagraphs"
     return torch.compile(fn, mode=mode, dynamic=dynamic, fullgraph=True)
+
+
+class SharedStance:
+    """A torch.compile stance held only while some caller is inside `hold()`.
+
+    The stance is process-wide state in torch. Set once and left, it reaches every other
+    compiled function in the process (a second engine's warm-up, a test). Held around a
+    call and put back after, it is scoped to that call; but two threads nesting plain
+    `with torch.compiler.set_stance(...)` would each put back what it found, out of order,
+    and could leave the stance set for good. So holders are counted: the first sets the
+    stance, the last puts back what the first found.
+    """
+
+    def __init__(self, stance: str) -> None:
+        self.stance = stance
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._restore = contextlib.ExitStack()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                self._restore.enter_context(torch.compiler.set_stance(self.stance))
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    self._restore.close()
+
+
+# After warm-up, a shape it did not meet runs eagerly instead of recompiling (see Engine).
+EAGER_ON_RECOMPILE = SharedStance("eager_on_recompile")
 
 
 class GraphedBuckets:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator
 from models.sam.fused_attention import triton_available
@@ -169,6 +169,7 @@ class Engine:
         self.sam: _SamParts | None = None
         self.swin: _SwinParts | None = None
         self.warmup_seconds: float | None = None
+        self.no_recompile = False  # set by a compiled warm-up; see _stage_fn
         self.compile_cache_events: dict[str, int] = {"hit": 0, "miss": 0}
 
     # -- life cycle -------------------------------------------------------------------
@@ -188,7 +189,14 @@ class Engine:
             self.swin = self._load_swin()
 
     def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        """The stage's batch function, with injected faults when a test asked for them."""
+        """The stage's batch function, with injected faults when a test asked for them.
+
+        After a compiled warm-up, each batch runs under the `eager_on_recompile` stance:
+        serving must never stall on the compiler, and a shape warm-up did not meet runs
+        eagerly (a few ms slower) instead of recompiling on the one GPU worker thread,
+        which holds the GIL for seconds and stalls every request. The stance is held only
+        around these calls, so nothing else in the process inherits it.
+        """
         s = self.settings
         faults = Faults(
             oom_min_batch=s.fault_oom_min_batch,
@@ -197,7 +205,15 @@ class Engine:
             hang_s=s.fault_hang_s,
             raise_stage=s.fault_raise_stage,
         )
-        return faults.wrap(stage, fn)
+        run = faults.wrap(stage, fn)
+
+        def run_batch(items: list[Any]) -> Any:
+            if not self.no_recompile:
+                return run(items)
+            with EAGER_ON_RECOMPILE.hold():
+                return run(items)
+
+        return run_batch
 
     def _batcher_args(self) -> dict[str, object]:
         s = self.settings
@@ -305,11 +321,8 @@ class Engine:
             await loop.run_in_executor(self.worker, self.swin.stage.warmup)
         self.warmup_seconds = time.perf_counter() - started
         self.compile_cache_events = compile_cache_hits(since=before)
-        if self.options.compile_mode != "none":
-            # Serving must never stall on the compiler: a shape warm-up did not meet runs
-            # eagerly (a few ms slower) instead of recompiling on the one GPU worker
-            # thread, which holds the GIL for seconds and stalls every request.
-            torch.compiler.set_stance("eager_on_recompile")
+        # from now on, served batches run what warm-up compiled or eagerly (_stage_fn)
+        self.no_recompile = self.options.compile_mode != "none"
         log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds,
                  self.compile_cache_events)  # fmt: skip
         return self.warmup_seconds

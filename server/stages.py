@@ -147,9 +147,9 @@ class SamStages:
             for prompt in item.prompts:
                 sets.append(self._prompt_set(prompt, entry, item.mask_input))
                 embeddings.append(entry.embedding)
-        image_index = list(range(len(sets)))
         mask_size = 4 * self.config.embedding_size if self.compiled else None
-        prompts = pack_prompts(sets, image_index, self.device, mask_size)
+        # no image_index: row p of the stack is set p's embedding, not gathered again
+        prompts = pack_prompts(sets, None, self.device, mask_size)
         # low_res: [P, 4, 4h, 4w]; iou: [P, 4]
         low_res, iou = self._decode(torch.stack(embeddings), prompts)
         return self._postprocess(items, low_res.float(), iou.float())

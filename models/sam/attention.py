@@ -12,7 +12,10 @@ read once more than the attention itself. Both forms here start from the two sma
   `rel_w[.., kv % w]` per tile inside the fused kernel, so the dense bias never exists.
   It is fused only under `torch.compile` (eagerly it falls back to an unfused reference);
 - `triton`: our flash-attention kernel (`fused_attention.py`) that adds `rel_h` per key row
-  and keeps the `rel_w` tile in registers; CUDA only, grids of power-of-two width.
+  and keeps the `rel_w` tile in registers; CUDA only, rows of keys up to `MAX_GRID_W`. It
+  is reached only through one custom op, `fused_rel_pos_attention`, opaque to the compiler
+  and captured by CUDA graphs: the encoder calls it by `fused_qkv_attention`, straight on
+  its qkv projection, and `rel_pos_attention(..., "triton")` on q, k and v stacked so.
 """
 
 from __future__ import annotations
@@ -88,9 +91,13 @@ def rel_pos_attention(
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_bias(rel_h, rel_w))
     if impl == "triton":
-        from models.sam.fused_attention import launch
+        from models.sam.fused_attention import fused_rel_pos_attention
 
-        return launch(q, k, v, rel_h, rel_w)
+        B, heads, N, C = q.shape
+        # the op's layout, [B, N, 3, heads, C] (one copy the encoder's qkv projection spares)
+        qkv = torch.stack((q, k, v), dim=2).permute(0, 3, 2, 1, 4)
+        out = fused_rel_pos_attention(qkv, rel_h, rel_w)  # [B, N, heads * C]
+        return out.view(B, N, heads, C).transpose(1, 2)
 
     return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
 

@@ -145,7 +145,12 @@ def launch(
 ) -> Tensor:
     """Run the kernel: q, k, v `[B, heads, h*w, C]` (any strides with a contiguous last
     dim), rel_h `[B, heads, h*w, h]`, rel_w `[B, heads, h*w, w]` -> `[B, heads, h*w, C]`,
-    written into `out` (which may be a strided view) when given."""
+    written into `out` (which may be a strided view) when given.
+
+    The bare launch under the op below, which is how model code reaches the kernel (an
+    opaque op is what torch.compile and CUDA graphs need). Not exported: called directly
+    only by the kernel's test and bench/sam_encoder.py, to sweep `KernelConfig`.
+    """
     import triton
 
     q, k, v, rel_h, rel_w = (_last_dim_contiguous(t) for t in (q, k, v, rel_h, rel_w))

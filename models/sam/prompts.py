@@ -45,7 +45,8 @@ class PromptSet:
 class PromptBatch:
     """P prompt sets padded to T tokens each, on the decoding device.
 
-    image_index: `[P]` int64, which embedding each set decodes against.
+    image_index: `[P]` int64, which embedding each set decodes against; or None when the
+    embeddings given to `Sam.decode` are already one row per set (no gather, no copy).
     points: `[P, T, 2]` float32 token coordinates (box corners included).
     point_labels: `[P, T]` int64: -2 padding, -1 not a point, 0/1 point, 2/3 box corners.
     token_valid: `[P, T]` bool, False on padding tokens (masked out of attention).
@@ -53,7 +54,7 @@ class PromptBatch:
     no set in the batch has a mask input (the common case skips the mask convolutions).
     """
 
-    image_index: Tensor
+    image_index: Tensor | None
     points: Tensor
     point_labels: Tensor
     token_valid: Tensor
@@ -71,7 +72,7 @@ class PromptBatch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return PromptBatch(
-            self.image_index.to(device, non_blocking=True),
+            move(self.image_index),
             self.points.to(device, non_blocking=True),
             self.point_labels.to(device, non_blocking=True),
             self.token_valid.to(device, non_blocking=True),
@@ -103,7 +104,7 @@ def canonical_tokens(prompt: PromptSet) -> tuple[Tensor, Tensor]:
 
 def pack_prompts(
     sets: Sequence[PromptSet],
-    image_index: Sequence[int] | Tensor,
+    image_index: Sequence[int] | Tensor | None,
     device: torch.device | str,
     mask_size: int | None = None,
 ) -> PromptBatch:
@@ -111,12 +112,13 @@ def pack_prompts(
 
     `image_index[p]` names the embedding (row of the `embeddings` given to `Sam.decode`)
     that set p decodes against; a tensor already on the device is used as is, so no
-    host round trip is needed. With `mask_size`, a batch without mask inputs still carries
-    a zero `[P, 1, m, m]` mask input flagged absent (the same result, one graph shape).
+    host round trip is needed. None: the embeddings will be one row per set, so nothing
+    needs gathering. With `mask_size`, a batch without mask inputs still carries a zero
+    `[P, 1, m, m]` mask input flagged absent (the same result, one graph shape).
     """
     if not sets:
         raise ValueError("pack_prompts needs at least one prompt set")
-    if len(image_index) != len(sets):
+    if image_index is not None and len(image_index) != len(sets):
         raise ValueError(f"{len(sets)} prompt sets but {len(image_index)} image indexes")
     tokens = [canonical_tokens(s) for s in sets]
     P, T = len(sets), max(t[0].shape[0] for t in tokens)
@@ -132,7 +134,9 @@ def pack_prompts(
         mask_input = torch.zeros(P, 1, mask_size, mask_size, device=device)
         has_mask = torch.zeros(P, dtype=torch.bool)
     batch = PromptBatch(
-        image_index=torch.as_tensor(image_index, dtype=torch.int64),
+        image_index=None
+        if image_index is None
+        else torch.as_tensor(image_index, dtype=torch.int64),
         points=points,
         point_labels=labels,
         token_valid=labels != LABEL_PAD,

@@ -3,7 +3,8 @@
 Module and parameter names mirror Meta's `segment_anything.modeling.Sam`, so its official
 state dicts load with strict key checking. Unlike Meta's `forward`, nothing here holds a
 per-image state: embeddings are passed in, and one `decode` call serves prompt sets from
-many images (`PromptBatch.image_index` picks each set's embedding on the device).
+many images (`PromptBatch.image_index` picks each set's embedding on the device, or the
+caller passes one embedding row per set).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class Sam(nn.Module):
     def decode(self, embeddings: Tensor, prompts: PromptBatch) -> tuple[Tensor, Tensor]:
         """Decode P prompt sets against B image embeddings in one pass.
 
-        embeddings: `[B, 256, h, w]`; prompts: P sets, `prompts.image_index [P]` in [0, B).
+        embeddings: `[B, 256, h, w]`; prompts: P sets, `prompts.image_index [P]` in [0, B),
+        or None with B == P: row p is set p's embedding, used as is (gathering the rows
+        again would copy ~2 MB per set at 1024 px in half precision).
         Returns low-res mask logits `[P, 4, 4h, 4w]` and IoU predictions `[P, 4]`; index 0
         is the single-mask output, 1..3 the multimask outputs (slice as Meta's decoder).
         """
@@ -71,6 +74,14 @@ class Sam(nn.Module):
         dense = self.prompt_encoder.embed_dense(
             prompts.mask_input, prompts.has_mask_input, prompts.num_sets
         )  # [P, D, h, w]
-        image = embeddings.to(dtype).index_select(0, prompts.image_index) + dense
+        image = embeddings.to(dtype)  # [B, D, h, w]
+        if prompts.image_index is not None:
+            image = image.index_select(0, prompts.image_index)  # [P, D, h, w]
+        elif image.shape[0] != prompts.num_sets:
+            raise ValueError(
+                f"without image_index, decode needs one embedding per prompt set: "
+                f"{image.shape[0]} embeddings for {prompts.num_sets} sets"
+            )
+        image = image + dense
         image_pe = self.prompt_encoder.dense_pe().to(dtype)  # [1, D, h, w]
         return self.mask_decoder(image, image_pe, tokens.to(dtype), prompts.token_valid)

@@ -62,6 +62,22 @@ def test_batched_decode_equals_alone(tiny_sam: Sam, embeddings: Tensor, rel_err)
             assert rel_err(iou[p : p + 1], one_iou) < BATCH_TOL, p
 
 
+def test_one_row_per_set_needs_no_index(tiny_sam: Sam, embeddings: Tensor, rel_err) -> None:
+    """Without `image_index`, row p is set p's embedding: the same masks as the gather,
+    which the service's decoder stage no longer pays for; a count mismatch is refused."""
+    sets, image_index = _mixed_sets()
+    rows = embeddings[image_index]  # [P, C, h, w], as the stage stacks them
+    with torch.inference_mode():
+        gathered = tiny_sam.decode(embeddings, pack_prompts(sets, image_index, "cpu"))
+        direct = pack_prompts(sets, None, "cpu")
+        assert direct.image_index is None
+        as_is = tiny_sam.decode(rows, direct)
+        assert rel_err(gathered[0], as_is[0]) < BATCH_TOL
+        assert rel_err(gathered[1], as_is[1]) < BATCH_TOL
+        with pytest.raises(ValueError, match="one embedding per prompt set"):
+            tiny_sam.decode(embeddings, direct)
+
+
 def test_padding_tokens_do_not_leak(tiny_sam: Sam, embeddings: Tensor) -> None:
     """Changing a padding token's coordinates changes nothing."""
     batch = pack_prompts(

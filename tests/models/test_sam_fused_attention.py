@@ -1,5 +1,9 @@
 """The Triton rel-pos flash-attention kernel against the plain dense-bias attention.
 
+Model code reaches the kernel only through its custom op, both ways checked here (the
+encoder's `fused_qkv_attention`, and `rel_pos_attention(..., "triton")`); the bare `launch`
+is checked too, as bench/sam_encoder.py sweeps its launch shapes with it.
+
 CI has no GPU, so the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, read when
 Triton is imported, hence a subprocess): the same kernel source, executed with numpy. It
 checks the arithmetic and the indexing (key rows, masked query tails, padded head dims,
@@ -42,6 +46,10 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     # the op the encoder calls: q, k, v read out of the qkv projection, output token-major
     fused = fused_qkv_attention(qkv.permute(1, 3, 0, 2, 4).contiguous(), rph, rpw, (gh, gw))
     err = max(err, float((fused - ref.transpose(1, 2).reshape(fused.shape)).norm() / ref.norm()))
+    # rel_pos_attention's triton form: the same op, on q, k, v stacked into its layout
+    via_op = rel_pos_attention(q, k, v, rph, rpw, (gh, gw), "triton")
+    assert via_op.shape == ref.shape
+    err = max(err, float((via_op - ref).norm() / ref.norm()))
     results.append({"shape": [B, heads, gh, gw, C, block_m], "rel_err": err,
                     "finite": bool(torch.isfinite(out).all())})
 print(json.dumps(results))

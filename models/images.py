@@ -67,15 +67,15 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
-def pinned_pixels(pixels: np.ndarray, device: torch.device | str) -> Tensor:
-    """A uint8 `[H, W, 3]` tensor holding `pixels`, in page-locked memory when the model
-    runs on CUDA, so `nested_pixels` can upload it without a staging copy on the worker.
+def pinned_pixels(pixels: np.ndarray, pin: bool) -> Tensor:
+    """A uint8 `[H, W, 3]` tensor holding `pixels`, in page-locked memory when `pin` (and
+    CUDA is there), so `nested_pixels` can upload it without a staging copy on the worker.
 
     The copy into the pinned block runs in the caller's thread (an image-decode thread),
     off the GPU worker; CUDA's caching host allocator reuses the blocks once their
     transfers finish.
     """
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    if not pin or not torch.cuda.is_available():
         return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
     out = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
     out.numpy()[...] = pixels

@@ -144,12 +144,12 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def decode_image(
-    data: bytes, *, max_pixels: int, max_bytes: int, device: torch.device | str = "cpu"
+    data: bytes, *, max_pixels: int, max_bytes: int, pin: bool = False
 ) -> DecodedImage:
     """Decode, orient and convert one image file; raise `ServiceError` for bad input.
 
-    `device` is where the model runs: for CUDA the pixels land in pinned memory here, in the
-    decode thread, so the GPU worker's upload is an asynchronous DMA transfer.
+    With `pin` (a model on CUDA) the pixels land in pinned memory here, in the decode
+    thread, so the GPU worker's upload is an asynchronous DMA transfer.
     """
     if not data:
         raise _bad("the image is empty (0 bytes)")
@@ -166,5 +166,5 @@ def decode_image(
         raise _bomb(exc) from None
     except Exception as exc:  # truncated or corrupt pixel data
         raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
-    pixels = pinned_pixels(rgb, device)
+    pixels = pinned_pixels(rgb, pin)
     return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))

@@ -78,7 +78,8 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         return None
     s = state.settings
     started = time.perf_counter()
-    device = state.engine.device if state.engine is not None else "cpu"
+    engine = state.engine
+    pin = s.pin_images and engine is not None and engine.device.type == "cuda"
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -86,7 +87,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         decoded = imaging.decode_image(
-            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, device=device
+            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, pin=pin
         )
         return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
 

@@ -111,7 +111,7 @@ def test_device_packing_equals_host_nested_tensor() -> None:
 def test_pinned_pixels_owns_a_writable_copy() -> None:
     source = np.arange(5 * 4 * 3, dtype=np.uint8).reshape(5, 4, 3)
     source.flags.writeable = False  # what np.asarray(PIL image) gives
-    pixels = pinned_pixels(source, "cpu")
+    pixels = pinned_pixels(source, pin=True)  # no CUDA here: an ordinary copy
     assert pixels.dtype == torch.uint8 and tuple(pixels.shape) == (5, 4, 3)
     assert np.array_equal(pixels.numpy(), source)
     pixels[0, 0, 0] = 255  # writable, and not the caller's buffer

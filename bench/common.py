@@ -40,20 +40,27 @@ def load_photos(folder: Path) -> list[torch.Tensor]:
     return [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths]
 
 
+def host_time_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn` over `iters` runs by the host clock (host-side work)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
 def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median milliseconds of `fn` over `iters` runs, timed with CUDA events.
 
     Without CUDA (a smoke run of a script on the CPU) the host clock times it instead.
     """
+    if not torch.cuda.is_available():
+        return host_time_ms(fn, iters, warmup)
     for _ in range(warmup):
         fn()
-    if not torch.cuda.is_available():
-        host = []
-        for _ in range(iters):
-            started = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - started) * 1000)
-        return statistics.median(host)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +21,9 @@ import numpy as np
 import orjson
 from pycocotools import mask as mask_utils
 
-from bench.common import DEFAULT_IMAGES, environment, print_table
+from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
 from server.imaging import decode_image
 from server.rle import counts_string
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
 
 
 def numpy_counts_string(counts: np.ndarray) -> str:
@@ -111,7 +98,7 @@ def main() -> None:
     for path in sorted(args.images.glob("*.jpg")):
         data = path.read_bytes()
         decoded = decode_image(data, max_pixels=40_000_000, max_bytes=50 << 20)
-        ms = median_ms(
+        ms = host_time_ms(
             lambda d=data: decode_image(d, max_pixels=40_000_000, max_bytes=50 << 20), args.iters
         )
         mp = decoded.width * decoded.height / 1e6
@@ -129,19 +116,19 @@ def main() -> None:
         rows.append(
             {
                 "step": f"{label}: pycocotools encode (full mask)",
-                "ms": median_ms(lambda f=fortran: mask_utils.encode(f), args.iters),
+                "ms": host_time_ms(lambda f=fortran: mask_utils.encode(f), args.iters),
             }
         )
         rows.append(
             {
                 "step": f"{label}: counts string, numpy (before)",
-                "ms": median_ms(lambda r=runs: numpy_counts_string(r), args.iters),
+                "ms": host_time_ms(lambda r=runs: numpy_counts_string(r), args.iters),
             }
         )
         rows.append(
             {
                 "step": f"{label}: counts string, pycocotools C (now)",
-                "ms": median_ms(lambda r=runs: counts_string(r), args.iters),
+                "ms": host_time_ms(lambda r=runs: counts_string(r), args.iters),
             }
         )
         body = segment_body([mask, mask, mask])
@@ -149,7 +136,7 @@ def main() -> None:
         rows.append(
             {
                 "step": f"{kind} body, 3 masks ({size_kb:,.0f} KB): json.dumps (before)",
-                "ms": median_ms(
+                "ms": host_time_ms(
                     lambda b=body: json.dumps(
                         b, ensure_ascii=False, separators=(",", ":")
                     ).encode(),
@@ -160,7 +147,7 @@ def main() -> None:
         rows.append(
             {
                 "step": f"{kind} body, 3 masks: orjson (now)",
-                "ms": median_ms(lambda b=body: orjson.dumps(b), args.iters),
+                "ms": host_time_ms(lambda b=body: orjson.dumps(b), args.iters),
             }
         )
     print_table(rows, ["step", "ms"])

@@ -10,7 +10,7 @@ the serving one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,31 +26,10 @@ def eager_compile(fn: Callable[..., torch.Tensor], mode: str, *, dynamic: bool) 
     return fn if mode == "none" else torch.compile(fn, dynamic=dynamic, backend="eager")
 
 
-@pytest.fixture
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch.compiler.set_stance("default")
-    torch._dynamo.reset()
-
-
 def test_the_serving_stance_is_held_around_served_batches_only(
-    monkeypatch: pytest.MonkeyPatch, fresh_dynamo: None
+    monkeypatch: pytest.MonkeyPatch, recompile_probe: Callable[[], bool]
 ) -> None:
-    graphs: list[object] = []
-
-    def counting(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., object]:
-        graphs.append(gm)
-        return gm.forward
-
-    add_one = torch.compile(lambda x: x + 1, backend=counting, dynamic=False)
-    add_one(torch.zeros(1))
-    sizes = iter(range(2, 1000))
-
-    def recompiles() -> bool:
-        before = len(graphs)
-        add_one(torch.zeros(next(sizes)))
-        return len(graphs) > before
+    recompiles = recompile_probe
 
     seen_in_decode: list[bool] = []
     decode = SamStages.decode

@@ -106,8 +106,12 @@ def main() -> None:
     photos = sorted(args.images.glob("*.jpg"))
 
     def decode(path: Path) -> DecodedImage:  # as the service does: pinned memory on CUDA
-        pin = settings.pin_images and engine.device.type == "cuda"
-        return decode_image(path.read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20, pin=pin)
+        return decode_image(
+            path.read_bytes(),
+            max_pixels=40_000_000,
+            max_bytes=50 << 20,
+            to_tensor=engine.image_tensor,
+        )
 
     decoded = [decode(path) for path in photos]
     decode_ms = _timed(lambda: decode(photos[0]), 5)

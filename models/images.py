@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Size", "jagged_on", "nested_pixels", "normalizer", "pinned_pixels", "split_images"]
+__all__ = [
+    "PinnedPixels",
+    "Size",
+    "host_pixels",
+    "jagged_on",
+    "nested_pixels",
+    "normalizer",
+    "split_images",
+]
 
 Size = tuple[int, int]
 
@@ -67,19 +77,53 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
-def pinned_pixels(pixels: np.ndarray, pin: bool) -> Tensor:
-    """A uint8 `[H, W, 3]` tensor holding `pixels`, in page-locked memory when `pin` (and
-    CUDA is there), so `nested_pixels` can upload it without a staging copy on the worker.
+def host_pixels(pixels: np.ndarray) -> Tensor:
+    """A uint8 `[H, W, 3]` tensor owning a copy of `pixels` (which may be read-only)."""
+    return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
 
-    The copy into the pinned block runs in the caller's thread (an image-decode thread),
-    off the GPU worker; CUDA's caching host allocator reuses the blocks once their
-    transfers finish.
+
+class PinnedPixels:
+    """Decoded images into page-locked memory, up to `max_bytes` held at once.
+
+    From pinned memory `nested_pixels`' uploads are asynchronous DMA transfers, and the copy
+    into the pinned block runs in the caller's thread (an image-decode thread), off the GPU
+    worker. Pinned memory is locked RAM that CUDA's caching host allocator keeps once it
+    has handed it out, so what images hold at once is bounded: past `max_bytes` an image
+    stays in ordinary memory (and its upload is a staged copy, as without pinning). A
+    block counts until its tensor is freed.
     """
-    if not pin or not torch.cuda.is_available():
-        return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
-    out = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
-    out.numpy()[...] = pixels
-    return out
+
+    def __init__(self, max_bytes: int, *, pin_memory: bool | None = None) -> None:
+        self.max_bytes = max_bytes
+        # No CUDA (CI): plain tensors, with the same accounting, so it can be tested.
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __call__(self, pixels: np.ndarray) -> Tensor:
+        size = int(pixels.nbytes)
+        with self._lock:
+            fits = size > 0 and self._held + size <= self.max_bytes
+            if fits:
+                self._held += size
+        if not fits:
+            return host_pixels(pixels)
+        try:
+            out = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            out.numpy()[...] = pixels
+        except BaseException:
+            self._release(size)
+            raise
+        weakref.finalize(out, self._release, size)
+        return out
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._held -= size
 
 
 def split_images(images: Sequence[Tensor] | Tensor, sizes: Sequence[Size] | None) -> list[Tensor]:

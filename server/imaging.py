@@ -19,13 +19,14 @@ import io
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from models.images import pinned_pixels
+from models.images import host_pixels
 from server.errors import ServiceError
 
 __all__ = ["DecodedImage", "decode_base64_image", "decode_image", "sha256_hex"]
@@ -140,16 +141,20 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
         return np.repeat(gray[:, :, None], 3, axis=2)
     if mode != "RGB":
         image = image.convert("RGB")
-    return np.asarray(image)  # read-only; `pinned_pixels` makes the one copy the tensor owns
+    return np.asarray(image)  # read-only; `to_tensor` makes the one copy the tensor owns
 
 
 def decode_image(
-    data: bytes, *, max_pixels: int, max_bytes: int, pin: bool = False
+    data: bytes,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    to_tensor: Callable[[np.ndarray], torch.Tensor] = host_pixels,
 ) -> DecodedImage:
     """Decode, orient and convert one image file; raise `ServiceError` for bad input.
 
-    With `pin` (a model on CUDA) the pixels land in pinned memory here, in the decode
-    thread, so the GPU worker's upload is an asynchronous DMA transfer.
+    `to_tensor` makes the tensor that owns the pixels: the engine's `image_tensor`, which on
+    CUDA puts them in pinned memory here, in the decode thread (`models.images.PinnedPixels`).
     """
     if not data:
         raise _bad("the image is empty (0 bytes)")
@@ -166,5 +171,5 @@ def decode_image(
         raise _bomb(exc) from None
     except Exception as exc:  # truncated or corrupt pixel data
         raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
-    pixels = pinned_pixels(rgb, pin)
+    pixels = to_tensor(rgb)
     return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))

@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from models.images import host_pixels
 from server import imaging
 from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError
@@ -78,8 +79,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         return None
     s = state.settings
     started = time.perf_counter()
-    engine = state.engine
-    pin = s.pin_images and engine is not None and engine.device.type == "cuda"
+    to_tensor = state.engine.image_tensor if state.engine is not None else host_pixels
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -87,7 +87,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         decoded = imaging.decode_image(
-            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, pin=pin
+            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, to_tensor=to_tensor
         )
         return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
 

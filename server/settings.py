@@ -38,9 +38,9 @@ class Settings(BaseSettings):
     ] = "auto"  # auto: "default" on CUDA, "none" on the CPU
     cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
-    # CUDA only: decoded images in page-locked memory, so the worker's upload is an async
-    # DMA copy; the cached pinned blocks stay with the process (bounded by the queue size).
-    pin_images: bool = True
+    # CUDA only: decoded images waiting for the GPU held in page-locked memory, up to this
+    # many bytes at once, so the worker's upload is an async DMA copy (models.images). 0: off.
+    pinned_image_bytes: int = Field(1024**3, ge=0)
 
     # Batching.
     max_batch_size: int = Field(8, ge=1, le=256)

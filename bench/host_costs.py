@@ -4,8 +4,9 @@ Under load on the GPU the service is bound by host work sharing one GIL (docs/BE
 so these per-request costs set its ceiling: decoding the JPEG, writing each mask's COCO
 counts string, and rendering the JSON body. Masks come in two kinds: a smooth object mask
 (what trained weights give) and a noise-like one with as many runs as random weights give
-(about 165,000 for a 2048x1365 photo). Each figure is the median over `--iters` calls in
-one thread, nothing else running.
+(about 165,000 for a 2048x1365 photo). `ms` is the median over `--iters` calls in one
+thread, nothing else running; `GIL ms` is how long a call keeps other Python threads
+(the event loop, the GPU worker) from running, which is what bounds the service.
 
     python -m bench.host_costs --iters 20
 """
@@ -13,15 +14,23 @@ one thread, nothing else running.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
+from PIL import Image
 from pycocotools import mask as mask_utils
 
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
+from models.images import host_pixels
 from server.imaging import decode_image
 from server.rle import counts_string
 
@@ -88,21 +97,80 @@ def segment_body(masks: list[np.ndarray]) -> dict[str, Any]:
     }
 
 
+def gil_held_ms(fn: Callable[[], object], iters: int) -> float:
+    """Milliseconds a call keeps a pure-Python thread from running, on average.
+
+    A thread counts in a Python loop, alone and then while `fn` runs `iters` times in this
+    thread; what it loses is the time `fn` held the GIL (native code that releases it
+    costs nothing, Python code and native code that keeps it cost their time). The GIL
+    changes hands every 0.1 ms meanwhile, and the counting thread needs a core of its own.
+    """
+    counted: list[int] = []
+    stop = threading.Event()
+
+    def count() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+        counted.append(n)
+
+    def rate(work: Callable[[], None]) -> tuple[float, float]:
+        stop.clear()
+        thread = threading.Thread(target=count)
+        started = time.perf_counter()
+        thread.start()
+        work()
+        stop.set()
+        thread.join()
+        elapsed = time.perf_counter() - started
+        return counted[-1] / elapsed, elapsed
+
+    def calls() -> None:
+        for _ in range(iters):
+            fn()
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        fn()
+        alone, _ = rate(lambda: time.sleep(0.5))
+        beside, elapsed = rate(calls)
+    finally:
+        sys.setswitchinterval(before)
+    return max(0.0, 1.0 - beside / alone) * elapsed / iters * 1000
+
+
+def measure(step: str, fn: Callable[[], object], iters: int) -> dict[str, Any]:
+    return {"step": step, "ms": host_time_ms(fn, iters), "GIL ms": gil_held_ms(fn, iters)}
+
+
+def starlette_json(body: dict[str, Any]) -> bytes:
+    """What Starlette's JSONResponse renders (the service's responses before orjson)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def pillow_decode(data: bytes) -> np.ndarray:
+    """Pillow's decode as the service did it before simplejpeg: load, then copy out."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return host_pixels(np.asarray(image.convert("RGB"))).numpy()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     print(environment(), flush=True)
+    n = args.iters
+    service_decode = partial(decode_image, max_pixels=40_000_000, max_bytes=50 << 20)
     rows: list[dict[str, Any]] = []
     for path in sorted(args.images.glob("*.jpg")):
         data = path.read_bytes()
-        decoded = decode_image(data, max_pixels=40_000_000, max_bytes=50 << 20)
-        ms = host_time_ms(
-            lambda d=data: decode_image(d, max_pixels=40_000_000, max_bytes=50 << 20), args.iters
-        )
-        mp = decoded.width * decoded.height / 1e6
-        rows.append({"step": f"decode {path.name} ({mp:.1f} MP)", "ms": ms})
+        decoded = service_decode(data)
+        label = f"decode {path.name} ({decoded.width * decoded.height / 1e6:.1f} MP)"
+        rows.append(measure(f"{label}: Pillow (before)", partial(pillow_decode, data), n))
+        rows.append(measure(f"{label}: service (now)", partial(service_decode, data), n))
 
     height, width = 1365, 2048
     for kind, mask in (
@@ -112,45 +180,21 @@ def main() -> None:
         runs = column_runs(mask)
         assert counts_string(runs) == numpy_counts_string(runs)
         fortran = np.asfortranarray(mask[:, :, None].astype(np.uint8))
-        label = f"{kind} mask, {runs.size:,} runs"
-        rows.append(
-            {
-                "step": f"{label}: pycocotools encode (full mask)",
-                "ms": host_time_ms(lambda f=fortran: mask_utils.encode(f), args.iters),
-            }
-        )
-        rows.append(
-            {
-                "step": f"{label}: counts string, numpy (before)",
-                "ms": host_time_ms(lambda r=runs: numpy_counts_string(r), args.iters),
-            }
-        )
-        rows.append(
-            {
-                "step": f"{label}: counts string, pycocotools C (now)",
-                "ms": host_time_ms(lambda r=runs: counts_string(r), args.iters),
-            }
-        )
         body = segment_body([mask, mask, mask])
         size_kb = len(orjson.dumps(body)) / 1024
-        rows.append(
-            {
-                "step": f"{kind} body, 3 masks ({size_kb:,.0f} KB): json.dumps (before)",
-                "ms": host_time_ms(
-                    lambda b=body: json.dumps(
-                        b, ensure_ascii=False, separators=(",", ":")
-                    ).encode(),
-                    args.iters,
-                ),
-            }
-        )
-        rows.append(
-            {
-                "step": f"{kind} body, 3 masks: orjson (now)",
-                "ms": host_time_ms(lambda b=body: orjson.dumps(b), args.iters),
-            }
-        )
-    print_table(rows, ["step", "ms"])
+        label = f"{kind} mask, {runs.size:,} runs"
+        steps: list[tuple[str, Callable[[], object]]] = [
+            (f"{label}: pycocotools encode (full mask)", partial(mask_utils.encode, fortran)),
+            (f"{label}: counts string, numpy (before)", partial(numpy_counts_string, runs)),
+            (f"{label}: counts string, pycocotools C (now)", partial(counts_string, runs)),
+            (
+                f"{kind} body, 3 masks ({size_kb:,.0f} KB): json.dumps (before)",
+                partial(starlette_json, body),
+            ),
+            (f"{kind} body, 3 masks: orjson (now)", partial(orjson.dumps, body)),
+        ]
+        rows += [measure(step, fn, n) for step, fn in steps]
+    print_table(rows, ["step", "ms", "GIL ms"])
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def main() -> None:
             path.read_bytes(),
             max_pixels=40_000_000,
             max_bytes=50 << 20,
-            to_tensor=engine.image_tensor,
+            memory=engine.image_memory,
         )
 
     decoded = [decode(path) for path in photos]

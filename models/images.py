@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "HostPixels",
     "PinnedPixels",
     "Size",
     "host_pixels",
@@ -77,20 +79,34 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
-def host_pixels(pixels: np.ndarray) -> Tensor:
-    """A uint8 `[H, W, 3]` tensor owning a copy of `pixels` (which may be read-only)."""
-    return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
+class HostPixels:
+    """Where decoded images live until the worker uploads them: ordinary host memory.
+
+    `empty` gives a decoder a tensor to decode straight into; calling it copies an array
+    that is already decoded (and perhaps read-only) into a tensor that owns its memory.
+    """
+
+    def empty(self, shape: tuple[int, ...]) -> Tensor:
+        return torch.empty(shape, dtype=torch.uint8)
+
+    def __call__(self, pixels: np.ndarray) -> Tensor:
+        out = self.empty(tuple(pixels.shape))
+        out.numpy()[...] = pixels
+        return out
 
 
-class PinnedPixels:
-    """Decoded images into page-locked memory, up to `max_bytes` held at once.
+host_pixels = HostPixels()
 
-    From pinned memory `nested_pixels`' uploads are asynchronous DMA transfers, and the copy
-    into the pinned block runs in the caller's thread (an image-decode thread), off the GPU
-    worker. Pinned memory is locked RAM that CUDA's caching host allocator keeps once it
-    has handed it out, so what images hold at once is bounded: past `max_bytes` an image
-    stays in ordinary memory (and its upload is a staged copy, as without pinning). A
-    block counts until its tensor is freed.
+
+class PinnedPixels(HostPixels):
+    """Decoded images in page-locked memory, up to `max_bytes` held at once.
+
+    From pinned memory `nested_pixels`' uploads are asynchronous DMA transfers, and the
+    pixels get there in the caller's thread (an image-decode thread), off the GPU worker.
+    Pinned memory is locked RAM that CUDA's caching host allocator keeps once it has
+    handed it out, so what images hold at once is bounded: past `max_bytes` an image stays
+    in ordinary memory (and its upload is a staged copy, as without pinning). A block
+    counts until its tensor is freed.
     """
 
     def __init__(self, max_bytes: int, *, pin_memory: bool | None = None) -> None:
@@ -104,17 +120,16 @@ class PinnedPixels:
     def held_bytes(self) -> int:
         return self._held
 
-    def __call__(self, pixels: np.ndarray) -> Tensor:
-        size = int(pixels.nbytes)
+    def empty(self, shape: tuple[int, ...]) -> Tensor:
+        size = math.prod(shape)
         with self._lock:
             fits = size > 0 and self._held + size <= self.max_bytes
             if fits:
                 self._held += size
         if not fits:
-            return host_pixels(pixels)
+            return super().empty(shape)
         try:
-            out = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
-            out.numpy()[...] = pixels
+            out = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         except BaseException:
             self._release(size)
             raise

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.images import PinnedPixels, host_pixels
+from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator
@@ -168,9 +168,9 @@ class Engine:
         )
         self.low_res = LowResStore(settings.low_res_cache_bytes)
         # how the decode threads hold a decoded image until the worker uploads it
-        self.image_tensor: Callable[[np.ndarray], torch.Tensor] = host_pixels
+        self.image_memory: HostPixels = host_pixels
         if self.device.type == "cuda" and settings.pinned_image_bytes > 0:
-            self.image_tensor = PinnedPixels(settings.pinned_image_bytes)
+            self.image_memory = PinnedPixels(settings.pinned_image_bytes)
         self.sam: _SamParts | None = None
         self.swin: _SwinParts | None = None
         self.warmup_seconds: float | None = None

@@ -79,7 +79,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         return None
     s = state.settings
     started = time.perf_counter()
-    to_tensor = state.engine.image_tensor if state.engine is not None else host_pixels
+    memory = state.engine.image_memory if state.engine is not None else host_pixels
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -87,7 +87,7 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         decoded = imaging.decode_image(
-            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, to_tensor=to_tensor
+            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, memory=memory
         )
         return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
 

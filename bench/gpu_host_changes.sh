@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU runs that measure the host-side changes made after the last service benchmark
+# (docs/BENCHMARKS.md, "Batch size and queue delay"), in one call of the device tool:
+#   1. the stage calls alone, with their host-device synchronisation counts;
+#   2. the service at batch 16 / 5 ms, at Python's GIL switch interval and at 0.5 ms;
+#   3. three replicas sharing the one GPU (more processes, hence more GILs, per GPU).
+# All share one compile cache, so only the first step compiles.
+#
+#   OUT=/tmp/out bash bench/gpu_host_changes.sh
+#
+# Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH and the photos in .benchdata/images.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"/stages "$OUT"/service "$OUT"/interval "$OUT"/replicas
+export PYTHONUNBUFFERED=1
+started=$(date +%s)
+elapsed() { echo "== $(( $(date +%s) - started )) s: $*"; }
+
+elapsed "stages"
+SERVE_DEVICE=cuda SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache SERVE_ENABLE_SWIN=false \
+  timeout 240 python3 -m bench.stages --images .benchdata/images --batch 16 --iters 10 \
+  --profile-rows 12 > "$OUT/stages/stages.txt" 2>&1
+grep -E '^\||warm-up' "$OUT/stages/stages.txt"
+
+elapsed "service 16:5, Python's switch interval"
+EXTRA_ENV="SERVE_ENABLE_SWIN=false" OUT="$OUT/service" timeout 150 \
+  bash bench/gpu_service.sh 16:5 2>&1 | grep -E 'ready after|^\|'
+
+elapsed "service 16:5, switch interval 0.5 ms"
+EXTRA_ENV="SERVE_ENABLE_SWIN=false SERVE_SWITCH_INTERVAL_MS=0.5" OUT="$OUT/interval" \
+  timeout 150 bash bench/gpu_service.sh 16:5 2>&1 | grep -E 'ready after|^\|'
+
+elapsed "three replicas on one GPU"
+ln -sfn /tmp/compile-cache /tmp/cc0
+REPLICA_GPUS="0 0 0" LOCUST=0 CLIENTS_ALL=192 \
+  EXTRA_ENV="SERVE_ENABLE_SWIN=false SERVE_DECODE_THREADS=4" OUT="$OUT/replicas" \
+  timeout 200 bash bench/gpu_scaleout.sh 2>&1 | grep -E 'ready after|^\{|^=='
+cat "$OUT/replicas/gpu_memory.csv" 2> /dev/null
+elapsed "done"

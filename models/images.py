@@ -51,7 +51,7 @@ def nested_pixels(images: Sequence[Tensor], device: torch.device | str) -> Tenso
     copied straight into its slice, asynchronously: building the nested tensor on the host
     first (`torch.nested.nested_tensor` concatenates there) cost the GPU worker a host-side
     copy of every pixel plus a staged, synchronous upload of the result, about half of its
-    time under load. From pinned memory (`pinned_pixels`) the copies are DMA transfers that
+    time under load. From pinned memory (`PinnedPixels`) the copies are DMA transfers that
     overlap the previous batch's kernels.
     """
     flat = [image.reshape(-1, 3) for image in images]

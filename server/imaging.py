@@ -173,7 +173,7 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> t
     out = memory.empty((height, width, 3))
     try:
         decoded = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out.numpy(), strict=True)
-    except ValueError:
+    except Exception:  # ValueError for damaged data; whatever it is, Pillow's path decides
         return None
     if decoded.shape != (height, width, 3):  # the header Pillow read disagrees: let it decide
         return None

@@ -6,7 +6,8 @@ counts string, and rendering the JSON body. Masks come in two kinds: a smooth ob
 (what trained weights give) and a noise-like one with as many runs as random weights give
 (about 165,000 for a 2048x1365 photo). `ms` is the median over `--iters` calls in one
 thread, nothing else running; `GIL ms` is how long a call keeps other Python threads
-(the event loop, the GPU worker) from running, which is what bounds the service.
+(the event loop, the GPU worker) from running, which is what bounds the service. Parsing
+a multipart upload runs on the event loop itself.
 
     python -m bench.host_costs --iters 20
 """
@@ -14,6 +15,7 @@ thread, nothing else running; `GIL ms` is how long a call keeps other Python thr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import sys
@@ -24,14 +26,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 from PIL import Image
 from pycocotools import mask as mask_utils
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
 
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
 from models.images import host_pixels
 from server.imaging import decode_image
+from server.multipart import boundary_of, read_form
 from server.rle import counts_string
 
 
@@ -149,6 +155,47 @@ def starlette_json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+def multipart_body(photo: bytes) -> tuple[bytes, str]:
+    """A segment request as curl or httpx sends it: the photo and a request part."""
+    request = httpx.Request(
+        "POST", "http://service/v1/segment",
+        files={"image": ("photo.jpg", photo, "image/jpeg")},
+        data={"request": '{"box": [10, 20, 300, 400]}'},
+    )  # fmt: skip
+    return request.read(), request.headers["content-type"]
+
+
+def starlette_form(loop: asyncio.AbstractEventLoop, body: bytes, content_type: str) -> bytes:
+    """Starlette's multipart parser, as the service read uploads before server.multipart,
+    on one long-lived event loop (as the service's)."""
+
+    async def parse() -> bytes:
+        chunks = iter([body[i : i + 65536] for i in range(0, len(body), 65536)])
+
+        async def receive() -> dict[str, object]:
+            chunk = next(chunks, b"")
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunk)}
+
+        headers = [(b"content-type", content_type.encode("latin-1"))]
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+        form = await Request(scope, receive).form(max_files=4, max_fields=8)
+        image = form["image"]
+        assert isinstance(image, UploadFile)
+        data = await image.read()
+        await form.close()
+        return data
+
+    return loop.run_until_complete(parse())
+
+
+def our_form(body: bytes, content_type: str) -> bytes:
+    boundary = boundary_of(content_type)
+    assert boundary is not None
+    parts = read_form(body, boundary, 12)
+    assert parts is not None
+    return next(part.data for part in parts if part.name == "image")
+
+
 def pillow_decode(data: bytes) -> np.ndarray:
     """Pillow's decode as the service did it before simplejpeg: load, then copy out."""
     image = Image.open(io.BytesIO(data))
@@ -171,6 +218,21 @@ def main() -> None:
         label = f"decode {path.name} ({decoded.width * decoded.height / 1e6:.1f} MP)"
         rows.append(measure(f"{label}: Pillow (before)", partial(pillow_decode, data), n))
         rows.append(measure(f"{label}: service (now)", partial(service_decode, data), n))
+    # uploads: the largest test photo, and phone-photo sizes (over Starlette's 1 MB
+    # in-memory limit, its parser spools the file to disk through a thread)
+    photo = max(sorted(args.images.glob("*.jpg")), key=lambda path: path.stat().st_size)
+    uploads = [(photo.name, photo.read_bytes())]
+    rng = np.random.default_rng(0)
+    uploads += [(f"{mb} MB of bytes", rng.bytes(int(mb * 1e6))) for mb in (1.5, 4)]
+    loop = asyncio.new_event_loop()
+    for name, upload in uploads:
+        body, content_type = multipart_body(upload)
+        assert starlette_form(loop, body, content_type) == our_form(body, content_type)
+        label = f"multipart upload, {name} ({len(body) / 1024:,.0f} KB)"
+        before = partial(starlette_form, loop, body, content_type)
+        rows.append(measure(f"{label}: Starlette (before)", before, n))
+        now = partial(our_form, body, content_type)
+        rows.append(measure(f"{label}: server.multipart (now)", now, n))
 
     height, width = 1365, 2048
     for kind, mask in (
@@ -180,8 +242,8 @@ def main() -> None:
         runs = column_runs(mask)
         assert counts_string(runs) == numpy_counts_string(runs)
         fortran = np.asfortranarray(mask[:, :, None].astype(np.uint8))
-        body = segment_body([mask, mask, mask])
-        size_kb = len(orjson.dumps(body)) / 1024
+        response = segment_body([mask, mask, mask])
+        size_kb = len(orjson.dumps(response)) / 1024
         label = f"{kind} mask, {runs.size:,} runs"
         steps: list[tuple[str, Callable[[], object]]] = [
             (f"{label}: pycocotools encode (full mask)", partial(mask_utils.encode, fortran)),
@@ -189,9 +251,9 @@ def main() -> None:
             (f"{label}: counts string, pycocotools C (now)", partial(counts_string, runs)),
             (
                 f"{kind} body, 3 masks ({size_kb:,.0f} KB): json.dumps (before)",
-                partial(starlette_json, body),
+                partial(starlette_json, response),
             ),
-            (f"{kind} body, 3 masks: orjson (now)", partial(orjson.dumps, body)),
+            (f"{kind} body, 3 masks: orjson (now)", partial(orjson.dumps, response)),
         ]
         rows += [measure(step, fn, n) for step, fn in steps]
     print_table(rows, ["step", "ms", "GIL ms"])

@@ -9,6 +9,7 @@ envelope with the right status: 415 for the media type, 422 for fields, 400 for 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 
 from server.errors import ServiceError
+from server.multipart import boundary_of, read_form
 
 Fields = TypeVar("Fields", bound=BaseModel)
 
@@ -152,38 +154,78 @@ async def parse_image_request(
     )
 
 
+_MAX_FILES, _MAX_FIELDS = 4, 8  # room for a duplicate or a stray part, named in a 422
+
+
 async def _parse_multipart(
     request: Request, fields_model: type[Fields], max_body_bytes: int
 ) -> ParsedRequest[Fields]:
+    """The image part's bytes and the request part's fields.
+
+    A plainly well-formed body (what curl, browsers and HTTP libraries send) is read by
+    `server.multipart` in a fraction of Starlette's time on the event loop; any other
+    goes to Starlette's parser, which has the final word on odd or malformed bodies.
+    Past `_MAX_FILES` files or `_MAX_FIELDS` fields a body is refused as malformed (400).
+    """
+    body = await request.body()  # bounded by BodyLimitMiddleware; Starlette reuses it
+    boundary = boundary_of(request.headers.get("content-type", ""))
+    parts = None if boundary is None else read_form(body, boundary, _MAX_FILES + _MAX_FIELDS)
+    if parts is not None:
+        files = [(p.name, p.data) for p in parts if p.filename is not None]
+        fields: list[tuple[str, bytes | str]] = []
+        for p in parts:
+            if p.filename is None:
+                try:
+                    fields.append((p.name, p.data.decode("utf-8")))
+                except UnicodeDecodeError:
+                    parts = None  # Starlette words this refusal
+                    break
+        if parts is not None and len(files) <= _MAX_FILES and len(fields) <= _MAX_FIELDS:
+            return _from_parts(files, fields, fields_model)
     try:
-        # Room for a duplicate or a stray part, so those get a 422 that names them; past
-        # these counts the body is refused as malformed (400).
-        form = await request.form(max_files=4, max_fields=8, max_part_size=max_body_bytes)
+        form = await request.form(
+            max_files=_MAX_FILES, max_fields=_MAX_FIELDS, max_part_size=max_body_bytes
+        )
     except ServiceError:
         raise
     except Exception as exc:  # starlette raises its own types for malformed bodies
         raise ServiceError(400, "invalid_multipart", f"malformed multipart body: {exc}") from None
     try:
-        unknown = sorted(set(form.keys()) - {"image", "request"})
-        if unknown:
-            raise ServiceError(
-                422, "invalid_request", f"unknown form parts {unknown}; expected image, request"
-            )
-        repeated = sorted(k for k in ("image", "request") if len(form.getlist(k)) > 1)
-        if repeated:
-            raise ServiceError(
-                422, "invalid_request", f"form parts {repeated} are repeated; send each once"
-            )
-        image = form.get("image")
-        if not isinstance(image, UploadFile):
-            raise ServiceError(
-                422,
-                "invalid_request",
-                "multipart body needs a file part named 'image' (curl -F image=@photo.jpg)",
-            )
-        data = await image.read()
-        raw = form.get("request")
-        text = "{}" if raw is None else await raw.read() if isinstance(raw, UploadFile) else raw
-        return ParsedRequest(validate(fields_model, text), data, None, None)
+        starlette_files: list[tuple[str, bytes]] = []
+        starlette_fields: list[tuple[str, bytes | str]] = []
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                starlette_files.append((name, await value.read()))
+            else:
+                starlette_fields.append((name, value))
+        return _from_parts(starlette_files, starlette_fields, fields_model)
     finally:
         await form.close()
+
+
+def _from_parts(
+    files: Sequence[tuple[str, bytes]],
+    fields: Sequence[tuple[str, bytes | str]],
+    fields_model: type[Fields],
+) -> ParsedRequest[Fields]:
+    """Checks common to both readers: known, unrepeated parts; the image a file part."""
+    names = [name for name, _ in [*files, *fields]]
+    unknown = sorted(set(names) - {"image", "request"})
+    if unknown:
+        raise ServiceError(
+            422, "invalid_request", f"unknown form parts {unknown}; expected image, request"
+        )
+    repeated = sorted(k for k in ("image", "request") if names.count(k) > 1)
+    if repeated:
+        raise ServiceError(
+            422, "invalid_request", f"form parts {repeated} are repeated; send each once"
+        )
+    image = next((data for name, data in files if name == "image"), None)
+    if image is None:
+        raise ServiceError(
+            422,
+            "invalid_request",
+            "multipart body needs a file part named 'image' (curl -F image=@photo.jpg)",
+        )
+    text = next((data for name, data in [*files, *fields] if name == "request"), "{}")
+    return ParsedRequest(validate(fields_model, text), image, None, None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 
 from models.images import nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
@@ -152,8 +153,11 @@ class SamStages:
         mask_size = 4 * self.config.embedding_size if self.compiled else None
         # no image_index: row p of the stack is set p's embedding, not gathered again
         prompts = pack_prompts(sets, None, self.device, mask_size)
-        # low_res: [P, 4, 4h, 4w]; iou: [P, 4]
-        low_res, iou = self._decode(torch.stack(embeddings), prompts)
+        # low_res: [P, 4, 4h, 4w]; iou: [P, 4]. Without duck shaping, sizes that happen to
+        # be equal when a graph is traced (2 sets of 2 tokens) are not assumed equal, so
+        # no graph holds only for P == T and warm-up traces one graph fewer (3, not 4).
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            low_res, iou = self._decode(torch.stack(embeddings), prompts)
         return self._postprocess(items, low_res.float(), iou.float())
 
     def _postprocess(

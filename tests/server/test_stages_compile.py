@@ -9,7 +9,7 @@ an error while batches shaped as the service forms them run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -20,19 +20,44 @@ from server.domain import Prompt
 from server.stages import DecodeItem, EncodeItem, SamStages
 
 
+def warmed_stages(decoder_buckets: list[int], graphs: list[object]) -> SamStages:
+    """Stages warmed as the service warms them on CUDA, compiled with the cheapest backend
+    (the guards, hence the graphs, are the same); `graphs` collects the traced graphs."""
+    config = SAM_CONFIGS["vit_tiny"]
+    model = load_sam(config, None, seed=0)
+    stages = SamStages(
+        model, config, torch.device("cpu"), OptimizeOptions(), [1, 2], decoder_buckets
+    )
+    stages.compiled = True
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    stages._decode = torch.compile(model.decode, dynamic=True, backend=counting)
+    stages.warmup()
+    return stages
+
+
 @pytest.fixture
 def stages() -> Iterator[SamStages]:
     torch._dynamo.reset()
-    config = SAM_CONFIGS["vit_tiny"]
-    model = load_sam(config, None, seed=0)
-    stages = SamStages(model, config, torch.device("cpu"), OptimizeOptions(), [1, 2], [1, 2, 4, 8])
-    # as the service compiles it on CUDA, with the cheapest backend: guards are the same
-    stages.compiled = True
-    stages._decode = torch.compile(model.decode, dynamic=True, backend="eager")
-    stages.warmup()
-    yield stages
+    yield warmed_stages([1, 2, 4, 8], [])
     torch.compiler.set_stance("default")
     torch._dynamo.reset()
+
+
+def test_warmup_traces_three_decoder_graphs() -> None:
+    """One prompt set of one token form, one set of any form, any number of sets: each
+    graph costs seconds of every start. With duck shaping a fourth graph held only while
+    the set count equals the token count (traced at 2 sets of 2 tokens)."""
+    torch._dynamo.reset()
+    graphs: list[object] = []
+    try:
+        warmed_stages([1, 2, 4, 8, 16, 64], graphs)
+        assert len(graphs) == 3
+    finally:
+        torch._dynamo.reset()
 
 
 def _prompts(w: int, h: int) -> list[Prompt]:

@@ -86,6 +86,11 @@ class HostPixels:
     that is already decoded (and perhaps read-only) into a tensor that owns its memory.
     """
 
+    @property
+    def held_bytes(self) -> int:
+        """Pinned bytes held by images; ordinary memory is not counted here."""
+        return 0
+
     def empty(self, shape: tuple[int, ...]) -> Tensor:
         return torch.empty(shape, dtype=torch.uint8)
 

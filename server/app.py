@@ -52,6 +52,7 @@ async def start_engine(state: ServeState) -> None:
     try:
         engine = Engine(state.settings, state.metrics)
         state.engine = engine
+        state.metrics.pinned_image_bytes.set_function(lambda: engine.image_memory.held_bytes)
         await engine.load()
         state.metrics.set_models(engine.models())
         engine.start()

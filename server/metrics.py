@@ -54,6 +54,12 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_in_flight_requests", "Requests being served (probes and scrapes excluded)",
             registry=r,
         )  # fmt: skip
+        self.pinned_image_bytes = Gauge(
+            "serve_pinned_image_bytes",
+            "Page-locked host memory held by decoded images waiting for the GPU "
+            "(at most SERVE_PINNED_IMAGE_BYTES; 0 without CUDA)",
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "serve_queue_wait_seconds", "Time an item waited in a stage's queue",
             ["stage"], buckets=LATENCY_BUCKETS, registry=r,

@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "serve_requests": ("counter", {"route", "method", "status"}),
     "serve_rejections": ("counter", {"reason"}),
     "serve_in_flight_requests": ("gauge", set()),
+    "serve_pinned_image_bytes": ("gauge", set()),
     "serve_queue_wait_seconds": ("histogram", {"stage"}),
     "serve_batch_duration_seconds": ("histogram", {"stage"}),
     "serve_batch_size": ("histogram", {"stage"}),
@@ -362,7 +363,7 @@ def test_every_rejection_reason_moves(make_server):
             )
             responses = [f.result() for f in futures]
         assert during.value("serve_worker_stuck", stage="sam_encoder") == 1
-        idle = before.value("serve_in_flight_requests")  # the scrape itself, today
+        idle = before.value("serve_in_flight_requests")
         assert during.value("serve_in_flight_requests") >= idle + 1, "a hung embed is in flight"
         assert during.value("serve_queue_depth", stage="sam_encoder") <= 1
         statuses = collections.Counter(r.status_code for r in responses)
@@ -448,6 +449,12 @@ def test_known_series_exist_before_the_first_request(fresh):
 def test_in_flight_is_zero_when_idle(fresh):
     _, scrape = fresh
     assert scrape().value("serve_in_flight_requests") == 0
+
+
+def test_no_pinned_image_memory_without_cuda(fresh):
+    """The gauge reads the engine's image memory at scrape time: ordinary memory here."""
+    _, scrape = fresh
+    assert scrape().value("serve_pinned_image_bytes") == 0
 
 
 def test_probe_answers_are_not_rejections(fresh):

@@ -159,10 +159,12 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> t
     3 ms for a 2.8 MP photo on the 2-core CPU, `python -m bench.host_costs`) and then
     once more into the tensor; this path decodes with the GIL released and writes the
     pixels once. The pixels are the same: on the test photos they are equal to Pillow's,
-    byte for byte (tests/server/test_imaging.py). Rotated (EXIF), CMYK, MPO or damaged
+    byte for byte (tests/server/test_imaging.py). Rotated (EXIF), CMYK or damaged
     files, which simplejpeg refuses strictly, go the Pillow way with its error messages.
     """
-    if simplejpeg is None or image.format != "JPEG" or image.mode not in ("RGB", "L"):
+    # MPO: a JPEG whose primary image comes first (phones' portrait shots); libjpeg-turbo
+    # stops at its end, which is the frame Pillow's path serves
+    if simplejpeg is None or image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L"):
         return None
     try:
         if image.getexif().get(_EXIF_ORIENTATION, 1) != 1:

@@ -80,6 +80,18 @@ def test_jpeg_kinds_match_pillow(mode: str, options: dict, fast_calls: list) -> 
     assert decoded.pixels.is_contiguous()
 
 
+def test_multi_picture_jpeg_gives_its_primary_image(fast_calls: list) -> None:
+    """MPO (phones' portrait shots): the primary image comes first in the file."""
+    buf = io.BytesIO()
+    primary, depth = photo_like(120, 90), photo_like(60, 45, seed=1)
+    primary.save(buf, format="MPO", save_all=True, append_images=[depth])
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    decoded = imaging.decode_image(data, **LIMITS)
+    assert fast_calls == [(90, 120, 3)]
+    assert np.array_equal(decoded.pixels.numpy(), pillow_pixels(data))
+
+
 def test_rotated_cmyk_and_damaged_files_go_through_pillow(fast_calls: list) -> None:
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees to be upright

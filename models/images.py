@@ -1,8 +1,9 @@
 """Batches of decoded images on tensors, shared by every model's pre-processing.
 
-Decoded images are `uint8 [H, W, 3]` tensors. A batch of different sizes may travel as one
-jagged nested tensor of flattened pixels (`[B, j, 3]`, j = H*W), so the host-to-device copy
-is a single buffer; `split_images` cuts it back into per-image views.
+Decoded images are `uint8 [H, W, 3]` tensors, held until upload in `HostPixels` memory
+(pinned, `PinnedPixels`, when serving on CUDA). A batch of different sizes travels as one
+jagged nested tensor of flattened pixels (`[B, j, 3]`, j = H*W) whose values are one
+device buffer (`nested_pixels`); `split_images` cuts it back into per-image views.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
@@ -30,6 +29,7 @@ from server.middleware import (
     BodyLimitMiddleware,
     ObserveMiddleware,
 )
+from server.responses import FastJSONResponse
 from server.routes import router
 from server.settings import Settings
 from server.state import ServeState, serve_state
@@ -126,7 +126,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    async def service_error(request: Request, exc: ServiceError) -> FastJSONResponse:
         if request.url.path in PROBE_PATHS:
             pass  # a probe's 503 during warm-up or drain is an answer, not a refused request
         elif exc.status in _REASONS:
@@ -135,32 +135,32 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
             metrics.rejections.labels("bad_input").inc()
         elif exc.status >= 500:
             metrics.rejections.labels("internal").inc()
-        return JSONResponse(
+        return FastJSONResponse(
             error_body(exc.code, exc.message), status_code=exc.status, headers=exc.headers
         )
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> FastJSONResponse:
         metrics.rejections.labels("bad_input").inc()
         message = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         )
-        return JSONResponse(error_body("invalid_request", message), status_code=422)
+        return FastJSONResponse(error_body("invalid_request", message), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> FastJSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
         code = codes.get(exc.status_code, "http_error")
-        return JSONResponse(
+        return FastJSONResponse(
             error_body(code, str(exc.detail)), status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )  # fmt: skip
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> FastJSONResponse:
         metrics.rejections.labels("internal").inc()
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(
+        return FastJSONResponse(
             error_body("internal", f"internal error: {type(exc).__name__}"), status_code=500
         )
 

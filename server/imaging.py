@@ -22,12 +22,8 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import simplejpeg
 import torch
-
-try:  # libjpeg-turbo into a given buffer, without the GIL (a dependency; optional here)
-    import simplejpeg
-except ImportError:  # pragma: no cover - installed with the package
-    simplejpeg = None
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from models.images import HostPixels, host_pixels
@@ -164,7 +160,7 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> t
     """
     # MPO: a JPEG whose primary image comes first (phones' portrait shots); libjpeg-turbo
     # stops at its end, which is the frame Pillow's path serves
-    if simplejpeg is None or image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L"):
+    if image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L"):
         return None
     try:
         if image.getexif().get(_EXIF_ORIENTATION, 1) != 1:

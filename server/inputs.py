@@ -168,20 +168,9 @@ async def _parse_multipart(
     Past `_MAX_FILES` files or `_MAX_FIELDS` fields a body is refused as malformed (400).
     """
     body = await request.body()  # bounded by BodyLimitMiddleware; Starlette reuses it
-    boundary = boundary_of(request.headers.get("content-type", ""))
-    parts = None if boundary is None else read_form(body, boundary, _MAX_FILES + _MAX_FIELDS)
-    if parts is not None:
-        files = [(p.name, p.data) for p in parts if p.filename is not None]
-        fields: list[tuple[str, bytes | str]] = []
-        for p in parts:
-            if p.filename is None:
-                try:
-                    fields.append((p.name, p.data.decode("utf-8")))
-                except UnicodeDecodeError:
-                    parts = None  # Starlette words this refusal
-                    break
-        if parts is not None and len(files) <= _MAX_FILES and len(fields) <= _MAX_FIELDS:
-            return _from_parts(files, fields, fields_model)
+    plain = _plain_parts(body, request.headers.get("content-type", ""))
+    if plain is not None:
+        return _from_parts(*plain, fields_model)
     try:
         form = await request.form(
             max_files=_MAX_FILES, max_fields=_MAX_FIELDS, max_part_size=max_body_bytes
@@ -201,6 +190,26 @@ async def _parse_multipart(
         return _from_parts(starlette_files, starlette_fields, fields_model)
     finally:
         await form.close()
+
+
+def _plain_parts(
+    body: bytes, content_type: str
+) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes | str]]] | None:
+    """(files, fields) of a plainly well-formed body within the part limits, else None."""
+    boundary = boundary_of(content_type)
+    parts = None if boundary is None else read_form(body, boundary, _MAX_FILES + _MAX_FIELDS)
+    if parts is None:
+        return None
+    files = [(p.name, p.data) for p in parts if p.filename is not None]
+    try:
+        fields: list[tuple[str, bytes | str]] = [
+            (p.name, p.data.decode("utf-8")) for p in parts if p.filename is None
+        ]
+    except UnicodeDecodeError:
+        return None  # Starlette words this refusal
+    if len(files) > _MAX_FILES or len(fields) > _MAX_FIELDS:
+        return None
+    return files, fields
 
 
 def _from_parts(

@@ -10,7 +10,6 @@ while this one runs); the decoder waits at its end only, where the masks' runs a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -47,14 +46,6 @@ def pad_batch(batch: torch.Tensor, size: int) -> torch.Tensor:
     if missing <= 0:
         return batch
     return torch.cat([batch, batch.new_zeros((missing, *batch.shape[1:]))])
-
-
-def _without_duck_shapes() -> contextlib.AbstractContextManager[object]:
-    """Dynamo's shape config with duck shaping off, for the calls inside (a torch without
-    the flag keeps its default)."""
-    if not hasattr(fx_config, "use_duck_shape"):
-        return contextlib.nullcontext()
-    return fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined, no-any-return]
 
 
 @dataclass(frozen=True)
@@ -165,7 +156,7 @@ class SamStages:
         # low_res: [P, 4, 4h, 4w]; iou: [P, 4]. Without duck shaping, sizes that happen to
         # be equal when a graph is traced (2 sets of 2 tokens) are not assumed equal, so
         # no graph holds only for P == T and warm-up traces one graph fewer (3, not 4).
-        with _without_duck_shapes():
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             low_res, iou = self._decode(torch.stack(embeddings), prompts)
         return self._postprocess(items, low_res.float(), iou.float())
 

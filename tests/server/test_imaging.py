@@ -111,13 +111,6 @@ def test_rotated_cmyk_and_damaged_files_go_through_pillow(fast_calls: list) -> N
     assert caught.value.status == 400 and "corrupt or truncated" in str(caught.value.message)
 
 
-def test_without_simplejpeg_pillow_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = PHOTOS[0].read_bytes()
-    fast = imaging.decode_image(data, **LIMITS).pixels.numpy()
-    monkeypatch.setattr(imaging, "simplejpeg", None)
-    assert np.array_equal(imaging.decode_image(data, **LIMITS).pixels.numpy(), fast)
-
-
 def test_pixels_land_in_the_given_memory() -> None:
     """The engine's image memory (pinned on CUDA) is what the decoder writes into."""
     memory = PinnedPixels(1 << 30, pin_memory=False)

@@ -31,7 +31,7 @@ from bench.common import (
     write_json,
 )
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
-from models.swin import SWIN_CONFIGS, load_swin
+from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
 from models.swin import transforms as swin_tf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +49,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
     ),
     "bf16-autotune": OptimizeOptions(
         precision="bf16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
+    ),
+    "fp16-autotune": OptimizeOptions(
+        precision="fp16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
     ),
 }
 
@@ -82,6 +85,12 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=400)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "matmul"],
+        default="sdpa",
+        help="window attention through SDPA, or written out (WindowAttention.use_sdpa)",
+    )
     args = p.parse_args()
     started = time.perf_counter()
     env = environment()
@@ -105,6 +114,9 @@ def main() -> None:
         try:
             model = copy.deepcopy(base).to(dtype=opts.dtype)
             prepare_swin(model, opts)
+            for module in model.modules():
+                if isinstance(module, WindowAttention):
+                    module.use_sdpa = args.attention == "sdpa"
             fn = GraphedBuckets(
                 compile_fn(model, opts.compile_mode, dynamic=not args.static),
                 enabled=opts.cuda_graphs,
@@ -150,6 +162,7 @@ def main() -> None:
     write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
     print(
         f"\n{env['device']}, torch {env['torch']}, {env['date']}, {args.model}, "
+        f"window attention {args.attention}, "
         f"top-1 agreement on {len(inputs)} views of real photos"
     )
     print_table(

@@ -12,7 +12,7 @@ from importlib import resources
 
 from models.swin.checkpoint import CheckpointError, load_swin
 from models.swin.config import SWIN_CONFIGS, SwinConfig
-from models.swin.model import SwinTransformer
+from models.swin.model import SwinTransformer, WindowAttention
 
 __all__ = [
     "IMAGENET_CLASSES",
@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "SwinConfig",
     "SwinTransformer",
+    "WindowAttention",
     "imagenet_classes",
     "load_swin",
 ]

@@ -83,7 +83,14 @@ def shift_attention_mask(
 
 
 class WindowAttention(nn.Module):
-    """Multi-head self-attention inside each window, with a learned relative position bias."""
+    """Multi-head self-attention inside each window, with a learned relative position bias.
+
+    `use_sdpa` False writes the attention out (scores, softmax, weighted sum): SDPA's
+    kernels pad a 49-token window to 64, while the written-out form lets inductor fuse the
+    bias add into the softmax. `bench/swin.py --attention matmul` measures which is faster.
+    """
+
+    use_sdpa: bool = True
 
     def __init__(self, dim: int, num_heads: int, window: int) -> None:
         super().__init__()
@@ -124,7 +131,11 @@ class WindowAttention(nn.Module):
         # [nW, heads, N, N]: the shift mask (if any) per window, the bias per head
         bias = bias.expand(nW, heads, N, N) if mask is None else bias[None] + mask[:, None]
         attn_mask = bias.reshape(1, nW * heads, N, N).to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, nW*h, N, d]
+        if self.use_sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, nW*h, N, d]
+        else:
+            scores = (q * (C // heads) ** -0.5) @ k.transpose(-2, -1) + attn_mask
+            out = scores.softmax(-1) @ v
         out = out.view(B, nW, heads, N, C // heads).transpose(2, 3).reshape(B, nW, N, C)
         return self.proj(out)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.swin import SWIN_CONFIGS, SwinConfig, SwinTransformer, load_swin
+from models.swin import SWIN_CONFIGS, SwinConfig, SwinTransformer, WindowAttention, load_swin
 from tests.models.swin_helpers import (
     build_hf_swin,
     hf_to_timm,
@@ -119,6 +119,21 @@ def test_bf16_top1_agrees_with_fp32(test_model: SwinTransformer) -> None:
     assert relative_error(bf16.float(), fp32) < 0.05
     agree = (bf16.float().argmax(-1) == fp32.argmax(-1)).float().mean()
     assert float(agree) >= 0.75
+
+
+def test_written_out_attention_matches_sdpa() -> None:
+    """The form `bench/swin.py --attention matmul` measures computes the same logits,
+    shifted-window masks included (NARROW shifts in three of its four stages)."""
+    model = load_swin(NARROW, None, seed=6)
+    x = _inputs(NARROW, 2, seed=12)
+    layers = [m for m in model.modules() if isinstance(m, WindowAttention)]
+    with torch.inference_mode():
+        sdpa = model(x)
+        for layer in layers:
+            layer.use_sdpa = False
+        written_out = model(x)
+    torch.testing.assert_close(written_out, sdpa, rtol=1e-4, atol=1e-4)
+    assert relative_error(written_out, sdpa) < 1e-5
 
 
 @pytest.fixture

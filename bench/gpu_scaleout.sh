@@ -8,7 +8,8 @@
 #
 # REPLICA_GPUS lists the GPU of each replica (default "0 1"); "0 0 0" runs three replicas
 # sharing one GPU, and one compile cache. CLIENTS_ALL (default 128 per replica) loads all of
-# them; LOCUST=0 skips Locust; EXTRA_ENV adds server settings.
+# them (CLIENTS_GRID, several counts, one load each); ONE=0 skips the one-replica load, LOCUST=0 Locust; EXTRA_ENV adds
+# server settings.
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH (locust among them) and the photos
 # in .benchdata/images.
@@ -53,13 +54,17 @@ PY
 echo "${#URLS[@]} replicas ready after $(( $(date +%s) - started ))s"
 
 LOAD=(--unique --seconds 15 --warmup-seconds 3 --images .benchdata/images)
-echo "== one replica, 128 clients"
-python3 bench/service_load.py --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
+if [ "${ONE:-1}" = 1 ]; then
+  echo "== one replica, 128 clients"
+  python3 bench/service_load.py --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
+fi
 CLIENTS_ALL=${CLIENTS_ALL:-$((128 * ${#URLS[@]}))}
 ALL=$(IFS=,; echo "${URLS[*]}")
-echo "== ${#URLS[@]} replicas, $CLIENTS_ALL clients"
-python3 bench/service_load.py --url "$ALL" --clients "$CLIENTS_ALL" --procs $((6 * ${#URLS[@]})) \
-  "${LOAD[@]}" | grep '^{'
+for clients in ${CLIENTS_GRID:-$CLIENTS_ALL}; do
+  echo "== ${#URLS[@]} replicas, $clients clients"
+  python3 bench/service_load.py --url "$ALL" --clients "$clients" \
+    --procs $((6 * ${#URLS[@]})) "${LOAD[@]}" | grep '^{'
+done
 
 if [ "${LOCUST:-1}" = 1 ]; then
   echo "== locust, one replica"

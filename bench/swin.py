@@ -87,9 +87,11 @@ def main() -> None:
     p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
     p.add_argument(
         "--attention",
+        nargs="+",
         choices=["sdpa", "matmul"],
-        default="sdpa",
-        help="window attention through SDPA, or written out (WindowAttention.use_sdpa)",
+        default=["sdpa"],
+        help="window attention through SDPA and/or written out (WindowAttention.use_sdpa);\n"
+        "each variant runs once per form",
     )
     args = p.parse_args()
     started = time.perf_counter()
@@ -106,17 +108,18 @@ def main() -> None:
             [base(inputs[i : i + 64]).argmax(-1) for i in range(0, len(inputs), 64)]
         )
     rows: list[dict[str, Any]] = []
-    for name in args.variants:
+    for variant, attention in [(v, a) for v in args.variants for a in args.attention]:
+        name = variant if attention == "sdpa" else f"{variant}, attention {attention}"
         if time.perf_counter() - started > args.budget_s:
             print(f"budget spent: skipping {name}", flush=True)
             continue
-        opts = VARIANTS[name]
+        opts = VARIANTS[variant]
         try:
             model = copy.deepcopy(base).to(dtype=opts.dtype)
             prepare_swin(model, opts)
             for module in model.modules():
                 if isinstance(module, WindowAttention):
-                    module.use_sdpa = args.attention == "sdpa"
+                    module.use_sdpa = attention == "sdpa"
             fn = GraphedBuckets(
                 compile_fn(model, opts.compile_mode, dynamic=not args.static),
                 enabled=opts.cuda_graphs,
@@ -162,7 +165,6 @@ def main() -> None:
     write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
     print(
         f"\n{env['device']}, torch {env['torch']}, {env['date']}, {args.model}, "
-        f"window attention {args.attention}, "
         f"top-1 agreement on {len(inputs)} views of real photos"
     )
     print_table(

@@ -60,7 +60,10 @@ def test_sigterm_drains_accepted_requests_then_exits_zero(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             burst = [pool.submit(segment, url, seed) for seed in range(8)]
             with httpx.Client(base_url=url, timeout=10) as c:
-                while metric(c, "serve_in_flight_requests") < 6:  # the burst is accepted
+                # SIGTERM only once all eight are accepted: being served, or already answered.
+                # Finished ones are counted first, so one that ends between the two reads is
+                # counted in neither (wait longer) rather than in both (signal too early).
+                while sum(f.done() for f in burst) + metric(c, "serve_in_flight_requests") < 8:
                     time.sleep(0.02)
                 proc.send_signal(signal.SIGTERM)
                 time.sleep(0.2)

@@ -51,10 +51,12 @@ def _timed(fn, iters: int) -> list[float]:
     return out
 
 
-def _count_syncs(fn) -> int | str:
-    """Synchronising CUDA calls made by one `fn()` (warnings from the sync debug mode)."""
+def _count_syncs(fn) -> tuple[int | str, list[str]]:
+    """Synchronising CUDA calls made by one `fn()` (warnings from the sync debug mode), and
+    where each came from (`file:line` of the Python caller), so a count above zero names
+    the line to fix."""
     if not torch.cuda.is_available():
-        return "n/a (CPU)"
+        return "n/a (CPU)", []
     _sync()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -64,7 +66,8 @@ def _count_syncs(fn) -> int | str:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync()
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), [f"{w.filename}:{w.lineno}" for w in syncs]
 
 
 def _profile(name: str, fn, rows: int) -> None:
@@ -132,15 +135,13 @@ def main() -> None:
         (f"decode {args.batch} boxes (+ masks, RLE runs)", lambda: stages.decode(boxes)),
     ):
         ms = _timed(fn, args.iters)
+        syncs, sites = _count_syncs(fn)
         rows.append(
-            {
-                "call": name,
-                "p50_ms": statistics.median(ms),
-                "max_ms": max(ms),
-                "syncs": _count_syncs(fn),
-            }
+            {"call": name, "p50_ms": statistics.median(ms), "max_ms": max(ms), "syncs": syncs}
         )
         print(rows[-1], flush=True)
+        for site in sites:
+            print(f"  sync in {name!r} at {site}", flush=True)
     rows.append({"call": f"decode_image {photos[0].name}", "p50_ms": statistics.median(decode_ms)})
     entry = embeddings[0]
     h, w = entry.original_size
@@ -155,7 +156,7 @@ def main() -> None:
                 "p50_ms": q[49],
                 "p99_ms": q[98],
                 "max_ms": max(ms),
-                "syncs": _count_syncs(lambda click=click: stages.decode([click])),
+                "syncs": _count_syncs(lambda click=click: stages.decode([click]))[0],
             }
         )
         print(rows[-1], flush=True)

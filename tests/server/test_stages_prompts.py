@@ -1,0 +1,59 @@
+"""Prompt coordinates reach the decoder as Meta's path computes them: clipped to the image
+in float32, then scaled by a float64 product rounded to float32 (`scale_coords`). The
+worker does this in numpy for speed; here it is checked bit for bit against the torch
+transforms, points and boxes inside, across and wholly outside images of many sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.optimize import OptimizeOptions
+from models.sam import SAM_CONFIGS, load_sam
+from models.sam import transforms as sam_tf
+from server.cache import ImageEmbedding
+from server.domain import Prompt
+from server.stages import SamStages
+
+
+def reference(prompt: Prompt, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    config = SAM_CONFIGS["vit_tiny"]
+    limit = torch.tensor([size[1], size[0]], dtype=torch.float32)
+    points = torch.tensor(prompt.points, dtype=torch.float32).reshape(-1, 2)
+    points = sam_tf.scale_coords(points.clamp(min=torch.zeros(2), max=limit), size, config)
+    if prompt.box is None:
+        return points, None
+    corners = torch.tensor(prompt.box, dtype=torch.float32).reshape(2, 2)
+    corners = corners.clamp(min=torch.zeros(2), max=limit)
+    return points, sam_tf.scale_coords(corners, size, config).reshape(4)
+
+
+def test_prompt_coordinates_are_clipped_and_scaled_as_the_torch_transforms_do() -> None:
+    config = SAM_CONFIGS["vit_tiny"]
+    stages = SamStages(
+        load_sam(config, None, seed=0), config, torch.device("cpu"), OptimizeOptions(), [1], [1]
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        h, w = (int(v) for v in rng.integers(1, 5000, 2))
+        n = int(rng.integers(0, 4))
+        points = tuple(
+            (float(rng.uniform(-99, w + 99)), float(rng.uniform(-99, h + 99))) for _ in range(n)
+        )
+        box = (
+            None
+            if rng.random() < 0.3
+            else tuple(float(v) for v in rng.uniform(-99, max(h, w) + 99, 4))
+        )
+        prompt = Prompt(points=points, labels=tuple(int(v) for v in rng.integers(0, 2, n)), box=box)
+        input_size = sam_tf.resize_longest_side_size(h, w, config.image_size)
+        entry = ImageEmbedding("img", torch.zeros(1), input_size, (h, w))
+        got = stages._prompt_set(prompt, entry, None)
+        want_points, want_box = reference(prompt, (h, w))
+        assert isinstance(got.points, np.ndarray) and got.points.dtype == np.float32
+        assert np.array_equal(got.points, want_points.numpy())
+        assert np.array_equal(np.asarray(got.labels), np.asarray(prompt.labels, dtype=np.int64))
+        if box is None:
+            assert got.box is None
+        else:
+            assert np.array_equal(np.asarray(got.box), want_box.numpy())

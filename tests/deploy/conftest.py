@@ -23,6 +23,7 @@ TARGETS = {
     "base": K8S / "base",
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
+    "gpu-shared": K8S / "overlays" / "gpu-shared",
     "adapter": K8S / "prometheus-adapter",
 }
 

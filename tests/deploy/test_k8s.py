@@ -22,19 +22,23 @@ from kubernetes_validate.utils import latest_version
 
 from server.metrics import Metrics
 from server.settings import Settings
-from tests.deploy.conftest import Manifest
+from tests.deploy.conftest import K8S, Manifest
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_SHARED = K8S / "overlays" / "gpu-shared"
+TIME_SLICING = GPU_SHARED / "device-plugin-time-slicing.yaml"
 
 KUBERNETES_VERSIONS = ("1.30", latest_version())
 CRD_GROUPS = ("monitoring.coreos.com/",)
 APP = "sam-swin-serve"
-OVERLAYS = ("base", "gpu", "cpu")
+OVERLAYS = ("base", "gpu", "cpu", "gpu-shared")
 DEPLOYED = {  # kinds each render must hold (the cpu overlay drops shared storage and CRDs)
     "base": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
              "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
     "gpu": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
             "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
+    "gpu-shared": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
+                   "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
     "cpu": {"ConfigMap", "Service", "Deployment", "HorizontalPodAutoscaler",
             "PodDisruptionBudget"},
 }  # fmt: skip
@@ -148,7 +152,7 @@ SERVICE_MONITOR_SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("target", ["base", "gpu"])
+@pytest.mark.parametrize("target", ["base", "gpu", "gpu-shared"])
 def test_service_monitor_scrapes_the_metrics_port(rendered, target):
     objects = rendered[target]
     monitor = one(objects, "ServiceMonitor", APP)
@@ -369,8 +373,9 @@ def test_hpa_scales_on_queue_depth_with_cpu_fallback(rendered, target):
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
 
 
-def test_gpu_init_container_fetches_with_the_weights_command(rendered):
-    (init,) = pod_spec(rendered["gpu"])["initContainers"]
+@pytest.mark.parametrize("target", ["gpu", "gpu-shared"])
+def test_gpu_init_container_fetches_with_the_weights_command(rendered, target):
+    (init,) = pod_spec(rendered[target])["initContainers"]
     script = " ".join(init["args"])
     assert "python -m models.weights download" in script
     for name in ("SERVE_SAM_CHECKPOINT", "SERVE_SWIN_CHECKPOINT"):
@@ -383,3 +388,94 @@ def test_gpu_init_container_fetches_with_the_weights_command(rendered):
         capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout  # fmt: skip
     assert "--dest" in help_text
+
+
+# -- several replicas per GPU (time-slicing) -----------------------------------------------
+
+
+def time_slicing_configs() -> tuple[Manifest, dict[str, dict[str, Any]]]:
+    """The device plugin's ConfigMap and each config it holds, parsed."""
+    (config_map,) = [doc for doc in yaml.safe_load_all(TIME_SLICING.read_text()) if doc]
+    configs = {key: yaml.safe_load(text) for key, text in config_map["data"].items()}
+    return config_map, configs
+
+
+def shared_resources(config: dict[str, Any]) -> dict[str, int]:
+    """Resource name as advertised -> shares per GPU, for one device plugin config."""
+    slicing = config.get("sharing", {}).get("timeSlicing", {})
+    suffix = ".shared" if slicing.get("renameByDefault", False) else ""
+    return {r["name"] + suffix: r["replicas"] for r in slicing.get("resources", [])}
+
+
+def test_gpu_shared_overlay_takes_one_time_sliced_share(rendered, monkeypatch):
+    objects = rendered["gpu-shared"]
+    spec = pod_spec(objects)
+    resources = server_container(objects)["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+    # about 4 cores each: the measured share (4 processes on a 16-core host)
+    assert quantity(resources["requests"]["cpu"]) == 4
+    assert 4 <= quantity(resources["limits"]["cpu"]) <= 8
+    assert quantity(resources["requests"]["memory"]) >= 4 * 2**30
+    # on time-slicing GPU nodes only, tolerating the GPU taint as the gpu overlay does
+    assert spec["nodeSelector"] == {
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.sharing-strategy": "time-slicing",
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    settings = settings_from(config(objects), monkeypatch)
+    assert settings.decode_threads == 4
+    assert (settings.device, settings.precision) == ("cuda", "bf16")
+    assert settings.embedding_cache_bytes == 2 * 2**30, "the ~7.7 GiB was measured at"
+    assert settings.sam_checkpoint is not None and settings.swin_checkpoint is not None
+    assert spec["containers"][0]["image"].endswith(":gpu")
+    # a surge pod finds no free share when all are taken: a rollout may take one pod down
+    deployment = one(objects, "Deployment", APP)
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] >= 1
+
+
+def test_gpu_shared_leaves_the_gpu_overlay_untouched(rendered, monkeypatch):
+    """The new overlay changes only its own render: the whole-GPU overlay is as before."""
+    gpu = rendered["gpu"]
+    assert "nvidia.com/gpu.sharing-strategy" not in pod_spec(gpu)["nodeSelector"]
+    assert settings_from(config(gpu), monkeypatch).embedding_cache_bytes == 4 * 2**30
+    strategy = one(gpu, "Deployment", APP)["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0
+
+
+def test_time_slicing_config_map_gives_four_shares_of_nvidia_gpu():
+    config_map, configs = time_slicing_configs()
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(config_map, version, strict=True)
+    assert config_map["kind"] == "ConfigMap"
+    # the device plugin's namespace, never ours
+    assert config_map["metadata"]["namespace"] not in ("", "sam-swin")
+    assert all(c["version"] == "v1" for c in configs.values())
+    # nodes without the nvidia.com/device-plugin.config label keep whole GPUs
+    assert "sharing" not in configs["default"]
+    shared = configs["time-sliced-4"]
+    assert shared["sharing"]["timeSlicing"]["resources"] == [
+        {"name": "nvidia.com/gpu", "replicas": 4}
+    ]
+    assert shared["sharing"]["timeSlicing"]["failRequestsGreaterThanOne"] is True
+
+
+def test_gpu_shared_requests_the_resource_the_device_plugin_advertises(rendered):
+    _, configs = time_slicing_configs()
+    advertised = shared_resources(configs["time-sliced-4"])
+    requested = server_container(rendered["gpu-shared"])["resources"]["requests"]
+    gpu_resources = {name for name in requested if name.startswith("nvidia.com/")}
+    assert gpu_resources == set(advertised), "renameByDefault and the request agree"
+    # one GPU's shares: the HPA's ceiling as shipped
+    hpa = one(rendered["gpu-shared"], "HorizontalPodAutoscaler", APP)
+    assert hpa["spec"]["maxReplicas"] == advertised["nvidia.com/gpu"]
+
+
+def test_time_slicing_config_map_is_applied_apart_from_the_overlay(rendered):
+    kustomization = yaml.safe_load((GPU_SHARED / "kustomization.yaml").read_text())
+    assert TIME_SLICING.name not in kustomization.get("resources", [])
+    assert kustomization["resources"] == ["../gpu"], "builds on the gpu overlay"
+    config_map, _ = time_slicing_configs()
+    names = {o["metadata"]["name"] for o in rendered["gpu-shared"] if o["kind"] == "ConfigMap"}
+    assert config_map["metadata"]["name"] not in names

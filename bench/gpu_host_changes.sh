@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs that measure the host-side changes made after the last service benchmark
-# (docs/BENCHMARKS.md, "Batch size and queue delay"), in one call of the device tool:
+# (docs/BENCHMARKS.md, "Batch size and queue delay"; their results are its "Now" and
+# "Several processes on one GPU" sections), in one call of the device tool:
 #   1. the stage calls alone, with their host-device synchronisation counts;
 #   2. the service at batch 16 / 5 ms, at Python's GIL switch interval and at 0.5 ms;
 #   3. three replicas sharing the one GPU (more processes, hence more GILs, per GPU).

@@ -14,9 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
+
+from models import fidelity
+from models.fidelity import mask_iou, relative_error
+
+__all__ = ["mask_iou", "relative_error"]  # with the helpers below: what the scripts import
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
 
@@ -33,11 +36,12 @@ def environment() -> dict[str, Any]:
 
 
 def load_photos(folder: Path) -> list[torch.Tensor]:
-    """Every .jpg in `folder` as uint8 `[H, W, 3]` tensors, sorted by name."""
-    paths = sorted(folder.glob("*.jpg"))
-    if not paths:
-        raise SystemExit(f"no .jpg photos in {folder} (pass --images)")
-    return [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths]
+    """The photos in `folder` as uint8 `[H, W, 3]` tensors (`models.fidelity.load_photos`,
+    which the service's fidelity check reads too); none there ends the script."""
+    try:
+        return fidelity.load_photos(folder)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"{exc} (pass --images)") from None
 
 
 def host_time_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
@@ -71,18 +75,6 @@ def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double(), expected.double()
-    return float((a - e).norm() / e.norm().clamp(min=1e-30))
-
-
-def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU per mask of two bool stacks `[N, H, W]` (1.0 where both are empty)."""
-    inter = (a & b).flatten(1).sum(1).double()
-    union = (a | b).flatten(1).sum(1).double()
-    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
 def peak_gib() -> float:

@@ -30,6 +30,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
+from models.fidelity import swin_views
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
 from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
 from models.swin import transforms as swin_tf
@@ -56,22 +57,10 @@ VARIANTS: dict[str, OptimizeOptions] = {
 }
 
 
-def agreement_inputs(photos: list[torch.Tensor], n: int, size: int, config) -> torch.Tensor:
-    """`n` pre-processed views: random crops (40-100% of a side) and flips of the photos."""
-    g = torch.Generator().manual_seed(0)
-    views = []
-    for k in range(n):
-        photo = photos[k % len(photos)]
-        h, w = photo.shape[:2]
-        ch = int(h * (0.4 + 0.6 * torch.rand(1, generator=g).item()))
-        cw = int(w * (0.4 + 0.6 * torch.rand(1, generator=g).item()))
-        y = int(torch.randint(0, h - ch + 1, (1,), generator=g))
-        x = int(torch.randint(0, w - cw + 1, (1,), generator=g))
-        view = photo[y : y + ch, x : x + cw]
-        if k % 2:
-            view = view.flip(1)
-        views.append(view.contiguous())
-    return swin_tf.preprocess_images(views, config, DEVICE)
+def agreement_inputs(photos: list[torch.Tensor], n: int, config) -> torch.Tensor:
+    """`n` pre-processed views: seeded crops (40-100% of a side) and flips of the photos,
+    the same views the service's fidelity check uses (`models.fidelity.swin_views`)."""
+    return swin_tf.preprocess_images(swin_views(photos, n), config, DEVICE)
 
 
 def main() -> None:
@@ -100,9 +89,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     config = SWIN_CONFIGS[args.model]
     base = load_swin(config, None, seed=0).to(DEVICE)
-    inputs = agreement_inputs(
-        load_photos(args.images), args.agreement_images, config.img_size, config
-    )
+    inputs = agreement_inputs(load_photos(args.images), args.agreement_images, config)
     with torch.inference_mode():
         ref_top1 = torch.cat(
             [base(inputs[i : i + 64]).argmax(-1) for i in range(0, len(inputs), 64)]

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 STUBS = Path(__file__).resolve().parent / "_stubs"
+SHARED_PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,3 +50,18 @@ def recompile_probe() -> Iterator[Callable[[], bool]]:
     yield recompiles
     torch.compiler.set_stance("default")
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def small_photo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three of the shared photos at most 200 px a side (two JPEGs, one PNG): real content
+    that the tiny models run in about a second on the CPU."""
+    sources = sorted(SHARED_PHOTOS.glob("*.jpg"))[:3]
+    assert len(sources) == 3, f"{SHARED_PHOTOS} must hold the shared photos"
+    folder = tmp_path_factory.mktemp("small-photos")
+    for k, path in enumerate(sources):
+        with Image.open(path) as image:
+            small = image.convert("RGB")
+            small.thumbnail((200, 200))
+            small.save(folder / (f"{path.stem}.png" if k == 2 else path.name))
+    return folder

@@ -1,0 +1,368 @@
+"""How far an optimised variant strays from the fp32 eager model on the same weights.
+
+bf16, int8, fp8 and 2:4 sparsity each buy speed with a different amount of accuracy
+(docs/BENCHMARKS.md: on random ViT-B weights, mask IoU 0.993 for bf16, 0.941 for fp8, 0.674
+for unfine-tuned 2:4), and that amount depends on the weights, so it has to be measured on
+the checkpoint a deployment serves. Both users of this module compare a *candidate* (a
+function that runs the variant) with a *reference* (the fp32 eager model) on the same real
+photos and prompts:
+
+- `python -m models.fidelity` prints the table for any list of variants;
+- the service, when asked (`SERVE_FIDELITY_CHECK`), measures the variant it is about to
+  serve, through its own compiled stages, and refuses to start below the floors it is given.
+
+SAM: every photo gets five prompts (two boxes, one point, a foreground and background pair,
+a box with a point); all four mask outputs of each (single-mask and the three multimask)
+are compared at the photo's size. Swin: seeded crops and flips of the photos, top-1
+agreement and logit error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch import Tensor
+
+from models.optimize import DTYPES, OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.sam import SAM_CONFIGS, Sam, load_sam, pack_prompts
+from models.sam.prompts import PromptSet
+from models.sam.transforms import postprocess_masks, preprocess_images, scale_coords
+from models.swin import SWIN_CONFIGS, SwinConfig, SwinTransformer, load_swin
+from models.swin import transforms as swin_tf
+
+PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def load_photos(folder: Path, limit: int | None = None) -> list[Tensor]:
+    """The JPEG and PNG photos in `folder` (sorted by name, EXIF orientation applied) as
+    uint8 `[H, W, 3]` tensors; at most `limit` of them."""
+    paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in PHOTO_SUFFIXES)
+    if not paths:
+        raise ValueError(f"no .jpg or .png photos in {folder}")
+    photos = []
+    for path in paths[:limit]:
+        with Image.open(path) as image:
+            rgb = ImageOps.exif_transpose(image).convert("RGB")
+        photos.append(torch.from_numpy(np.array(rgb)))
+    return photos
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    """`||actual - expected|| / ||expected||`, in float64."""
+    a, e = actual.double(), expected.double()
+    return float((a - e).norm() / e.norm().clamp(min=1e-30))
+
+
+def mask_iou(a: Tensor, b: Tensor) -> Tensor:
+    """IoU per mask of two bool stacks `[N, H, W]` (1.0 where both are empty)."""
+    inter = (a & b).flatten(1).sum(1).double()
+    union = (a | b).flatten(1).sum(1).double()
+    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+
+
+# -- SAM ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FidelityPrompt:
+    """One prompt in the photo's pixel coordinates (the fields of the service's `Prompt`)."""
+
+    points: tuple[tuple[float, float], ...] = ()
+    labels: tuple[int, ...] = ()
+    box: tuple[float, float, float, float] | None = None
+
+
+def fidelity_prompts(height: int, width: int) -> list[FidelityPrompt]:
+    """The prompts every photo is decoded with: the forms users send, inside the image."""
+    h, w = float(height), float(width)
+    central = (w * 0.25, h * 0.25, w * 0.75, h * 0.75)
+    return [
+        FidelityPrompt(box=central),
+        FidelityPrompt(box=(w * 0.1, h * 0.1, w * 0.9, h * 0.9)),
+        FidelityPrompt(points=((w / 2, h / 2),), labels=(1,)),
+        FidelityPrompt(points=((w / 3, h / 2), (2 * w / 3, h / 2)), labels=(1, 0)),
+        FidelityPrompt(points=((w / 2, h / 2),), labels=(1,), box=central),
+    ]
+
+
+class SamOutputs(NamedTuple):
+    """What one photo and its prompts give: embedding `[C, h, w]` float32, masks `[P, 4, H,
+    W]` bool (single-mask output first, then the multimask ones), scores `[P, 4]` float32."""
+
+    embedding: Tensor
+    masks: Tensor
+    scores: Tensor
+
+
+SamRunner = Callable[[Tensor, Sequence[FidelityPrompt]], SamOutputs]
+
+
+def eager_sam_runner(model: Sam, device: torch.device) -> SamRunner:
+    """`model` run eagerly, one photo at a time, in the dtype it holds (fp32: the reference).
+
+    Prompts are scaled as the service scales them (`scale_coords`); they lie inside the
+    photo, so the service's clipping changes nothing.
+    """
+    config = model.config
+
+    @torch.inference_mode()
+    def run(photo: Tensor, prompts: Sequence[FidelityPrompt]) -> SamOutputs:
+        size = (int(photo.shape[0]), int(photo.shape[1]))
+        batch, (input_size,) = preprocess_images([photo], config, device)
+        embedding = model.encode(batch)
+        sets = []
+        for p in prompts:
+            xy = torch.tensor(p.points, dtype=torch.float32).reshape(-1, 2)
+            points = scale_coords(xy, size, config)
+            box = None
+            if p.box is not None:
+                corners = torch.tensor(p.box, dtype=torch.float32).reshape(2, 2)
+                box = scale_coords(corners, size, config).reshape(4)
+            sets.append(PromptSet(points=points, labels=p.labels, box=box))
+        packed = pack_prompts(sets, None, device)
+        low_res, iou = model.decode(embedding.expand(len(sets), -1, -1, -1), packed)
+        logits = postprocess_masks(low_res.float(), input_size, size, config)
+        return SamOutputs(embedding[0].float(), logits > config.mask_threshold, iou.float())
+
+    return run
+
+
+@dataclass(frozen=True)
+class SamFidelity:
+    """A SAM variant against the reference over `photos` photos and `masks` masks."""
+
+    photos: int
+    masks: int
+    embedding_rel_error: float  # over all photos' embeddings together
+    mask_iou_mean: float
+    mask_iou_min: float
+    score_diff_mean: float  # |predicted IoU - the reference's|
+    score_diff_max: float
+
+    def shortfalls(self, min_mask_iou: float, max_embedding_error: float) -> list[str]:
+        """Each floor this result misses, said plainly (empty: it passes)."""
+        out = []
+        if not self.mask_iou_mean >= min_mask_iou:
+            out.append(f"mean mask IoU {self.mask_iou_mean:.4f} < floor {min_mask_iou}")
+        if not self.embedding_rel_error <= max_embedding_error:
+            out.append(
+                f"embedding error {self.embedding_rel_error:.4f} > ceiling {max_embedding_error}"
+            )
+        return out
+
+
+def compare_sam(
+    reference: SamRunner, candidate: SamRunner, photos: Sequence[Tensor]
+) -> SamFidelity:
+    """Run both on every photo with `fidelity_prompts` and compare what they return."""
+    diff_sq = ref_sq = 0.0
+    ious: list[Tensor] = []
+    score_diffs: list[Tensor] = []
+    for photo in photos:
+        prompts = fidelity_prompts(int(photo.shape[0]), int(photo.shape[1]))
+        want = reference(photo, prompts)
+        got = candidate(photo, prompts)
+        if got.masks.shape != want.masks.shape:
+            raise ValueError(f"masks {tuple(got.masks.shape)}, expected {tuple(want.masks.shape)}")
+        a, e = got.embedding.double(), want.embedding.to(got.embedding.device).double()
+        diff_sq += float((a - e).square().sum())
+        ref_sq += float(e.square().sum())
+        masks = want.masks.to(got.masks.device)
+        ious.append(mask_iou(got.masks.flatten(0, 1), masks.flatten(0, 1)).cpu())
+        score_diffs.append((got.scores - want.scores.to(got.scores.device)).abs().flatten().cpu())
+    iou, diffs = torch.cat(ious), torch.cat(score_diffs)
+    return SamFidelity(
+        photos=len(photos),
+        masks=int(iou.numel()),
+        embedding_rel_error=math.sqrt(diff_sq / max(ref_sq, 1e-300)),
+        mask_iou_mean=float(iou.mean()),
+        mask_iou_min=float(iou.min()),
+        score_diff_mean=float(diffs.mean()),
+        score_diff_max=float(diffs.max()),
+    )
+
+
+# -- Swin ---------------------------------------------------------------------------------
+
+SwinRunner = Callable[[Sequence[Tensor]], Tensor]  # uint8 [H, W, 3] images -> logits [n, K]
+
+
+def swin_views(photos: Sequence[Tensor], n: int, seed: int = 0) -> list[Tensor]:
+    """`n` seeded views of the photos: crops of 40-100% of each side, every other flipped.
+
+    More inputs than photos, and with the object off-centre: random weights give small
+    logit margins, so agreement over such views is a stricter test than over the photos."""
+    g = torch.Generator().manual_seed(seed)
+    views = []
+    for k in range(n):
+        photo = photos[k % len(photos)]
+        h, w = int(photo.shape[0]), int(photo.shape[1])
+        ch = max(1, int(h * (0.4 + 0.6 * float(torch.rand(1, generator=g)))))
+        cw = max(1, int(w * (0.4 + 0.6 * float(torch.rand(1, generator=g)))))
+        y = int(torch.randint(0, h - ch + 1, (1,), generator=g))
+        x = int(torch.randint(0, w - cw + 1, (1,), generator=g))
+        view = photo[y : y + ch, x : x + cw]
+        views.append((view.flip(1) if k % 2 else view).contiguous())
+    return views
+
+
+def eager_swin_runner(
+    model: SwinTransformer, config: SwinConfig, device: torch.device, batch: int = 64
+) -> SwinRunner:
+    """`model` run eagerly in batches of `batch`, in the dtype it holds; float32 logits."""
+    dtype = next(model.parameters()).dtype
+
+    @torch.inference_mode()
+    def run(images: Sequence[Tensor]) -> Tensor:
+        out = []
+        for start in range(0, len(images), batch):
+            x = swin_tf.preprocess_images(list(images[start : start + batch]), config, device)
+            out.append(model(x.to(dtype)).float())
+        return torch.cat(out)
+
+    return run
+
+
+@dataclass(frozen=True)
+class SwinFidelity:
+    """A Swin variant against the reference over `views` inputs."""
+
+    views: int
+    top1_agreement: float
+    logit_rel_error: float
+    logit_max_abs_error: float
+
+    def shortfalls(self, min_top1_agreement: float) -> list[str]:
+        if self.top1_agreement >= min_top1_agreement:
+            return []
+        return [f"top-1 agreement {self.top1_agreement:.4f} < floor {min_top1_agreement}"]
+
+
+def compare_swin(
+    reference: SwinRunner, candidate: SwinRunner, views: Sequence[Tensor]
+) -> SwinFidelity:
+    want = reference(views)
+    got = candidate(views).to(want.device)
+    return SwinFidelity(
+        views=len(views),
+        top1_agreement=float((got.argmax(-1) == want.argmax(-1)).double().mean()),
+        logit_rel_error=relative_error(got, want),
+        logit_max_abs_error=float((got - want).abs().max()),
+    )
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def _variant_options(name: str, compile_mode: str, attention: str) -> OptimizeOptions:
+    """`fp32`, `bf16` or `fp16`, optionally `-int8`, `-fp8` or `-2:4` (e.g. `bf16-int8`)."""
+    precision, *rest = name.split("-")
+    extra = rest[0] if len(rest) == 1 else "none"
+    if precision not in DTYPES or len(rest) > 1 or extra not in ("none", "int8", "fp8", "2:4"):
+        raise ValueError(f"unknown variant {name!r}: fp32|bf16|fp16[-int8|-fp8|-2:4]")
+    return OptimizeOptions(
+        precision=precision,  # type: ignore[arg-type]
+        quantization=extra if extra in ("int8", "fp8") else "none",  # type: ignore[arg-type]
+        sparsity="2:4" if extra == "2:4" else "none",
+        attention=attention,  # type: ignore[arg-type]
+        window_attention="triton" if attention == "triton" else "sdpa",
+        compile_mode=compile_mode,  # type: ignore[arg-type]
+    )
+
+
+def _format(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _table(rows: list[dict[str, object]]) -> str:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_format(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m models.fidelity",
+        description="Fidelity of optimised variants against the fp32 eager model on the same "
+        "weights and real photos (SAM: embedding error, mask IoU, score difference; Swin: "
+        "top-1 agreement, logit error). Eager unless --compile.",
+    )
+    p.add_argument("--images", type=Path, required=True, help="a folder of .jpg/.png photos")
+    p.add_argument("--max-photos", type=int, default=None)
+    p.add_argument("--variants", nargs="+", default=["bf16", "bf16-int8", "bf16-fp8"])
+    p.add_argument("--sam-model", default="vit_b", choices=[*SAM_CONFIGS, "none"])
+    p.add_argument("--sam-checkpoint", type=Path, default=None)
+    p.add_argument("--swin-model", default="swin_tiny_patch4_window7_224",
+                   choices=[*SWIN_CONFIGS, "none"])  # fmt: skip
+    p.add_argument("--swin-checkpoint", type=Path, default=None)
+    p.add_argument("--swin-views", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights (no checkpoint)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile each variant first")
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "flex", "triton"],
+        default=None,
+        help="SAM encoder attention (default: triton on CUDA, sdpa on the CPU)",
+    )
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    attention = args.attention or ("triton" if device.type == "cuda" else "sdpa")
+    compile_mode = "default" if args.compile else "none"
+    try:
+        options = {v: _variant_options(v, compile_mode, attention) for v in args.variants}
+        photos = load_photos(args.images, args.max_photos)
+    except ValueError as exc:
+        p.error(str(exc))
+    rows: list[dict[str, object]] = []
+    if args.sam_model != "none":
+        config = SAM_CONFIGS[args.sam_model]
+        reference = load_sam(config, args.sam_checkpoint, seed=args.seed).to(device)
+        ref_run = eager_sam_runner(reference, device)
+        for name, opts in options.items():
+            model = load_sam(config, args.sam_checkpoint, seed=args.seed).to(device, opts.dtype)
+            prepare_sam_encoder(model.image_encoder, opts, device)
+            if args.compile:
+                model.image_encoder = torch.compile(model.image_encoder, dynamic=False)  # type: ignore[assignment]
+            result = compare_sam(ref_run, eager_sam_runner(model, device), photos)
+            rows.append({"model": f"sam_{args.sam_model}", "variant": name, **asdict(result)})
+            print(rows[-1], file=sys.stderr, flush=True)
+            del model
+    if args.swin_model != "none":
+        swin_config = SWIN_CONFIGS[args.swin_model]
+        views = swin_views(photos, args.swin_views)
+        swin_ref = load_swin(swin_config, args.swin_checkpoint, seed=args.seed).to(device)
+        swin_ref_run = eager_swin_runner(swin_ref, swin_config, device)
+        for name, opts in options.items():
+            if opts.sparsity != "none":
+                continue  # 2:4 sparsity is for SAM's encoder MLPs only
+            swin = load_swin(swin_config, args.swin_checkpoint, seed=args.seed)
+            swin = swin.to(device, opts.dtype)
+            prepare_swin(swin, opts)
+            if args.compile:
+                swin = torch.compile(swin, dynamic=False)  # type: ignore[assignment]
+            swin_result = compare_swin(
+                swin_ref_run, eager_swin_runner(swin, swin_config, device), views
+            )
+            rows.append({"model": args.swin_model, "variant": name, **asdict(swin_result)})
+            print(rows[-1], file=sys.stderr, flush=True)
+    random = args.sam_checkpoint is None and args.swin_checkpoint is None
+    weights = "random weights" if random else "checkpoints"
+    print(f"{device}, torch {torch.__version__}, {len(photos)} photos, {weights}")
+    for served in dict.fromkeys(str(row["model"]) for row in rows):
+        print(_table([row for row in rows if row["model"] == served]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
-from server.engine import Engine
+from server.engine import Engine, FidelityError
 from server.errors import ServiceError, error_body
 from server.metrics import Metrics
 from server.middleware import (
@@ -60,6 +60,16 @@ async def start_engine(state: ServeState) -> None:
             state.metrics.warmup_seconds.set(await engine.warmup())
             for event, count in engine.compile_cache_events.items():
                 state.metrics.compile_cache.labels(event).set(count)
+        if state.settings.fidelity_check:
+            report = await engine.check_fidelity()
+            for model, measures in report.measures.items():
+                for measure, value in measures.items():
+                    state.metrics.fidelity.labels(model, measure).set(value)
+            if report.shortfalls:
+                raise FidelityError(
+                    "the served variant is below the fidelity floor: "
+                    + "; ".join(report.shortfalls)
+                )
         state.ready = True
         state.metrics.ready.set(1)
         log.info("ready after %.1fs", time.perf_counter() - started)

@@ -101,6 +101,11 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_compile_cache_events", "Inductor FX-graph cache hits and misses at warm-up",
             ["event"], registry=r,
         )  # fmt: skip
+        self.fidelity = Gauge(
+            "serve_fidelity",
+            "The served variant against the fp32 model at start-up (SERVE_FIDELITY_CHECK)",
+            ["model", "measure"], registry=r,
+        )  # fmt: skip
         self.ready = Gauge("serve_ready", "1 when every model is loaded and warm", registry=r)
         self.model_info = Gauge(
             "serve_model_info", "Loaded models (value 1)",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -62,6 +62,17 @@ class Settings(BaseSettings):
     everything_max_masks: int = Field(200, ge=1)
     everything_work_bytes: int = Field(256 * 1024**2, ge=1)
 
+    # Fidelity check at start-up, opt-in: after warm-up, the served variant (its compiled
+    # stages) against the fp32 eager model on the same weights, over the photos in
+    # `fidelity_images`; start-up fails when a measure is past its floor (models.fidelity).
+    fidelity_check: bool = False
+    fidelity_images: Path | None = None  # .jpg/.png photos like the ones you serve
+    fidelity_max_photos: int = Field(8, ge=1)
+    fidelity_swin_views: int = Field(256, ge=1)  # seeded crops and flips of the photos
+    fidelity_min_mask_iou: float = Field(0.95, ge=0.0, le=1.0)  # mean over all masks
+    fidelity_max_embedding_error: float = Field(0.05, ge=0.0)  # relative, SAM's encoder
+    fidelity_min_top1_agreement: float = Field(0.99, ge=0.0, le=1.0)  # Swin
+
     # Limits on what a client may send.
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(40_000_000, ge=1)
@@ -105,6 +116,15 @@ class Settings(BaseSettings):
         if not buckets or buckets[0] < 1:
             raise ValueError("batch_buckets must hold positive integers")
         return buckets
+
+    @model_validator(mode="after")
+    def _fidelity_needs_photos(self) -> Settings:
+        """Asking for the check without photos would pass it on nothing: refuse instead."""
+        if self.fidelity_check and self.fidelity_images is None:
+            raise ValueError(
+                "SERVE_FIDELITY_CHECK needs SERVE_FIDELITY_IMAGES (a folder of photos)"
+            )
+        return self
 
     @field_validator("api_key")
     @classmethod

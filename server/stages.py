@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 
+from models.fidelity import FidelityPrompt, SamOutputs
 from models.images import nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
@@ -159,15 +160,39 @@ class SamStages:
             for prompt in item.prompts:
                 sets.append(self._prompt_set(prompt, entry, item.mask_input))
                 embeddings.append(entry.embedding)
+        low_res, iou = self._run_decoder(embeddings, sets)
+        return self._postprocess(items, low_res, iou)
+
+    def _run_decoder(
+        self, embeddings: list[torch.Tensor], sets: list[PromptSet]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set p against embedding p: float32 low-res logits `[P, 4, 4h, 4w]`, IoU `[P, 4]`."""
         mask_size = 4 * self.config.embedding_size if self.compiled else None
         # no image_index: row p of the stack is set p's embedding, not gathered again
         prompts = pack_prompts(sets, None, self.device, mask_size)
-        # low_res: [P, 4, 4h, 4w]; iou: [P, 4]. Without duck shaping, sizes that happen to
-        # be equal when a graph is traced (2 sets of 2 tokens) are not assumed equal, so
-        # no graph holds only for P == T and warm-up traces one graph fewer (3, not 4).
+        # Without duck shaping, sizes that happen to be equal when a graph is traced (2 sets
+        # of 2 tokens) are not assumed equal, so no graph holds only for P == T and warm-up
+        # traces one graph fewer (3, not 4).
         with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             low_res, iou = self._decode(torch.stack(embeddings), prompts)
-        return self._postprocess(items, low_res.float(), iou.float())
+        return low_res.float(), iou.float()
+
+    @torch.inference_mode()
+    def fidelity_outputs(
+        self, photo: torch.Tensor, prompts: Sequence[FidelityPrompt]
+    ) -> SamOutputs:
+        """One photo through the served path (its encoder bucket's graph, the compiled
+        decoder, the service's prompt clipping and scaling), for `models.fidelity`."""
+        (entry,) = self.encode([EncodeItem("fidelity", photo)])
+        sets = [
+            self._prompt_set(Prompt(points=p.points, labels=p.labels, box=p.box), entry, None)
+            for p in prompts
+        ]
+        low_res, iou = self._run_decoder([entry.embedding] * len(sets), sets)
+        logits = sam_tf.postprocess_masks(
+            low_res, entry.input_size, entry.original_size, self.config
+        )
+        return SamOutputs(entry.embedding.float(), logits > self.config.mask_threshold, iou)
 
     def _postprocess(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
@@ -302,18 +327,28 @@ class SwinStage:
 
     @torch.inference_mode()
     def classify(self, items: list[ClassifyItem]) -> list[TopK]:
-        sizes = [(int(i.pixels.shape[0]), int(i.pixels.shape[1])) for i in items]
-        nested = nested_pixels([i.pixels for i in items], self.device)
-        batch = swin_tf.preprocess_images(nested, self.config, self.device, sizes)
-        bucket = bucket_for(len(items), self.buckets)
-        logits = self._forward(pad_batch(batch, bucket).to(self.dtype))[: len(items)]
-        probs = logits.float().softmax(dim=-1)
+        probs = self.logits([i.pixels for i in items]).softmax(dim=-1)
         k = max(item.top_k for item in items)
         top = probs.topk(min(k, probs.shape[-1]), dim=-1)
         scores, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
         return [
             TopK(scores[n][: item.top_k], indices[n][: item.top_k]) for n, item in enumerate(items)
         ]
+
+    @torch.inference_mode()
+    def logits(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """uint8 `[H, W, 3]` images -> float32 logits `[n, classes]`, through the warmed
+        buckets (in chunks of the largest when there are more images than it holds)."""
+        out = []
+        step = self.buckets[-1]
+        for start in range(0, len(images), step):
+            chunk = images[start : start + step]
+            sizes = [(int(p.shape[0]), int(p.shape[1])) for p in chunk]
+            nested = nested_pixels(list(chunk), self.device)
+            batch = swin_tf.preprocess_images(nested, self.config, self.device, sizes)
+            bucket = bucket_for(len(chunk), self.buckets)
+            out.append(self._forward(pad_batch(batch, bucket).to(self.dtype))[: len(chunk)].float())
+        return torch.cat(out)
 
     def warmup(self) -> None:
         """Run every bucket once before the service reports ready."""

@@ -49,6 +49,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "serve_phase_duration_seconds": ("histogram", {"phase"}),
     "serve_warmup_seconds": ("gauge", set()),
     "serve_compile_cache_events": ("gauge", {"event"}),
+    "serve_fidelity": ("gauge", {"model", "measure"}),
     "serve_ready": ("gauge", set()),
     "serve_model_info": ("gauge", {"name", "weights", "precision", "device", "compile_mode"}),
     "serve_embedding_cache_events": ("counter", {"event"}),

@@ -41,8 +41,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-int8|-fp8|-2:4]-(eager|compile|autotune)[-sdpa|-flex|-triton]`,
-    e.g. bf16-fp8-compile-triton."""
+    """`bf16[-int8|-fp8|-2:4][-torchao]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
+    e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
@@ -50,6 +50,7 @@ def _variant(name: str) -> OptimizeOptions:
     return OptimizeOptions(
         precision=parts[0],  # type: ignore[arg-type]
         quantization=quant,  # type: ignore[arg-type]
+        quantization_backend="torchao" if "torchao" in parts else "core",
         sparsity="2:4" if "2:4" in parts else "none",
         attention=next((a for a in ("flex", "triton") if a in parts), "sdpa"),  # type: ignore[arg-type]
         window_attention="triton" if "win" in parts else "sdpa",
@@ -72,6 +73,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-eager-triton",
         "bf16-compile-triton-win",
         "bf16-fp8-compile-triton-win",
+        "bf16-int8-compile-triton-win",
+        "bf16-int8-torchao-compile-triton-win",
+        "bf16-fp8-torchao-compile-triton-win",
     ]
 }
 

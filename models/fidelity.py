@@ -263,7 +263,9 @@ def compare_swin(
 # -- the command line ---------------------------------------------------------------------
 
 
-def _variant_options(name: str, compile_mode: str, attention: str) -> OptimizeOptions:
+def _variant_options(
+    name: str, compile_mode: str, attention: str, backend: str = "core"
+) -> OptimizeOptions:
     """`fp32`, `bf16` or `fp16`, optionally `-int8`, `-fp8` or `-2:4` (e.g. `bf16-int8`)."""
     precision, *rest = name.split("-")
     extra = rest[0] if len(rest) == 1 else "none"
@@ -272,6 +274,7 @@ def _variant_options(name: str, compile_mode: str, attention: str) -> OptimizeOp
     return OptimizeOptions(
         precision=precision,  # type: ignore[arg-type]
         quantization=extra if extra in ("int8", "fp8") else "none",  # type: ignore[arg-type]
+        quantization_backend=backend,  # type: ignore[arg-type]
         sparsity="2:4" if extra == "2:4" else "none",
         attention=attention,  # type: ignore[arg-type]
         window_attention="triton" if attention == "triton" else "sdpa",
@@ -315,12 +318,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="SAM encoder attention (default: triton on CUDA, sdpa on the CPU)",
     )
+    p.add_argument(
+        "--quantization-backend",
+        choices=["core", "torchao"],
+        default="core",
+        help="int8/fp8 through our layers or through torchao (SERVE_QUANTIZATION_BACKEND)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     attention = args.attention or ("triton" if device.type == "cuda" else "sdpa")
     compile_mode = "default" if args.compile else "none"
     try:
-        options = {v: _variant_options(v, compile_mode, attention) for v in args.variants}
+        options = {
+            v: _variant_options(v, compile_mode, attention, args.quantization_backend)
+            for v in args.variants
+        }
         photos = load_photos(args.images, args.max_photos)
     except ValueError as exc:
         p.error(str(exc))

@@ -19,7 +19,13 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from models.quantize import Quantization, quantize_linears, semi_structured_2to4
+from models.quantize import (
+    QuantBackend,
+    Quantization,
+    quantize_linears,
+    quantize_linears_torchao,
+    semi_structured_2to4,
+)
 from models.sam.attention import AttentionImpl
 from models.sam.fused_attention import fused_supported
 
@@ -49,6 +55,7 @@ class OptimizeOptions:
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Quantization = "none"
+    quantization_backend: QuantBackend = "core"  # "torchao": see models.quantize
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -61,10 +68,13 @@ class OptimizeOptions:
 
     @property
     def variant(self) -> str:
-        """E.g. `bf16`, `bf16+fp8`, `bf16+int8+2:4`: what every response's precision says."""
+        """E.g. `bf16`, `bf16+fp8`, `bf16+int8+2:4`, `bf16+int8+torchao`: what every response's
+        precision says."""
         parts: list[str] = [self.precision]
         if self.quantization != "none":
             parts.append(self.quantization)
+            if self.quantization_backend == "torchao":
+                parts.append("torchao")
         if self.sparsity != "none":
             parts.append(self.sparsity)
         return "+".join(parts)
@@ -88,7 +98,7 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
     if options.sparsity == "2:4":
         compress = device.type == "cuda" and options.dtype != torch.float32
         semi_structured_2to4(encoder, _encoder_mlp, compress=compress)
-    swapped = quantize_linears(encoder, options.quantization, _encoder_linear)
+    swapped = _quantize(encoder, options, _encoder_linear)
     if swapped:
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
@@ -110,7 +120,15 @@ def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:
     def include(name: str, layer: nn.Linear) -> bool:
         return name.startswith("layers.") and ".blocks." in name
 
-    quantize_linears(model, options.quantization, include)
+    _quantize(model, options, include)
+
+
+def _quantize(
+    module: nn.Module, options: OptimizeOptions, include: Callable[[str, nn.Linear], bool]
+) -> list[str]:
+    if options.quantization_backend == "torchao":
+        return quantize_linears_torchao(module, options.quantization, include)
+    return quantize_linears(module, options.quantization, include)
 
 
 def compile_fn(

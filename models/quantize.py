@@ -12,8 +12,10 @@ Small module swaps applied once at load time, like gpt-fast's quantizers:
 Under `torch.compile` the per-token quantization fuses into the kernel that produced the
 activation, so what remains is the low-precision matrix product. Whether that beats bf16
 depends on the shapes and the chip: measure (bench/sam_encoder.py) before choosing.
-torchao offers the same transforms; these few lines keep the service free of a dependency
-pinned to one torch release, and run on the CPU for tests.
+torchao offers the same transforms, and `quantize_linears_torchao` uses it where it is
+installed and asked for (`SERVE_QUANTIZATION_BACKEND=torchao`). These few lines stay the
+default: they were measured on the H100 (docs/BENCHMARKS.md), they need no dependency
+pinned to one torch release, and every one of them runs on the CPU for tests.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from torch import Tensor, nn
 __all__ = [
     "Fp8RowwiseLinear",
     "Int8DynamicLinear",
+    "QuantBackend",
     "Quantization",
     "Sparse24Linear",
     "linear_reference",
     "prune_2to4",
     "quantize_linears",
+    "quantize_linears_torchao",
     "semi_structured_2to4",
+    "torchao_unsupported",
 ]
 
 Quantization = Literal["none", "int8", "fp8"]
@@ -131,6 +136,63 @@ def quantize_linears(
             setattr(child, attr, cls(layer))
             swapped.append(full)
     return swapped
+
+
+QuantBackend = Literal["core", "torchao"]
+
+
+def torchao_unsupported(kind: Quantization, device: torch.device) -> str | None:
+    """Why torchao cannot quantize `kind` on `device` here, or None when it can.
+
+    torchao (an optional dependency) is PyTorch's library for these transforms; its fp8
+    needs a GPU of compute capability 8.9 or more (Ada, Hopper), its int8 runs anywhere.
+    """
+    try:
+        import torchao.quantization  # noqa: F401
+    except Exception as exc:  # not installed, or built for another torch
+        return f"torchao does not import ({type(exc).__name__}: {exc})"
+    if kind == "fp8":
+        if device.type != "cuda":
+            return "torchao's fp8 needs CUDA"
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return "torchao's fp8 needs compute capability 8.9 or more"
+    return None
+
+
+def quantize_linears_torchao(
+    module: nn.Module, kind: Quantization, include: Callable[[str, nn.Linear], bool]
+) -> list[str]:
+    """`quantize_linears` through torchao's `quantize_`: int8 dynamic activations with int8
+    weights, or fp8 (e4m3) rowwise; the same layers are chosen (and the same odd shapes
+    skipped). The weights become torchao tensor subclasses, which torch.compile traces."""
+    if kind == "none":
+        return []
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    config = (
+        Int8DynamicActivationInt8WeightConfig()
+        if kind == "int8"
+        else Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    )
+    chosen: list[str] = []
+
+    def accept(layer: nn.Module, name: str) -> bool:
+        ok = (
+            isinstance(layer, nn.Linear)
+            and include(name, layer)
+            and not (layer.in_features % 16 or layer.out_features % 16)
+        )
+        if ok:
+            chosen.append(name)
+        return ok
+
+    quantize_(module, config, filter_fn=accept)
+    return chosen
 
 
 def prune_2to4(weight: Tensor) -> Tensor:

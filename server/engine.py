@@ -25,6 +25,7 @@ import torch
 from models import fidelity
 from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.quantize import torchao_unsupported
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator
 from models.sam.fused_attention import triton_available
@@ -81,9 +82,17 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
+    backend = settings.quantization_backend
+    if backend == "torchao" and settings.quantization != "none":
+        why_not = torchao_unsupported(settings.quantization, device)
+        if why_not is not None:
+            log.warning("SERVE_QUANTIZATION_BACKEND=torchao: %s; core torch's %s layers "
+                        "instead", why_not, settings.quantization)  # fmt: skip
+            backend = "core"
     return OptimizeOptions(
         precision=precision,
         quantization=settings.quantization,
+        quantization_backend=backend,
         sparsity=settings.sparsity,
         attention=attention,
         # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)

@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
     quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
+    # core: our layers (measured, docs/BENCHMARKS.md); torchao: torchao's quantize_ where it
+    # is installed and can (fp8 needs CUDA 8.9+), else core with a warning
+    quantization_backend: Literal["core", "torchao"] = "core"
     sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
     # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from models.quantize import (
     prune_2to4,
     quantize_linears,
     semi_structured_2to4,
+    torchao_unsupported,
 )
 from models.sam import Sam
 
@@ -105,3 +107,38 @@ def test_compile_off_is_the_function_itself_and_graphs_fall_back_on_cpu():
     graphed.capture(torch.ones(2))
     assert graphed.captured == []
     torch.testing.assert_close(graphed(torch.ones(3)), torch.full((3,), 2.0))
+
+
+# -- the torchao backend (int8 on the CPU; torchao's fp8 needs a GPU of capability 8.9+) --
+
+
+def test_torchao_backend_quantizes_the_same_layers_and_stays_close(tiny_sam: Sam):
+    from torchao.quantization import Int8Tensor
+
+    core, ao = copy.deepcopy(tiny_sam), copy.deepcopy(tiny_sam)
+    cpu = torch.device("cpu")
+    prepare_sam_encoder(core.image_encoder, OptimizeOptions(quantization="int8"), cpu)
+    options = OptimizeOptions(quantization="int8", quantization_backend="torchao")
+    assert options.variant == "fp32+int8+torchao"
+    prepare_sam_encoder(ao.image_encoder, options, cpu)
+    core_layers = {n for n, m in core.image_encoder.named_modules()
+                   if isinstance(m, Int8DynamicLinear)}  # fmt: skip
+    ao_layers = {n for n, m in ao.image_encoder.named_modules()
+                 if isinstance(m, nn.Linear) and isinstance(m.weight, Int8Tensor)}  # fmt: skip
+    assert core_layers == ao_layers and len(ao_layers) > 0
+    images = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = tiny_sam.encode(images)
+        err = rel(ao.encode(images), want)
+    assert 0 < err < 0.05
+    # the two int8 schemes round alike: neither is far from the other
+    with torch.inference_mode():
+        assert rel(ao.encode(images), core.encode(images)) < 2 * rel(core.encode(images), want)
+
+
+def test_torchao_says_why_it_cannot(monkeypatch):
+    cpu = torch.device("cpu")
+    assert torchao_unsupported("int8", cpu) is None
+    assert "needs CUDA" in str(torchao_unsupported("fp8", cpu))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # as if not installed
+    assert "does not import" in str(torchao_unsupported("int8", cpu))

@@ -1,0 +1,52 @@
+"""SERVE_QUANTIZATION_BACKEND: torchao where it can run the asked quantization, core torch's
+layers with a warning where it cannot, and every answer names what runs."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import torch
+
+from server.engine import optimize_options
+from server.settings import Settings
+from tests.server.conftest import LiveServer, small_settings
+
+CPU = torch.device("cpu")
+
+
+def test_torchao_is_used_where_it_can_and_core_stands_in_where_not(caplog) -> None:
+    int8 = optimize_options(Settings(quantization="int8", quantization_backend="torchao"), CPU)
+    assert (int8.quantization_backend, int8.variant) == ("torchao", "fp32+int8+torchao")
+    with caplog.at_level(logging.WARNING, logger="server.engine"):
+        fp8 = optimize_options(Settings(quantization="fp8", quantization_backend="torchao"), CPU)
+    assert (fp8.quantization_backend, fp8.variant) == ("core", "fp32+fp8")
+    assert "torchao's fp8 needs CUDA" in caplog.text
+    # no quantization: nothing for a backend to do, and nothing said
+    plain = optimize_options(Settings(quantization_backend="torchao"), CPU)
+    assert plain.variant == "fp32"
+    assert Settings().quantization_backend == "core"
+
+
+@pytest.fixture(scope="module")
+def torchao_server():
+    server = LiveServer(small_settings(quantization="int8", quantization_backend="torchao"))
+    yield server.start(timeout_s=240)
+    server.stop()
+
+
+def test_a_torchao_int8_service_serves_and_says_so(torchao_server, png_bytes) -> None:
+    with httpx.Client(base_url=torchao_server.url, timeout=60) as c:
+        models = c.get("/v1/models").json()["models"]
+        assert {m["name"]: m["precision"] for m in models} == {
+            "sam_vit_tiny": "fp32+int8+torchao",
+            "swin_test": "fp32+int8+torchao",
+        }
+        segment = c.post("/v1/segment", files={"image": ("a.png", png_bytes, "image/png")},
+                         data={"request": '{"box": [10, 10, 90, 90]}'})  # fmt: skip
+        assert segment.status_code == 200, segment.text
+        assert segment.json()["model"]["precision"] == "fp32+int8+torchao"
+        classify = c.post("/v1/classify", files={"image": ("a.png", png_bytes, "image/png")})
+        assert classify.status_code == 200, classify.text
+        assert classify.json()["model"]["precision"] == "fp32+int8+torchao"

@@ -17,9 +17,6 @@ from typing import Any
 import torch
 
 from models import fidelity
-from models.fidelity import mask_iou, relative_error
-
-__all__ = ["mask_iou", "relative_error"]  # with the helpers below: what the scripts import
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
 

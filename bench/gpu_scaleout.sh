@@ -8,8 +8,8 @@
 #
 # REPLICA_GPUS lists the GPU of each replica (default "0 1"); "0 0 0" runs three replicas
 # sharing one GPU, and one compile cache. CLIENTS_ALL (default 128 per replica) loads all of
-# them (CLIENTS_GRID, several counts, one load each); ONE=0 skips the one-replica load, LOCUST=0 Locust; EXTRA_ENV adds
-# server settings.
+# them (CLIENTS_GRID: several counts, one load each); ONE=0 skips the one-replica load,
+# LOCUST=0 Locust; EXTRA_ENV adds server settings.
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH (locust among them) and the photos
 # in .benchdata/images.

@@ -26,13 +26,12 @@ from bench.common import (
     empty_cache,
     environment,
     load_photos,
-    mask_iou,
     peak_gib,
     print_table,
-    relative_error,
     reset_peak,
     write_json,
 )
+from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
 from models.sam import SAM_CONFIGS, PromptSet, Sam, load_sam, pack_prompts
 from models.sam import transforms as tf

@@ -69,6 +69,11 @@ def mask_iou(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
+def _measures(result: SamFidelity | SwinFidelity) -> dict[str, float]:
+    """The float fields of a result (its counts left out): what /metrics exports."""
+    return {k: v for k, v in asdict(result).items() if isinstance(v, float)}
+
+
 # -- SAM ----------------------------------------------------------------------------------
 
 
@@ -119,15 +124,18 @@ def eager_sam_runner(model: Sam, device: torch.device) -> SamRunner:
         size = (int(photo.shape[0]), int(photo.shape[1]))
         batch, (input_size,) = preprocess_images([photo], config, device)
         embedding = model.encode(batch)
-        sets = []
-        for p in prompts:
-            xy = torch.tensor(p.points, dtype=torch.float32).reshape(-1, 2)
-            points = scale_coords(xy, size, config)
-            box = None
-            if p.box is not None:
-                corners = torch.tensor(p.box, dtype=torch.float32).reshape(2, 2)
-                box = scale_coords(corners, size, config).reshape(4)
-            sets.append(PromptSet(points=points, labels=p.labels, box=box))
+
+        def scaled(xy: object) -> np.ndarray:
+            return scale_coords(np.asarray(xy, dtype=np.float32).reshape(-1, 2), size, config)
+
+        sets = [
+            PromptSet(
+                points=scaled(p.points),
+                labels=p.labels,
+                box=None if p.box is None else scaled(p.box).reshape(4),
+            )
+            for p in prompts
+        ]
         packed = pack_prompts(sets, None, device)
         low_res, iou = model.decode(embedding.expand(len(sets), -1, -1, -1), packed)
         logits = postprocess_masks(low_res.float(), input_size, size, config)
@@ -147,6 +155,9 @@ class SamFidelity:
     mask_iou_min: float
     score_diff_mean: float  # |predicted IoU - the reference's|
     score_diff_max: float
+
+    def measures(self) -> dict[str, float]:
+        return _measures(self)
 
     def shortfalls(self, min_mask_iou: float, max_embedding_error: float) -> list[str]:
         """Each floor this result misses, said plainly (empty: it passes)."""
@@ -240,6 +251,9 @@ class SwinFidelity:
     top1_agreement: float
     logit_rel_error: float
     logit_max_abs_error: float
+
+    def measures(self) -> dict[str, float]:
+        return _measures(self)
 
     def shortfalls(self, min_top1_agreement: float) -> list[str]:
         if self.top1_agreement >= min_top1_agreement:

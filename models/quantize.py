@@ -114,6 +114,15 @@ class Fp8RowwiseLinear(nn.Module):
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
 
+def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear], bool]) -> bool:
+    """An accepted Linear whose dimensions the int8/fp8 kernels take (multiples of 16)."""
+    return (
+        isinstance(layer, nn.Linear)
+        and include(name, layer)
+        and not (layer.in_features % 16 or layer.out_features % 16)
+    )
+
+
 def quantize_linears(
     module: nn.Module, kind: Quantization, include: Callable[[str, nn.Linear], bool]
 ) -> list[str]:
@@ -129,9 +138,7 @@ def quantize_linears(
     for name, child in list(module.named_modules()):
         for attr, layer in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
-            if not isinstance(layer, nn.Linear) or not include(full, layer):
-                continue
-            if layer.in_features % 16 or layer.out_features % 16:
+            if not _quantizable(full, layer, include):
                 continue
             setattr(child, attr, cls(layer))
             swapped.append(full)
@@ -182,11 +189,7 @@ def quantize_linears_torchao(
     chosen: list[str] = []
 
     def accept(layer: nn.Module, name: str) -> bool:
-        ok = (
-            isinstance(layer, nn.Linear)
-            and include(name, layer)
-            and not (layer.in_features % 16 or layer.out_features % 16)
-        )
+        ok = _quantizable(name, layer, include)
         if ok:
             chosen.append(name)
         return ok

@@ -20,8 +20,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
-from server.engine import Engine, FidelityError
+from server.engine import Engine
 from server.errors import ServiceError, error_body
+from server.fidelity import FidelityError
 from server.metrics import Metrics
 from server.middleware import (
     PROBE_PATHS,

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from models import fidelity
 from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.quantize import torchao_unsupported
@@ -45,6 +44,7 @@ from server.domain import (
 from server.errors import ServiceError
 from server.everything import EverythingMasks, EverythingRunner
 from server.faults import Faults
+from server.fidelity import FidelityReport, measure_served
 from server.settings import Settings
 from server.stages import (
     ClassifyItem,
@@ -139,18 +139,6 @@ def _check_everything(
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
-
-
-class FidelityError(RuntimeError):
-    """The served variant is past a fidelity floor the user set: it must not serve."""
-
-
-@dataclass(frozen=True)
-class FidelityReport:
-    """Each model's measures (name -> measure -> value) and every floor missed."""
-
-    measures: dict[str, dict[str, float]]
-    shortfalls: list[str]
 
 
 @dataclass
@@ -361,63 +349,14 @@ class Engine:
         return await loop.run_in_executor(self.worker, self._check_fidelity_sync)
 
     def _check_fidelity_sync(self) -> FidelityReport:
-        """Runs the served stages as requests would (no recompiling after a compiled warm-up)
-        beside a second, fp32 eager copy of each model on the same weights, freed after."""
-        s = self.settings
-        if s.fidelity_images is None:
-            raise ValueError("the fidelity check needs SERVE_FIDELITY_IMAGES")
-        started = time.perf_counter()
-        photos = fidelity.load_photos(s.fidelity_images, s.fidelity_max_photos)
-        measures: dict[str, dict[str, float]] = {}
-        shortfalls: list[str] = []
-        stance = EAGER_ON_RECOMPILE.hold() if self.no_recompile else nullcontext()
-        with stance:
-            if self.sam is not None:
-                reference = load_sam(self.sam.stages.config, s.sam_checkpoint, seed=s.seed)
-                sam = fidelity.compare_sam(
-                    fidelity.eager_sam_runner(reference.to(self.device), self.device),
-                    self.sam.stages.fidelity_outputs,
-                    photos,
-                )
-                del reference
-                measures[self.sam.info.name] = {
-                    "embedding_rel_error": sam.embedding_rel_error,
-                    "mask_iou_mean": sam.mask_iou_mean,
-                    "mask_iou_min": sam.mask_iou_min,
-                    "score_diff_mean": sam.score_diff_mean,
-                    "score_diff_max": sam.score_diff_max,
-                }
-                shortfalls += [
-                    f"{self.sam.info.name}: {miss}"
-                    for miss in sam.shortfalls(
-                        s.fidelity_min_mask_iou, s.fidelity_max_embedding_error
-                    )
-                ]
-            if self.swin is not None:
-                stage = self.swin.stage
-                swin_reference = load_swin(stage.config, s.swin_checkpoint, seed=s.seed)
-                swin = fidelity.compare_swin(
-                    fidelity.eager_swin_runner(
-                        swin_reference.to(self.device), stage.config, self.device
-                    ),
-                    stage.logits,
-                    fidelity.swin_views(photos, s.fidelity_swin_views),
-                )
-                del swin_reference
-                measures[self.swin.info.name] = {
-                    "top1_agreement": swin.top1_agreement,
-                    "logit_rel_error": swin.logit_rel_error,
-                    "logit_max_abs_error": swin.logit_max_abs_error,
-                }
-                shortfalls += [
-                    f"{self.swin.info.name}: {miss}"
-                    for miss in swin.shortfalls(s.fidelity_min_top1_agreement)
-                ]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        log.info("fidelity of %s on %d photos in %.1fs: %s", self.options.variant, len(photos),
-                 time.perf_counter() - started, measures)  # fmt: skip
-        return FidelityReport(measures, shortfalls)
+        # served as requests are: after a compiled warm-up, nothing recompiles
+        with EAGER_ON_RECOMPILE.hold() if self.no_recompile else nullcontext():
+            return measure_served(
+                self.settings,
+                self.device,
+                None if self.sam is None else (self.sam.info.name, self.sam.stages),
+                None if self.swin is None else (self.swin.info.name, self.swin.stage),
+            )
 
     def start(self) -> None:
         """Start the batchers' collectors on the running loop."""

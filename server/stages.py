@@ -125,17 +125,13 @@ class SamStages:
 
         In numpy: the GPU worker runs this for every prompt of a batch holding the GIL, and
         the same steps as small torch ops took about four times as long on the host.
-        Float32 clip, then a float64 product rounded to float32, as `sam_tf.scale_coords`
-        (and Meta's numpy path) compute it.
         """
         height, width = entry.original_size
-        newh, neww = sam_tf.resize_longest_side_size(height, width, self.config.image_size)
         limit = np.array([width, height], dtype=np.float32)
-        scale = np.array([neww / width, newh / height], dtype=np.float64)
 
         def to_input(xy: np.ndarray) -> np.ndarray:
             clipped = np.clip(xy.reshape(-1, 2), np.float32(0), limit)
-            return (clipped.astype(np.float64) * scale).astype(np.float32)
+            return sam_tf.scale_coords(clipped, entry.original_size, self.config)
 
         box = None
         if prompt.box is not None:

@@ -10,7 +10,9 @@ the tensor counterpart of the PIL resize in Meta's `ResizeLongestSide.apply_imag
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -87,14 +89,24 @@ def masks_from_logits(logits: Tensor, config: SamConfig) -> Tensor:
     return logits > config.mask_threshold
 
 
-def scale_coords(coords: Tensor, original_size: Size, config: SamConfig) -> Tensor:
+@overload
+def scale_coords(coords: Tensor, original_size: Size, config: SamConfig) -> Tensor: ...
+@overload
+def scale_coords(coords: np.ndarray, original_size: Size, config: SamConfig) -> np.ndarray: ...
+def scale_coords(
+    coords: Tensor | np.ndarray, original_size: Size, config: SamConfig
+) -> Tensor | np.ndarray:
     """Points `[..., 2]` (x, y) in original pixels -> the model input frame (float32).
 
     x scales by neww / W and y by newh / H, as Meta's `ResizeLongestSide.apply_coords`.
+    A numpy array in gives one out: the GPU worker scales every served prompt this way,
+    where a handful of small torch ops per prompt cost it four times the host time.
     """
     h, w = original_size
     newh, neww = resize_longest_side_size(h, w, config.image_size)
     # float64 product then float32, as Meta's numpy path (astype(float)) computes it
+    if isinstance(coords, np.ndarray):
+        return (coords.astype(np.float64) * np.array([neww / w, newh / h])).astype(np.float32)
     scale = torch.tensor([neww / w, newh / h], dtype=torch.float64, device=coords.device)
     return (coords.to(torch.float64) * scale).to(torch.float32)
 

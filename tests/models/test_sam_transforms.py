@@ -122,5 +122,10 @@ def test_coordinates_scale_as_meta(name: str) -> None:
     expected_points = torch.from_numpy(transform.apply_coords(points, original)).float()
     expected_boxes = torch.from_numpy(transform.apply_boxes(boxes, original)).float()
     assert torch.equal(scale_coords(torch.from_numpy(points), original, config), expected_points)
+    # numpy in, numpy out (the service's prompts), the same numbers
+    as_numpy = scale_coords(points.astype(np.float32), original, config)
+    assert isinstance(as_numpy, np.ndarray) and as_numpy.dtype == np.float32
+    expected_f32 = transform.apply_coords(points.astype(np.float32), original).astype(np.float32)
+    assert np.array_equal(as_numpy, expected_f32)
     assert torch.equal(scale_boxes(torch.from_numpy(boxes), original, config), expected_boxes)
     assert scale_coords(torch.zeros(0, 2), original, config).shape == (0, 2)

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 STUBS = Path(__file__).resolve().parent / "_stubs"
-SHARED_PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
+# small real photos committed with the tests (their attribution: tests/photos/NOTICE)
+PHOTOS = Path(__file__).resolve().parent / "photos"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,10 +55,10 @@ def recompile_probe() -> Iterator[Callable[[], bool]]:
 
 @pytest.fixture(scope="session")
 def small_photo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three of the shared photos at most 200 px a side (two JPEGs, one PNG): real content
+    """The three committed photos at most 200 px a side (two JPEGs, one PNG): real content
     that the tiny models run in about a second on the CPU."""
-    sources = sorted(SHARED_PHOTOS.glob("*.jpg"))[:3]
-    assert len(sources) == 3, f"{SHARED_PHOTOS} must hold the shared photos"
+    sources = sorted(PHOTOS.glob("*.jpg"))
+    assert len(sources) == 3, f"{PHOTOS} must hold the three test photos"
     folder = tmp_path_factory.mktemp("small-photos")
     for k, path in enumerate(sources):
         with Image.open(path) as image:

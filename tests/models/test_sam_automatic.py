@@ -13,7 +13,6 @@ import copy
 import types
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,8 +43,8 @@ from models.sam.automatic_ops import (
     stability_score,
 )
 from models.sam.transforms import resize_longest_side_size
+from tests.conftest import PHOTOS
 
-IMAGES = Path(__file__).resolve().parents[3] / "shared" / "data" / "images"
 PHOTO_SIZE = (256, 171)  # (W, H): the long side is the tiny model's input, no resize needed
 SHARPNESS = 100.0
 
@@ -68,9 +67,7 @@ CASES: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def photo() -> Tensor:
     """dog.jpg, downscaled to 256x171: uint8 `[171, 256, 3]`."""
-    path = IMAGES / "dog.jpg"
-    if not path.exists():
-        pytest.skip(f"{path} is not available")
+    path = PHOTOS / "dog.jpg"
     image = Image.open(path).convert("RGB").resize(PHOTO_SIZE, Image.Resampling.BILINEAR)
     return torch.from_numpy(np.array(image))
 

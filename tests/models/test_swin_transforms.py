@@ -4,7 +4,6 @@ to int(S / crop_pct), bicubic; CenterCrop S; ToTensor; Normalize), and jagged ba
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ from torch import Tensor
 from models.images import PinnedPixels, host_pixels, jagged_on, nested_pixels
 from models.swin import SWIN_CONFIGS, SwinConfig
 from models.swin import transforms as swin_tf
+from tests.conftest import PHOTOS
 
-IMAGES = Path(__file__).resolve().parents[3] / "shared" / "data" / "images"
 TINY = SWIN_CONFIGS["swin_tiny_patch4_window7_224"]
 
 
@@ -54,9 +53,7 @@ def _levels(x: Tensor, config: SwinConfig) -> Tensor:
 
 @pytest.fixture(scope="module")
 def dog() -> Image.Image:
-    path = IMAGES / "dog.jpg"
-    if not path.is_file():
-        pytest.skip(f"{path} is not available")
+    path = PHOTOS / "dog.jpg"
     return Image.open(path).convert("RGB")
 
 

@@ -19,8 +19,7 @@ from PIL import Image
 
 from server.app import build_app
 from server.settings import Settings
-
-PHOTOS = Path(__file__).resolve().parents[3] / "shared" / "data" / "images"
+from tests.conftest import PHOTOS
 
 
 def free_port() -> int:
@@ -166,8 +165,5 @@ def png_bytes() -> bytes:
 
 @pytest.fixture(scope="session")
 def real_photo() -> bytes:
-    """A real photograph from ../shared/data/images (beside the repository in CI)."""
-    path = PHOTOS / "dog.jpg"
-    if not path.exists():
-        pytest.fail(f"{path} is missing: ../shared must sit beside the repository")
-    return path.read_bytes()
+    """A real photograph, committed with the tests."""
+    return (PHOTOS / "dog.jpg").read_bytes()

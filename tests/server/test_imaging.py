@@ -15,8 +15,9 @@ from PIL import Image, ImageOps
 from models.images import PinnedPixels
 from server import imaging
 from server.errors import ServiceError
+from tests.conftest import PHOTOS as TEST_PHOTOS
 
-PHOTOS = sorted((Path(__file__).resolve().parents[3] / "shared" / "data" / "images").glob("*.jpg"))
+PHOTOS = sorted(TEST_PHOTOS.glob("*.jpg"))
 LIMITS = {"max_pixels": 40_000_000, "max_bytes": 50 << 20}
 
 

@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     decoder_max_batch_prompts: int = Field(256, ge=1)
     request_timeout_s: float = Field(30.0, gt=0.0)
+    # The most a request's X-Request-Timeout-Ms may ask for: a header may shorten the deadline
+    # or lengthen it up to this (a segment-everything of 32x32 points on a small CPU needs
+    # more than the default); never below request_timeout_s.
+    max_request_timeout_s: float = Field(120.0, gt=0.0)
     drain_timeout_s: float = Field(30.0, ge=0.0)
     warmup: bool = True
     embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)

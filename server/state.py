@@ -54,8 +54,11 @@ class ServeState:
         return await loop.run_in_executor(self.decode_pool, fn, *args)
 
     def deadline(self, header: str | None) -> float:
-        """The request's monotonic deadline: the setting, shortened by a header if given."""
+        """The request's monotonic deadline: the setting, or what the header asks for, up to
+        the maximum setting (a long job on a slow device asks for more; a client that gives
+        up sooner asks for less, and its abandoned work is dropped at its deadline)."""
         seconds = self.settings.request_timeout_s
+        longest = max(seconds, self.settings.max_request_timeout_s)
         if header:
             try:
                 asked = float(header) / 1000.0
@@ -65,7 +68,7 @@ class ServeState:
                 ) from None
             if not asked > 0:
                 raise ServiceError(422, "invalid_request", "X-Request-Timeout-Ms must be > 0")
-            seconds = min(seconds, asked)
+            seconds = min(asked, longest)
         return time.monotonic() + seconds
 
 

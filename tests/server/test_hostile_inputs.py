@@ -193,8 +193,9 @@ def limited() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def hurried() -> Iterator[LiveServer]:
-    """A request deadline (setting) shorter than any model work."""
-    server = LiveServer(small_settings(warmup=False, request_timeout_s=0.001)).start()
+    """A request deadline (setting) shorter than any model work, and no longer one allowed."""
+    settings = small_settings(warmup=False, request_timeout_s=0.001, max_request_timeout_s=0.001)
+    server = LiveServer(settings).start()
     yield server
     server.stop()
 
@@ -722,7 +723,17 @@ def test_deadline_header_that_is_not_a_positive_number_is_422(client, value):
     assert_error(r, 422, "invalid_request")
 
 
-def test_deadline_is_a_setting_and_the_header_cannot_extend_it(hurried):
+def test_the_header_extends_the_deadline_up_to_the_maximum_setting(make_server):
+    slow_job = make_server(warmup=False, request_timeout_s=0.001, max_request_timeout_s=60.0)
+    with connect(slow_job) as c:
+        assert_error(post_json(c, JPEG), 504, "deadline_exceeded")  # the default: 1 ms
+        assert_segment(post_json(c, PNG, headers={"x-request-timeout-ms": "60000"}), 160, 120)
+        # asking past the maximum gets the maximum, not an error
+        r = post_json(c, fresh_image(103), headers={"x-request-timeout-ms": "3600000"})
+        assert_segment(r, 1024, 768)
+
+
+def test_deadline_is_a_setting_and_the_header_cannot_extend_it_past_the_maximum(hurried):
     with connect(hurried) as c:
         assert_error(post_json(c, JPEG), 504, "deadline_exceeded")
         r = post_json(c, PNG, headers={"x-request-timeout-ms": "60000"})

@@ -168,3 +168,16 @@ def test_everything_embedding_and_classify_examples(usage_calls: list[dict]) -> 
 
     (classify,) = (body(c) for c in by_path(usage_calls, "/v1/classify"))
     assert len(classify["predictions"]) == 5  # top_k
+
+
+def test_the_weights_list_command_runs_as_written() -> None:
+    """The Weights block's first command (the download and the served checkpoint after it
+    need Meta's servers, which CI cannot reach)."""
+    (block, *_) = fenced(readme_section("Weights"), "bash")
+    command = block.splitlines()[0]
+    assert command == "python -m models.weights list", command
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env={**os.environ, "PATH": path},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "sam_vit_b_01ec64.pth" in proc.stdout

@@ -212,22 +212,25 @@ def test_when_every_waiter_leaves_the_encoding_is_dropped(slow_encoder):
 
 
 def test_overload_is_refused_early_with_retry_after_not_timed_out(make_server):
-    """Encoder batches of one take ~0.5 s; 14 clients at once with a 2.5 s deadline. What
-    the queue can serve in time is served; the rest get 429 at once with Retry-After."""
+    """Encoder batches of one take over 2 s; ten clients at once with a 6.5 s deadline. What
+    the queue can serve in time is served; the rest get 429 at once with Retry-After, not
+    a 504 after waiting out their deadline. (The hang dominates each batch, so the service
+    rate it measures holds while a busy test machine slows the compute around it.)"""
     server = make_server(
-        enable_swin=False, fault_hang_stage="sam_encoder", fault_hang_s=0.5, max_batch_size=1,
+        enable_swin=False, fault_hang_stage="sam_encoder", fault_hang_s=2.0, max_batch_size=1,
         batch_buckets=[1], max_queue_delay_ms=1,
     )  # fmt: skip
     url = server.url
     with httpx.Client(base_url=url, timeout=60) as c:
         for seed in (100, 101):  # the service measures its rate on real batches
             embed_id(c, b64_photo(seed))
-    images = [b64_photo(200 + k) for k in range(14)]
-    deadline = {"X-Request-Timeout-Ms": "2500"}
+    images = [b64_photo(200 + k) for k in range(10)]
+    deadline_s = 6.5
 
     def timed(image: str) -> tuple[httpx.Response, float]:
         started = time.monotonic()
-        r = httpx.post(url + "/v1/embed", json={"image": image}, headers=deadline, timeout=60)
+        headers = {"X-Request-Timeout-Ms": str(int(deadline_s * 1000))}
+        r = httpx.post(url + "/v1/embed", json={"image": image}, headers=headers, timeout=60)
         return r, time.monotonic() - started
 
     with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
@@ -240,7 +243,7 @@ def test_overload_is_refused_early_with_retry_after_not_timed_out(make_server):
         if r.status_code != 429:
             continue
         assert_error(r, 429, "queue_full")
-        assert seconds < 1.0, f"refused after {seconds:.2f} s, not at once"
+        assert seconds < deadline_s / 3, f"refused after {seconds:.2f} s, not at once"
         retry = int(r.headers["retry-after"])
-        assert 1 <= retry <= 10, retry
+        assert 1 <= retry <= 30, retry
         assert "deadline" in r.json()["error"]["message"]

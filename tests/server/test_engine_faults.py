@@ -71,8 +71,15 @@ def test_masks_too_large_are_refused_up_front_and_clicks_beside_them_succeed(mak
     for r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["results"][0]["masks"][0]["segmentation"]["size"] == [240, 320]
-    # what fits is served whole: the same image with one box and three masks
     with httpx.Client(base_url=server.url, timeout=120) as c:
+        # a new image sent with such prompts is refused before the encoder spends on it
+        encoded = metric(c, "serve_batch_size_sum", stage="sam_encoder")
+        other = b64(encode(Image.new("RGB", (800, 800), (90, 90, 90)), "PNG"))
+        sent = {"image": other, "boxes": hostile["boxes"], "multimask_output": True}
+        r = c.post("/v1/segment", json=sent)
+        assert_error(r, 413, "masks_too_large")
+        assert metric(c, "serve_batch_size_sum", stage="sam_encoder") == encoded
+        # what fits is served whole: the same image with one box and three masks
         one = {"image_id": large_id, "box": [0, 0, 9999, 9999], "multimask_output": True}
         r = c.post("/v1/segment", json=one)
         assert r.status_code == 200, r.text

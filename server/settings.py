@@ -96,7 +96,9 @@ class Settings(BaseSettings):
     fault_hang_stage: str = ""
     fault_hang_s: float = Field(0.0, ge=0.0)
     fault_raise_stage: str = ""
-    fault_alloc_min_cost: int = Field(0, ge=0)  # an item this costly fails to allocate
+    # a batch holding an item of this cost (decoder: prompts) in fault_oom_stage fails a real
+    # CPU allocation (RuntimeError), so the split finds that item; 0: never
+    fault_alloc_min_cost: int = Field(0, ge=0)
 
     # Access.
     api_key: str | None = None

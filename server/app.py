@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
@@ -178,6 +179,10 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     """The ASGI app for `settings`; models load when its lifespan starts."""
+    # No `_created` series: one per counter and histogram child, they double the scrape
+    # and no query here uses them. prometheus_client reads this flag (process-wide) at
+    # every scrape, so setting it here covers metrics made before as well as after.
+    disable_created_metrics()
     metrics = metrics or Metrics()
     app = FastAPI(
         title="SAM + Swin inference service",

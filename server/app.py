@@ -21,6 +21,7 @@ from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
+from server.docs_assets import install_docs
 from server.engine import Engine
 from server.errors import ServiceError, error_body
 from server.fidelity import FidelityError
@@ -188,7 +189,8 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
         title="SAM + Swin inference service",
         version="0.1.0",
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # install_docs: the same pages, assets from the package, not a CDN
+        redoc_url=None,
     )
     app.state.serve = ServeState(
         settings=settings,
@@ -197,6 +199,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(page.router)
+    install_docs(app)
     _install_handlers(app, metrics)
     # The last added is outermost: observe everything, CORS before auth, body limit inside.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
@@ -214,7 +217,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
-    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + /docs
+    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(
         ObserveMiddleware, metrics=metrics, routes=leaf_routes, counter=app.state.serve
     )

@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import itertools
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ import pytest
 from pycocotools import mask as mask_utils
 
 from server.client import AsyncClient, Client, ServiceError, image_id_of
-from tests.server.conftest import ROOT, LiveServer, encode, photo_like
+from tests.server.conftest import PHOTOS, ROOT, LiveServer, encode, photo_like
 
 EVERYTHING = {"points_per_side": 4, "pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}
 
@@ -247,3 +248,17 @@ def test_timeouts(scripted: Callable[..., Scripted]) -> None:
     server = scripted([(*OK[:3], 2.0)])
     with Client(server.url, timeout=0.3) as c, pytest.raises(httpx.TimeoutException):
         c.classify(b"bytes")
+
+
+def test_the_readme_example_runs(live_server: LiveServer) -> None:
+    """The README's client example, verbatim but for the URL, the photo paths and a
+    coarser segment-everything grid (the CPU test model)."""
+    readme = (ROOT / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(from server\.client import .*?)```", readme, re.S)
+    code = code.replace("http://localhost:8000", live_server.url)
+    code = code.replace("points_per_side=32", "points_per_side=4")
+    for name in ("dog.jpg", "truck.jpg"):
+        code = code.replace(f'"{name}"', repr(str(PHOTOS / name)))
+    scope: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert isinstance(scope["array"], np.ndarray) and scope["labels"]

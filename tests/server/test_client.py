@@ -153,7 +153,7 @@ def test_real_429s_are_retried(make_server: Callable[..., LiveServer]) -> None:
     photos = [encode(photo_like(128, 96, seed=s)) for s in range(12)]
 
     async def main() -> list[int]:
-        async with AsyncClient(server.url, max_retries=30, max_retry_wait_s=0.2) as c:
+        async with AsyncClient(server.url, max_retries=100, max_retry_wait_s=0.2) as c:
             results = await asyncio.gather(*(c.classify(p, top_k=1) for p in photos))
         return [len(r.predictions) for r in results]
 

@@ -133,11 +133,12 @@ class Plans:
                    fields: dict[str, Any]) -> Plan[dict[str, Any]]:  # fmt: skip
         """POST the image (multipart) or its id (JSON); an id the server has forgotten
         (404 unknown_image_id) is answered by sending the bytes once, if this client has them."""
+        if (image is None) == (image_id is None):
+            raise ValueError("give an image or an image_id, not both")
         if image is not None:
             self.remember(image)
             return (yield from self.send_json(Call("POST", path, image=image, fields=fields)))
-        if image_id is None:
-            raise ValueError("give an image or an image_id")
+        assert image_id is not None
         try:
             return (yield from self.send_json(Call("POST", path, {"image_id": image_id, **fields})))
         except ServiceError as exc:

@@ -91,6 +91,10 @@ def test_errors_are_typed(live_server: LiveServer) -> None:
         with pytest.raises(ServiceError) as unknown:
             c.click("0" * 64, [(1, 1)], [1])  # never sent: nothing to fall back on
         assert (unknown.value.status, unknown.value.code) == (404, "unknown_image_id")
+        with pytest.raises(ValueError, match="not both"):
+            c.segment(b"bytes", image_id="0" * 64, points=[(1, 1)])
+        with pytest.raises(ValueError, match="not both"):
+            c.segment(points=[(1, 1)])
         with pytest.raises(ServiceError) as invalid:
             c.segment(encode(photo_like(64, 48)), box=(50, 50, 10, 10))
         assert (invalid.value.status, invalid.value.code) == (422, "invalid_request")

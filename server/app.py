@@ -17,9 +17,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import page
+from server.docs_assets import install_docs
 from server.engine import Engine
 from server.errors import ServiceError, error_body
 from server.fidelity import FidelityError
@@ -178,12 +180,17 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     """The ASGI app for `settings`; models load when its lifespan starts."""
+    # No `_created` series: one per counter and histogram child, they double the scrape
+    # and no query here uses them. prometheus_client reads this flag (process-wide) at
+    # every scrape, so setting it here covers metrics made before as well as after.
+    disable_created_metrics()
     metrics = metrics or Metrics()
     app = FastAPI(
         title="SAM + Swin inference service",
         version="0.1.0",
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # install_docs: the same pages, assets from the package, not a CDN
+        redoc_url=None,
     )
     app.state.serve = ServeState(
         settings=settings,
@@ -192,6 +199,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(page.router)
+    install_docs(app)
     _install_handlers(app, metrics)
     # The last added is outermost: observe everything, CORS before auth, body limit inside.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
@@ -209,7 +217,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
-    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + /docs
+    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(
         ObserveMiddleware, metrics=metrics, routes=leaf_routes, counter=app.state.serve
     )

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class Faults:
     """oom_min_batch: batches of at least this many items raise torch.OutOfMemoryError
     (0: never) in `oom_stage` (every stage when empty); hang_stage/hang_s: that stage
-    sleeps this long in every batch; raise_stage: that stage raises RuntimeError."""
+    sleeps this long in every batch; raise_stage: that stage raises RuntimeError (a real
+    one: torch's CPU allocator refusing an exabyte)."""
 
     oom_min_batch: int = 0
     oom_stage: str = ""
@@ -45,8 +46,8 @@ class Faults:
         log.warning("FAULT INJECTION is on for stage %s: %s", stage, self)
 
         def faulty(items: list[Item]) -> Sequence[Result | BaseException]:
-            if self.raise_stage == stage:
-                raise RuntimeError(f"injected fault in {stage}")
+            if self.raise_stage == stage:  # fails as torch's allocator does, in its words
+                torch.empty(1 << 60, dtype=torch.uint8)
             if self.hang_stage == stage and self.hang_s > 0:
                 time.sleep(self.hang_s)
             oom_here = self.oom_stage in ("", stage)

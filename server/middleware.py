@@ -221,7 +221,9 @@ class BodyLimitMiddleware:
             self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="body-reaper")
 
     async def _reap(self) -> None:
-        while True:
+        """Expire the bodies past their deadline; end when none is left (`_watch` starts
+        the next), so an idle server has no task waking up."""
+        while self._reading:
             await asyncio.sleep(_REAP_PERIOD_S)
             now = time.monotonic()
             for clock in [c for c in self._reading if c.deadline <= now]:

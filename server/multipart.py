@@ -11,9 +11,8 @@ word on odd or malformed bodies and their error messages.
 
 Part headers are capped (`MAX_PART_HEADER_BYTES`, 400 beyond): a 9 MB `filename` of
 escapes or a 16 MB unclosed quoted parameter once held the event loop for seconds in the
-parameter regex. Parameters are read left to right, each character once, so no header
-costs more than its length. Starlette's fallback has python-multipart's own caps (4 KB a
-header line, 8 headers a part).
+parameter regex and `re.sub` (both linear, but slow per character). Starlette's fallback
+has python-multipart's own caps (4 KB a header line, 8 headers a part).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ _ESCAPE = re.compile(r"\\(.)")
 def _params(text: str) -> list[tuple[str, str]] | None:
     """(name, value) of each `; name=value` in `text`, or None unless all of it parses.
 
-    Matched at each position in turn rather than searched for: a search restarts inside a
-    quoted string it could not close, a scan to the end of the text each time.
+    Matched at each position in turn rather than searched for, so that text between the
+    parameters (an unclosed quote, junk) declines the body instead of being skipped.
     """
     found: list[tuple[str, str]] = []
     pos = 0

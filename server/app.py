@@ -24,6 +24,7 @@ from server import page
 from server.engine import Engine
 from server.errors import ServiceError, clip, error_body
 from server.fidelity import FidelityError
+from server.inputs import MAX_ECHOED
 from server.metrics import Metrics
 from server.middleware import (
     MAX_LOGGED_PATH,
@@ -95,7 +96,7 @@ async def drain(state: ServeState) -> None:
             log.info("drained: no request in flight")
             return
         await asyncio.sleep(0.02)
-    if state.in_flight:
+    if state.in_flight or (state.engine is not None and not state.engine.idle):
         log.warning("drain timed out after %.1fs with %d requests in flight",
                     state.settings.drain_timeout_s, state.in_flight)  # fmt: skip
 
@@ -160,7 +161,8 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> FastJSONResponse:
         metrics.rejections.labels("bad_input").inc()
         message = "; ".join(
-            f"{clip('.'.join(str(p) for p in e['loc']), 100)}: {e['msg']}" for e in exc.errors()
+            f"{clip('.'.join(str(p) for p in e['loc']), MAX_ECHOED)}: {e['msg']}"
+            for e in exc.errors()
         )
         return FastJSONResponse(error_body("invalid_request", message), status_code=422)
 

@@ -133,6 +133,11 @@ class ProbeTimer:
         assert not self.failures, f"/healthz answered {self.failures}"
 
 
+# /healthz takes 10-40 ms while these bodies are handled; the bound leaves room for a
+# loaded CI machine (2 cores, load 7-9: one 0.57 s outlier seen), far below the 2.4-6.5 s
+# the hostile bodies once froze the loop for.
+PROBE_BOUND_S = 1.0
+
 HOSTILE_HEADERS = {
     # the issue's two bodies: a 9 MB filename of escapes, a 16 MB unclosed quoted parameter
     "escapes": b'name="image"; filename="' + b"\\a" * (4 * MiB + MiB // 2) + b'"',
@@ -149,7 +154,7 @@ def test_hostile_part_headers_leave_the_loop_free(roomy: LiveServer, case: str) 
         time.sleep(0.1)
     assert probes.count >= 3
     # once 2.4-3.9 s: the parameter regex and re.sub on the event loop
-    assert probes.slowest < 0.3, f"/healthz took {probes.slowest:.3f} s"
+    assert probes.slowest < PROBE_BOUND_S, f"/healthz took {probes.slowest:.3f} s"
     assert_error(r, 400, "invalid_multipart")
     assert f"{MAX_PART_HEADER_BYTES} bytes" in r.json()["error"]["message"]
     assert len(r.content) < 1000  # the header is not echoed
@@ -176,7 +181,7 @@ def test_large_bodies_are_parsed_off_the_loop(roomy: LiveServer, extra: bytes) -
         r = post_multipart(roomy.url, body)
     assert r.status_code == 200, r.text
     assert r.json()["width"] == 160
-    assert probes.slowest < 0.3, f"/healthz took {probes.slowest:.3f} s"
+    assert probes.slowest < PROBE_BOUND_S, f"/healthz took {probes.slowest:.3f} s"
 
 
 # -- 5. a client leaving mid-upload ----------------------------------------------------

@@ -40,7 +40,7 @@ from server.state import ServeState, serve_state, watch_disconnect
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 422, 429, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 422, 429, 503, 504)
 }
 
 

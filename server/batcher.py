@@ -411,4 +411,6 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 
 def _internal(stage: str, exc: BaseException) -> ServiceError:
-    return ServiceError(500, "internal", f"the {stage} batch failed: {type(exc).__name__}: {exc}")
+    # What failed, not where: torch's text names its source files and allocator internals
+    # (`alloc_cpu.cpp:127`); the log has all of it.
+    return ServiceError(500, "internal", f"the {stage} batch failed ({type(exc).__name__})")

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class Faults:
     """oom_min_batch: batches of at least this many items raise torch.OutOfMemoryError
     (0: never) in `oom_stage` (every stage when empty); hang_stage/hang_s: that stage
-    sleeps this long in every batch; raise_stage: that stage raises RuntimeError;
+    sleeps this long in every batch; raise_stage: that stage raises a real torch
+    RuntimeError that is not an allocation failure (a matrix product of mismatched shapes);
     alloc_min_cost: in `oom_stage` (every stage when empty), a batch holding an item of at
     least this cost (`cost` of `wrap`) asks the CPU allocator for an impossible tensor, a
     real allocation failure (a RuntimeError, not torch.OutOfMemoryError) on one item."""
@@ -53,8 +54,8 @@ class Faults:
         log.warning("FAULT INJECTION is on for stage %s: %s", stage, self)
 
         def faulty(items: list[Item]) -> Sequence[Result | BaseException]:
-            if self.raise_stage == stage:
-                raise RuntimeError(f"injected fault in {stage}")
+            if self.raise_stage == stage:  # a real torch error, with torch's own words
+                torch.ones(2, 3) @ torch.ones(4, 5)
             if self.hang_stage == stage and self.hang_s > 0:
                 time.sleep(self.hang_s)
             oom_here = self.oom_stage in ("", stage)

@@ -219,7 +219,7 @@ def test_when_every_waiter_leaves_the_encoding_is_dropped(slow_encoder):
 
 
 def test_overload_is_refused_early_with_retry_after_not_timed_out(make_server):
-    """Encoder batches of one take over 2 s; ten clients at once with a 6.5 s deadline. What
+    """Encoder batches of one take over 2 s; ten clients at once with a 7 s deadline. What
     the queue can serve in time is served; the rest get 429 at once with Retry-After, not
     a 504 after waiting out their deadline. (The hang dominates each batch, so the service
     rate it measures holds while a busy test machine slows the compute around it.)"""
@@ -232,7 +232,7 @@ def test_overload_is_refused_early_with_retry_after_not_timed_out(make_server):
         for seed in (100, 101):  # the service measures its rate on real batches
             embed_id(c, b64_photo(seed))
     images = [b64_photo(200 + k) for k in range(10)]
-    deadline_s = 6.5
+    deadline_s = 7.0  # the third served ends near 6 s: a second of slack on a busy machine
 
     def timed(image: str) -> tuple[httpx.Response, float]:
         started = time.monotonic()

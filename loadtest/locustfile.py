@@ -13,6 +13,12 @@ sizes match the photo, one result per box, masks sorted by score, every RLE deco
 pycocotools to the image's size and its pixel count equals `area`, predictions sorted.
 A 429 (queue full) is not a failure: it is counted in its own row (`... [429]`).
 
+Requests go through Locust's own HTTP session (its statistics and the 429 rows need it),
+not `server.client`; the checks use the client's reading of a mask object
+(`server.client.Mask`, pycocotools underneath) and its `image_id_of`, so the load test and
+the client agree on what a valid answer is. They import from this checkout (the folder
+above this file), which needs httpx, numpy and pycocotools but not torch.
+
 Headless run with CSV output (see docs/DEPLOYMENT.md)::
 
     locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 2m \
@@ -30,11 +36,11 @@ Environment:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
@@ -43,7 +49,11 @@ from typing import Any
 
 from locust import HttpUser, LoadTestShape, between, task
 from PIL import Image, ImageOps
-from pycocotools import mask as mask_utils
+
+# Locust puts only this file's folder on sys.path: the repository root gives `server.client`
+# of this same checkout, installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from server.client import Mask, image_id_of
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
 RAMP = "1m:4,2m:16,2m:32,2m:64,1m:8"
@@ -72,7 +82,7 @@ class Photo:
         data = path.read_bytes()
         with Image.open(path) as im:
             width, height = (ImageOps.exif_transpose(im) or im).size
-        return cls(path.name, data, width, height, hashlib.sha256(data).hexdigest())
+        return cls(path.name, data, width, height, image_id_of(data))
 
 
 @cache
@@ -125,10 +135,11 @@ def check_masks(masks: list[dict[str, Any]], photo: Photo, expected: int) -> Non
         seg = m["segmentation"]
         size = [photo.height, photo.width]
         _expect(seg["size"] == size, f"segmentation size {seg['size']} != {size}")
-        decoded = mask_utils.decode({"size": seg["size"], "counts": seg["counts"]})
-        _expect(decoded.shape == tuple(size), f"RLE decodes to {decoded.shape}, not {size}")
-        area = int(decoded.sum())
-        _expect(area == m["area"], f"RLE has {area} pixels, area says {m['area']}")
+        mask = Mask.from_json(m)
+        shape = mask.mask.shape
+        _expect(shape == tuple(size), f"RLE decodes to {shape}, not {size}")
+        area = int(mask.mask.sum())
+        _expect(area == mask.area, f"RLE has {area} pixels, area says {mask.area}")
 
 
 def check_segment(

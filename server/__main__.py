@@ -2,8 +2,11 @@
 
 SIGTERM (Kubernetes stopping the pod) drains before uvicorn stops listening: readiness
 turns 503 at once and new requests get 503, while every request already accepted runs to
-completion (bounded by `SERVE_DRAIN_TIMEOUT_S`); then uvicorn shuts down and the process
-exits 0. A second SIGTERM, or SIGINT, stops at once.
+completion (bounded by `SERVE_DRAIN_TIMEOUT_S`; a body must arrive within the request
+deadline, 408 otherwise); then uvicorn shuts down, giving what is still running
+`SHUTDOWN_GRACE_S` more, and the process exits 0. A second SIGTERM, or SIGINT, stops at
+once. From SIGTERM to exit: at most the drain timeout + `SHUTDOWN_GRACE_S` + the engine's
+close (the batch running then finishes); k8s/ and docs/DEPLOYMENT.md hold that sum.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from server.settings import Settings
 from server.state import ServeState, serve_state
 
 log = logging.getLogger("server")
+
+# uvicorn's graceful shutdown, after the drain has already waited for accepted requests:
+# what still runs then gets this long before it is cancelled. Not the drain timeout again,
+# which once doubled the wait past Kubernetes' grace period (SIGKILL).
+SHUTDOWN_GRACE_S = 5
 
 
 class DrainingServer(uvicorn.Server):
@@ -46,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        await drain(self.state, self.state.settings.drain_timeout_s)
+        await drain(self.state)
         self.should_exit = True
 
 
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         workers=1,  # one process per GPU: the engine and its metrics live in this process
         log_config=None,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = DrainingServer(config, state)
 

@@ -17,14 +17,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from server import page
+from server.docs_assets import install_docs
 from server.engine import Engine
-from server.errors import ServiceError, error_body
+from server.errors import ServiceError, clip, error_body
 from server.fidelity import FidelityError
+from server.inputs import MAX_ECHOED
 from server.metrics import Metrics
 from server.middleware import (
+    MAX_LOGGED_PATH,
     PROBE_PATHS,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -81,17 +86,21 @@ async def start_engine(state: ServeState) -> None:
             state.on_fatal()
 
 
-async def drain(state: ServeState, timeout_s: float) -> None:
-    """Refuse new work (503, readiness off), then wait, bounded, for accepted requests."""
+async def drain(state: ServeState) -> None:
+    """Refuse new work (503, readiness off), then wait for accepted requests until the
+    drain's deadline (`SERVE_DRAIN_TIMEOUT_S` after the first SIGTERM). Called again by the
+    lifespan's shutdown, it waits only for what is left of that time: the shutdown's sum
+    (docs/DEPLOYMENT.md) counts the drain timeout once."""
     state.begin_drain()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    assert state.drain_deadline is not None
+    while time.monotonic() < state.drain_deadline:
         if state.in_flight == 0 and (state.engine is None or state.engine.idle):
             log.info("drained: no request in flight")
             return
         await asyncio.sleep(0.02)
-    log.warning("drain timed out after %.1fs with %d requests in flight", timeout_s,
-                state.in_flight)  # fmt: skip
+    if state.in_flight or (state.engine is not None and not state.engine.idle):
+        log.warning("drain timed out after %.1fs with %d requests in flight",
+                    state.settings.drain_timeout_s, state.in_flight)  # fmt: skip
 
 
 async def watchdog(state: ServeState, timeout_s: float) -> None:
@@ -129,7 +138,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             if not background.done():
                 background.cancel()
                 await asyncio.gather(background, return_exceptions=True)
-        await drain(state, state.settings.drain_timeout_s)
+        await drain(state)
         if state.engine is not None:
             await state.engine.close()
         state.decode_pool.shutdown(wait=False, cancel_futures=True)
@@ -154,7 +163,8 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> FastJSONResponse:
         metrics.rejections.labels("bad_input").inc()
         message = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            f"{clip('.'.join(str(p) for p in e['loc']), MAX_ECHOED)}: {e['msg']}"
+            for e in exc.errors()
         )
         return FastJSONResponse(error_body("invalid_request", message), status_code=422)
 
@@ -167,10 +177,21 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
             headers=getattr(exc, "headers", None),
         )  # fmt: skip
 
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, exc: ClientDisconnect) -> FastJSONResponse:
+        """The client left while sending its body: a 499 like any other departure (the
+        answer goes nowhere; it is for the access log and the metrics)."""
+        metrics.rejections.labels(_REASONS[499]).inc()
+        log.info("client disconnected while sending the body of %s",
+                 clip(request.url.path, MAX_LOGGED_PATH))  # fmt: skip
+        return FastJSONResponse(
+            error_body("client_closed", "the client closed the connection"), status_code=499
+        )
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> FastJSONResponse:
         metrics.rejections.labels("internal").inc()
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", clip(request.url.path, MAX_LOGGED_PATH))
         return FastJSONResponse(
             error_body("internal", f"internal error: {type(exc).__name__}"), status_code=500
         )
@@ -178,12 +199,17 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     """The ASGI app for `settings`; models load when its lifespan starts."""
+    # No `_created` series: one per counter and histogram child, they double the scrape
+    # and no query here uses them. prometheus_client reads this flag (process-wide) at
+    # every scrape, so setting it here covers metrics made before as well as after.
+    disable_created_metrics()
     metrics = metrics or Metrics()
     app = FastAPI(
         title="SAM + Swin inference service",
         version="0.1.0",
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # install_docs: the same pages, assets from the package, not a CDN
+        redoc_url=None,
     )
     app.state.serve = ServeState(
         settings=settings,
@@ -192,9 +218,15 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(page.router)
+    install_docs(app)
     _install_handlers(app, metrics)
     # The last added is outermost: observe everything, CORS before auth, body limit inside.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        timeout_s=settings.request_timeout_s,
+        metrics=metrics,
+    )
     if settings.api_key:
         app.add_middleware(
             ApiKeyMiddleware,
@@ -209,7 +241,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
-    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + /docs
+    leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(
         ObserveMiddleware, metrics=metrics, routes=leaf_routes, counter=app.state.serve
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -30,6 +31,13 @@ Result = TypeVar("Result")
 # A batch function maps items to results one-to-one; an exception in place of a result
 # fails that item alone, an exception raised fails the whole batch.
 BatchFn = Callable[[list[Item]], Sequence[Result | BaseException]]
+
+# The reason a caller gives when it cancels `submit` because its own deadline passed (a
+# shared computation that outlived every waiter): counted as "deadline", not "cancelled".
+DEADLINE_CANCEL = "deadline"
+
+# Weight of the newest batch in the running mean of a batch's duration (admission control).
+_RATE_WEIGHT = 0.3
 
 
 class BatchObserver:
@@ -58,6 +66,7 @@ class BatchObserver:
 class _Entry(Generic[Item, Result]):
     item: Item
     cost: int
+    memory: int
     future: asyncio.Future[Result]
     enqueued: float = field(default_factory=time.monotonic)
     deadline: float | None = None
@@ -75,6 +84,7 @@ class Batcher(Generic[Item, Result]):
         max_batch_cost: int,
         max_delay_s: float,
         max_queue_size: int,
+        max_batch_memory: int | None = None,
         observer: BatchObserver | None = None,
     ) -> None:
         self.stage = stage
@@ -83,6 +93,7 @@ class Batcher(Generic[Item, Result]):
         self._max_cost = max_batch_cost
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue_size
+        self._max_memory = max_batch_memory
         self._observer = observer or BatchObserver()
         self._observer.declare(stage)
         self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
@@ -94,6 +105,8 @@ class Batcher(Generic[Item, Result]):
         self.batches_run = 0
         self.items_run = 0
         self.largest_batch = 0
+        # running mean of a successful batch's seconds: what a place in the queue costs
+        self.batch_seconds: float | None = None
 
     @property
     def depth(self) -> int:
@@ -141,11 +154,57 @@ class Batcher(Generic[Item, Result]):
                 )
         self._observer.queue_depth(self.stage, 0)
 
-    async def submit(self, item: Item, *, cost: int = 1, deadline: float | None = None) -> Result:
+    def expected_wait(self, cost: int = 1) -> float | None:
+        """Seconds until an item of `cost` queued now would be answered, or None when
+        nothing is ahead of it (or no batch has been measured yet).
+
+        Batches run one after another, so the wait is what the running batch has left, one
+        measured batch per `max_batch_cost` of queued work ahead, and the item's own batch.
+        Measured batches shrink or grow with load, so this follows the service's real rate.
+        """
+        per_batch = self.batch_seconds
+        if per_batch is None or (not self._queue and not self._busy):
+            return None
+        running = max(0.0, per_batch - self.busy_for()) if self._busy else self._max_delay_s
+        ahead = math.ceil((self._queued_cost() + cost) / self._max_cost)
+        return running + ahead * per_batch
+
+    def _admit(self, cost: int, deadline: float | None) -> None:
+        """Refuse now (429) what the queue ahead would keep past its deadline (a 504 later),
+        with a Retry-After of when the queue should have drained enough for it."""
+        if deadline is None:
+            return
+        wait = self.expected_wait(cost)
+        left = deadline - time.monotonic()
+        if wait is None or wait <= left:
+            return
+        self._observer.rejected(self.stage, "queue_full")
+        retry = max(1, math.ceil(wait - max(left, 0.0)))
+        raise ServiceError(
+            429,
+            "queue_full",
+            f"the {self.stage} queue would take about {wait:.1f} s to answer this request, "
+            f"more than its deadline leaves ({max(left, 0.0):.1f} s); retry in {retry} s",
+            headers={"Retry-After": str(retry)},
+        )
+
+    async def submit(
+        self,
+        item: Item,
+        *,
+        cost: int = 1,
+        memory: int = 0,
+        deadline: float | None = None,
+        admit_by: float | None = None,
+    ) -> Result:
         """Queue one item and wait for its result.
 
         `deadline` is a `time.monotonic()` instant; past it the item leaves the queue and
         the caller gets 504. Cancelling the awaiting task (client gone) drops the item.
+        `admit_by` (default: `deadline`) is the instant admission is judged against, for a
+        caller that keeps its own deadline(s) and cancels this call itself. `memory`: bytes
+        the item's results hold until its batch ends; a batch's items hold at most
+        `max_batch_memory` together (an item alone over it is the caller's to refuse).
         """
         if self._closing:
             raise ServiceError(503, "not_ready", "the service is shutting down")
@@ -164,8 +223,11 @@ class Batcher(Generic[Item, Result]):
                 f"request needs {cost} {self.stage} slots, more than one batch holds "
                 f"({self._max_cost})",
             )
+        self._admit(cost, deadline if admit_by is None else admit_by)
         loop = asyncio.get_running_loop()
-        entry: _Entry[Item, Result] = _Entry(item, cost, loop.create_future(), deadline=deadline)
+        entry: _Entry[Item, Result] = _Entry(
+            item, cost, memory, loop.create_future(), deadline=deadline
+        )
         self._queue.append(entry)
         self._observer.queue_depth(self.stage, len(self._queue))
         self._wakeup.set()
@@ -177,8 +239,9 @@ class Batcher(Generic[Item, Result]):
             raise ServiceError(
                 504, "deadline_exceeded", "the request's deadline passed before it was served"
             ) from None
-        except asyncio.CancelledError:
-            self._abandon(entry, "cancelled")
+        except asyncio.CancelledError as exc:
+            reason = "deadline" if exc.args == (DEADLINE_CANCEL,) else "cancelled"
+            self._abandon(entry, reason)
             raise
 
     def _run_splitting(self, items: list[Item]) -> Sequence[Result | BaseException]:
@@ -238,16 +301,27 @@ class Batcher(Generic[Item, Result]):
 
     def _take_batch(self) -> list[_Entry[Item, Result]]:
         batch: list[_Entry[Item, Result]] = []
-        cost = 0
+        cost = memory = 0
+        limit = self._max_memory
         while self._queue and cost + self._queue[0].cost <= self._max_cost:
+            # memory bounds a batch too, but never keeps an item from a batch of its own
+            if batch and limit is not None and memory + self._queue[0].memory > limit:
+                break
             entry = self._queue.popleft()
             batch.append(entry)
             cost += entry.cost
+            memory += entry.memory
         self._observer.queue_depth(self.stage, len(self._queue))
         return batch
 
     def _queued_cost(self) -> int:
         return sum(entry.cost for entry in self._queue)
+
+    def _batch_full(self) -> bool:
+        if self._queued_cost() >= self._max_cost:
+            return True
+        limit = self._max_memory
+        return limit is not None and sum(e.memory for e in self._queue) >= limit
 
     async def _collect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -259,7 +333,7 @@ class Batcher(Generic[Item, Result]):
                 continue
             # Wait for a full batch or for the oldest item's delay to run out.
             until = self._queue[0].enqueued + self._max_delay_s
-            while self._queued_cost() < self._max_cost:
+            while not self._batch_full():
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     break
@@ -305,6 +379,10 @@ class Batcher(Generic[Item, Result]):
         finally:
             self._busy = False
             self._busy_since = None
+        if not failed:
+            took = time.perf_counter() - started
+            mean = self.batch_seconds
+            self.batch_seconds = took if mean is None else mean + _RATE_WEIGHT * (took - mean)
         self.batches_run += 1
         self.items_run += len(batch)
         self.largest_batch = max(self.largest_batch, len(batch))
@@ -318,9 +396,21 @@ class Batcher(Generic[Item, Result]):
                 entry.future.set_result(result)
 
 
+# How the CPU allocator says it: a plain RuntimeError ("DefaultCPUAllocator: can't allocate
+# memory: you tried to allocate N bytes"), or "not enough memory" on some platforms.
+_CPU_ALLOCATION_FAILURES = ("can't allocate memory", "not enough memory")
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError)
+    """The device's out-of-memory, or the CPU allocator's: both are the batch's size."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        text in str(exc) for text in _CPU_ALLOCATION_FAILURES
+    )
 
 
 def _internal(stage: str, exc: BaseException) -> ServiceError:
-    return ServiceError(500, "internal", f"the {stage} batch failed: {type(exc).__name__}: {exc}")
+    # What failed, not where: torch's text names its source files and allocator internals
+    # (`alloc_cpu.cpp:127`); the log has all of it.
+    return ServiceError(500, "internal", f"the {stage} batch failed ({type(exc).__name__})")

@@ -4,7 +4,8 @@ The image_id is the SHA-256 of the image bytes, so a client that sends the same 
 or names it by id, skips the ~1000 GFLOP encoder. The device tier is bounded in bytes and
 evicts the least recently used entry; with a host tier, evicted embeddings move to (pinned)
 host memory and come back on their next use instead of being recomputed. Concurrent misses
-on one image share one computation.
+on one image share one computation, which runs as long as any of them still waits for it:
+each waiter keeps its own deadline, and one leaving (504, disconnect) leaves the others be.
 
 `LowResStore` keeps the low-resolution mask logits a client may send back as `mask_input`
 to refine a mask (SAM's predictor loop), under random handles, bounded the same way.
@@ -15,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from server.batcher import DEADLINE_CANCEL
 from server.errors import ServiceError
 
 __all__ = ["CacheObserver", "EmbeddingCache", "ImageEmbedding", "LowResStore"]
@@ -94,7 +98,7 @@ class EmbeddingCache:
         self.device = device or torch.device("cpu")
         self._pin = self.device.type == "cuda"
         self.observer = observer or CacheObserver()
-        self._inflight: dict[str, asyncio.Future[ImageEmbedding]] = {}
+        self._inflight: dict[str, _Flight] = {}
 
     def __len__(self) -> int:
         return len(self.device_tier.entries) + len(self.host_tier.entries)
@@ -143,46 +147,81 @@ class EmbeddingCache:
         self._report()
 
     async def get_or_compute(
-        self, image_id: str, compute: Callable[[], Awaitable[ImageEmbedding]]
+        self,
+        image_id: str,
+        compute: Callable[[], Coroutine[Any, Any, ImageEmbedding]],
+        deadline: float | None = None,
     ) -> tuple[ImageEmbedding, bool]:
         """Return `(entry, cached)`; a miss runs `compute` once however many callers wait.
 
-        A waiter that is cancelled does not cancel the shared computation for the others.
+        The computation is a task of its own, not the first caller's: a caller whose
+        `deadline` (a `time.monotonic()` instant) passes gets its 504 alone, one that is
+        cancelled (client gone) just stops waiting, and the others still get the entry.
+        When the last waiter leaves, the computation is cancelled, so nobody's work runs
+        for no one (with `DEADLINE_CANCEL` when a deadline was why).
         """
         entry = self.get(image_id)
         if entry is not None:
             return entry, True
-        pending = self._inflight.get(image_id)
-        if pending is not None:
-            return await asyncio.shield(pending), True
-        future: asyncio.Future[ImageEmbedding] = asyncio.get_running_loop().create_future()
-        self._inflight[image_id] = future
+        flight = self._inflight.get(image_id)
+        joined = flight is not None
+        if flight is None:
+            task = asyncio.get_running_loop().create_task(self._compute(image_id, compute))
+            flight = _Flight(task)
+            self._inflight[image_id] = flight
+        flight.waiters += 1
+        why = "cancelled"
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                entry = await asyncio.wait_for(asyncio.shield(flight.task), timeout)
+            except TimeoutError:
+                why = DEADLINE_CANCEL
+                raise ServiceError(
+                    504, "deadline_exceeded", "the request's deadline passed before it was served"
+                ) from None
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                flight.task.cancel(why)
+                if self._inflight.get(image_id) is flight:
+                    del self._inflight[image_id]
+        return entry, joined
+
+    async def _compute(
+        self, image_id: str, compute: Callable[[], Coroutine[Any, Any, ImageEmbedding]]
+    ) -> ImageEmbedding:
         try:
             entry = await compute()
-        except BaseException as exc:
-            if not future.done():
-                future.set_exception(exc if isinstance(exc, Exception) else _cancelled())
-            future.exception()  # mark retrieved: waiters (if any) have it too
-            raise
         finally:
-            self._inflight.pop(image_id, None)
+            flight = self._inflight.get(image_id)
+            if flight is not None and flight.task is asyncio.current_task():
+                del self._inflight[image_id]
         self.put(entry)
-        future.set_result(entry)
-        return entry, False
+        return entry
 
 
-def _cancelled() -> Exception:
-    return ServiceError(503, "not_ready", "the request that was encoding this image went away")
+@dataclass(eq=False)
+class _Flight:
+    """One image's embedding being computed, and how many callers still wait for it."""
+
+    task: asyncio.Task[ImageEmbedding]
+    waiters: int = 0
+
+    def __post_init__(self) -> None:
+        # a failure nobody waits for any more is still retrieved (no "never retrieved" log)
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 @dataclass(frozen=True)
 class LowRes:
     image_id: str
-    logits: torch.Tensor  # [1, m, m] on the device, m = 4x the embedding side
+    logits: torch.Tensor  # [1, m, m] on the device, m = 4x the embedding side, own storage
 
     @property
     def nbytes(self) -> int:
-        return self.logits.numel() * self.logits.element_size()
+        """What the entry keeps alive: its storage, not its view (they are one, see put)."""
+        return self.logits.untyped_storage().nbytes()
 
 
 class LowResStore:
@@ -197,8 +236,10 @@ class LowResStore:
         return len(self._entries)
 
     def put(self, image_id: str, logits: torch.Tensor) -> str:
+        """Keep a copy of `logits`: a view of a request's `[prompts, K, m, m]` logits would
+        keep all of them alive while counted as one, and evicting it would free nothing."""
         handle = secrets.token_hex(16)
-        entry = LowRes(image_id, logits)
+        entry = LowRes(image_id, logits.clone(memory_format=torch.contiguous_format))
         self._entries[handle] = entry
         self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes and self._entries:

@@ -42,7 +42,7 @@ from server.domain import (
     SegmentResult,
 )
 from server.errors import ServiceError
-from server.everything import EverythingMasks, EverythingRunner
+from server.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.faults import Faults
 from server.fidelity import FidelityReport, measure_served
 from server.settings import Settings
@@ -137,6 +137,11 @@ def _check_everything(
     runner.check_memory(generator, size)
 
 
+def _item_cost(item: object) -> int:
+    """A batch item's cost as its batcher counts it: prompts for the decoder, else one."""
+    return len(item.prompts) if isinstance(item, DecodeItem) else 1
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -220,8 +225,9 @@ class Engine:
             hang_stage=s.fault_hang_stage,
             hang_s=s.fault_hang_s,
             raise_stage=s.fault_raise_stage,
+            alloc_min_cost=s.fault_alloc_min_cost,
         )
-        run = faults.wrap(stage, fn)
+        run = faults.wrap(stage, fn, _item_cost)
 
         def run_batch(items: list[Any]) -> Any:
             if not self.no_recompile:
@@ -271,8 +277,9 @@ class Engine:
         encoder_buckets = s.buckets_up_to(s.max_batch_size)
         decoder_buckets = s.buckets_up_to(s.decoder_max_batch_prompts)
         stages = SamStages(
-            model, config, self.device, opts, encoder_buckets, decoder_buckets, self.rle_on_device
-        )
+            model, config, self.device, opts, encoder_buckets, decoder_buckets,
+            self.rle_on_device, work_bytes=s.everything_work_bytes,
+        )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         args = self._batcher_args()
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
@@ -285,6 +292,7 @@ class Engine:
             "sam_decoder",
             self._stage_fn("sam_decoder", stages.decode),
             max_batch_cost=s.decoder_max_batch_prompts,
+            max_batch_memory=s.segment_max_bytes,
             **args,  # type: ignore[arg-type]
         )
         everything = EverythingRunner(
@@ -407,10 +415,12 @@ class Engine:
             return entry, True
 
         async def compute() -> ImageEmbedding:
+            # shared by every request waiting for this image: each keeps its own deadline
+            # (get_or_compute), so the queue admits by this first one but never expires it
             item = EncodeItem(image.image_id, image.pixels)
-            return await sam.encoder.submit(item, deadline=deadline)
+            return await sam.encoder.submit(item, admit_by=deadline)
 
-        return await self.cache.get_or_compute(image.image_id, compute)
+        return await self.cache.get_or_compute(image.image_id, compute, deadline)
 
     async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
         started = time.perf_counter()
@@ -431,7 +441,11 @@ class Engine:
             image_id = request.image.image_id if request.image else request.image_id
             assert image_id is not None
             mask_input = self.low_res.get(request.mask_input, image_id)
+        image = request.image
+        if image is not None:  # refused before any encoder work is spent
+            self._mask_memory(request, (image.height, image.width))
         entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
+        held = self._mask_memory(request, entry.original_size)
         encoded = time.perf_counter()
         item = DecodeItem(
             entry,
@@ -442,11 +456,11 @@ class Engine:
             request.output,
         )
         results = await sam.decoder.submit(
-            item, cost=len(request.prompts), deadline=request.deadline
+            item, cost=len(request.prompts), memory=held, deadline=request.deadline
         )
         for result in results:
             if result.low_res is not None:
-                logits = result.low_res  # [K, m, m]
+                logits = result.low_res  # [K, m, m]; the store keeps a copy of each mask's
                 result.handles = [
                     self.low_res.put(entry.image_id, logits[k : k + 1])
                     for k in range(logits.shape[0])
@@ -461,6 +475,25 @@ class Engine:
             results=results,
             timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
         )
+
+    def _mask_memory(self, request: SegmentRequest, size: tuple[int, int]) -> int:
+        """The bytes the request's masks hold in a decoder batch; 413 when over the budget.
+
+        Estimated before the request joins a batch, so one request too large for memory
+        is refused alone instead of failing the batch it would have joined.
+        """
+        sam = self._require_sam()
+        prompts = len(request.prompts)
+        held, working = sam.stages.mask_memory(prompts, request.multimask, size)
+        masks = sam.stages.config.num_multimask_outputs if request.multimask else 1
+        refuse_over_budget(
+            held + working,
+            self.settings.segment_max_bytes,
+            "masks_too_large",
+            f"{prompts} prompt(s) x {masks} mask(s) at the image's full size ({size[1]}x{size[0]})",
+            "send fewer boxes, set multimask_output to false, or send a smaller image",
+        )
+        return held
 
     async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
         """The cached embedding as a float16 `.npy` `[1, C, h, w]` (for browser decoders)."""

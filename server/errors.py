@@ -7,7 +7,7 @@ Anything a client did wrong, or any state that refuses it (not ready, queue full
 
 from __future__ import annotations
 
-__all__ = ["ServiceError", "error_body"]
+__all__ = ["ServiceError", "clip", "error_body"]
 
 
 class ServiceError(Exception):
@@ -29,3 +29,11 @@ class ServiceError(Exception):
 def error_body(code: str, message: str) -> dict[str, dict[str, str]]:
     """The envelope every error response carries."""
     return {"error": {"code": code, "message": message}}
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, saying how long it was: what a client sent is
+    echoed in messages and logs, and a 19 MB JSON key must not become a 19 MB answer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"

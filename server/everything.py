@@ -50,6 +50,22 @@ class EverythingMasks:
     steps: int
 
 
+def refuse_over_budget(need: int, limit: int, code: str, what: str, advice: str) -> None:
+    """413 before any work on what its estimate says would not fit: how much, the limit,
+    and what the client can lower (segment everything and segment's full-size masks)."""
+    if need > limit:
+        raise ServiceError(
+            413,
+            code,
+            f"{what} may need {_readable(need)} of device memory, over the limit of "
+            f"{_readable(limit)}; {advice}",
+        )
+
+
+def _readable(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 class EverythingRunner:
     """Runs automatic mask generation jobs on the worker, bounded in memory and number."""
 
@@ -90,16 +106,13 @@ class EverythingRunner:
 
     def check_memory(self, generator: AutomaticMaskGenerator, size: tuple[int, int]) -> None:
         """Refuse before running what could not fit (413), with what to lower."""
-        need = generator.estimate_peak_bytes(size)
-        if need > self.max_bytes:
-            raise ServiceError(
-                413,
-                "everything_too_large",
-                f"segment everything on a {size[1]}x{size[0]} image with these settings may "
-                f"need {need / GIB:.2f} GiB of device memory, over the limit of "
-                f"{self.max_bytes / GIB:.2f} GiB; lower points_per_side, points_per_batch or "
-                "crop_n_layers, or send a smaller image",
-            )
+        refuse_over_budget(
+            generator.estimate_peak_bytes(size),
+            self.max_bytes,
+            "everything_too_large",
+            f"segment everything on a {size[1]}x{size[0]} image with these settings",
+            "lower points_per_side, points_per_batch or crop_n_layers, or send a smaller image",
+        )
 
     async def _step(self, fn: Callable[[], T], deadline: float | None) -> T:
         if deadline is not None and time.monotonic() >= deadline:

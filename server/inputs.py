@@ -8,19 +8,35 @@ envelope with the right status: 415 for the media type, 422 for fields, 400 for 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartParser
 
-from server.errors import ServiceError
+from server.errors import ServiceError, clip
 from server.multipart import boundary_of, read_form
 
 Fields = TypeVar("Fields", bound=BaseModel)
+T = TypeVar("T")
+
+
+class InThread(Protocol):
+    """Runs CPU work in the service's thread pool (`ServeState.in_thread`)."""
+
+    def __call__(self, fn: Callable[..., T], *args: object) -> Awaitable[T]: ...
+
+
+# Bodies past this are parsed in the thread pool: a 20 MB JSON body holds the GIL for
+# about 18 ms in pydantic, a multipart one for a few ms in our reader and about 55 ms in
+# Starlette's, and every other request (probes included) would wait behind it. Below it,
+# the hop to a thread costs more than the parse (0.6 ms for 800 KB of JSON).
+OFF_LOOP_BYTES = 1024 * 1024
 
 _MAX_JSON_DEPTH = 32
 # No field of ours takes more than a few hundred values (points, boxes); bodies are big
@@ -32,6 +48,8 @@ _MAX_JSON_VALUES = 20_000
 _MAX_NUMBER_DIGITS = 400
 # Shown in a 422 message; the rest are counted (one error per item of a long list).
 _MAX_REPORTED_ERRORS = 10
+# What a client sent, echoed in a message (a field name, a content type), is cut to this.
+MAX_ECHOED = 200
 
 
 @dataclass
@@ -46,7 +64,7 @@ def validation_message(exc: ValidationError) -> str:
     """One line per problem: `field.path: what is wrong` (the first few, then a count)."""
     parts = []
     for err in exc.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
-        where = ".".join(str(p) for p in err["loc"]) or "body"
+        where = clip(".".join(str(p) for p in err["loc"]), MAX_ECHOED) or "body"
         parts.append(f"{where}: {err['msg']}")
     more = exc.error_count() - len(parts)
     if more > 0:
@@ -134,22 +152,31 @@ async def parse_image_request(
     fields_model: type[Fields],
     *,
     max_body_bytes: int,
+    in_thread: InThread,
 ) -> ParsedRequest[Fields]:
-    """Read the body in either accepted form; return the fields and the image reference."""
+    """Read the body in either accepted form; return the fields and the image reference.
+
+    A body over `OFF_LOOP_BYTES` is parsed by `in_thread`, off the event loop.
+    """
     kind = media_type(request)
     if kind == "application/json":
-        full = validate(json_model, await request.body())
+        body = await request.body()
+        if len(body) > OFF_LOOP_BYTES:
+            full = await in_thread(validate, json_model, body)
+        else:
+            full = validate(json_model, body)
         values = full.model_dump(exclude={"image", "image_id"})
         fields = fields_model.model_validate(values)
         return ParsedRequest(
             fields, None, getattr(full, "image", None), getattr(full, "image_id", None)
         )
     if kind == "multipart/form-data":
-        return await _parse_multipart(request, fields_model, max_body_bytes)
+        return await _parse_multipart(request, fields_model, max_body_bytes, in_thread)
     raise ServiceError(
         415,
         "unsupported_media_type",
-        f"content type {kind or '(none)'!r} is not accepted; send application/json or "
+        f"content type {clip(kind, MAX_ECHOED) or '(none)'!r} is not accepted; send "
+        "application/json or "
         "multipart/form-data",
     )
 
@@ -158,36 +185,68 @@ _MAX_FILES, _MAX_FIELDS = 4, 8  # room for a duplicate or a stray part, named in
 
 
 async def _parse_multipart(
-    request: Request, fields_model: type[Fields], max_body_bytes: int
+    request: Request, fields_model: type[Fields], max_body_bytes: int, in_thread: InThread
 ) -> ParsedRequest[Fields]:
     """The image part's bytes and the request part's fields.
 
     A plainly well-formed body (what curl, browsers and HTTP libraries send) is read by
-    `server.multipart` in a fraction of Starlette's time on the event loop; any other
-    goes to Starlette's parser, which has the final word on odd or malformed bodies.
-    Past `_MAX_FILES` files or `_MAX_FIELDS` fields a body is refused as malformed (400).
+    `server.multipart` in a fraction of Starlette's time; any other goes to Starlette's
+    parser, which has the final word on odd or malformed bodies. Past `_MAX_FILES` files or
+    `_MAX_FIELDS` fields a body is refused as malformed (400). Either reader runs in the
+    thread pool for a body over `OFF_LOOP_BYTES`.
     """
-    body = await request.body()  # bounded by BodyLimitMiddleware; Starlette reuses it
+    body = await request.body()  # bounded by BodyLimitMiddleware
+    if len(body) > OFF_LOOP_BYTES:
+        return await in_thread(_read_in_thread, body, request.headers, fields_model, max_body_bytes)
     plain = _plain_parts(body, request.headers.get("content-type", ""))
-    if plain is not None:
-        return _from_parts(*plain, fields_model)
+    if plain is None:
+        plain = await _starlette_parts(body, request.headers, max_body_bytes)
+    return _from_parts(*plain, fields_model)
+
+
+def _read_in_thread(
+    body: bytes, headers: Headers, fields_model: type[Fields], max_body_bytes: int
+) -> ParsedRequest[Fields]:
+    """`_parse_multipart`'s work for a large body, on a worker thread."""
+    plain = _plain_parts(body, headers.get("content-type", ""))
+    if plain is None:
+        plain = asyncio.run(_starlette_parts(body, headers, max_body_bytes))
+    return _from_parts(*plain, fields_model)
+
+
+class _InMemoryParser(MultiPartParser):
+    """Starlette's parser, keeping file parts in memory: the body already is (bounded by
+    the body limit), and spooling past 1 MB would write to disk through a thread pool."""
+
+    spool_max_size = 2**62
+
+
+async def _starlette_parts(
+    body: bytes, headers: Headers, max_part_size: int
+) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes | str]]]:
+    """(files, fields) by Starlette's parser; its refusals become 400s. Uses no thread and
+    no other coroutine, so a worker thread may run it under `asyncio.run`."""
+
+    async def stream() -> AsyncGenerator[bytes, None]:
+        yield body
+
+    parser = _InMemoryParser(
+        headers, stream(), max_files=_MAX_FILES, max_fields=_MAX_FIELDS,
+        max_part_size=max_part_size,
+    )  # fmt: skip
     try:
-        form = await request.form(
-            max_files=_MAX_FILES, max_fields=_MAX_FIELDS, max_part_size=max_body_bytes
-        )
-    except ServiceError:
-        raise
+        form = await parser.parse()
     except Exception as exc:  # starlette raises its own types for malformed bodies
         raise ServiceError(400, "invalid_multipart", f"malformed multipart body: {exc}") from None
     try:
-        starlette_files: list[tuple[str, bytes]] = []
-        starlette_fields: list[tuple[str, bytes | str]] = []
+        files: list[tuple[str, bytes]] = []
+        fields: list[tuple[str, bytes | str]] = []
         for name, value in form.multi_items():
             if isinstance(value, UploadFile):
-                starlette_files.append((name, await value.read()))
+                files.append((name, await value.read()))
             else:
-                starlette_fields.append((name, value))
-        return _from_parts(starlette_files, starlette_fields, fields_model)
+                fields.append((name, value))
+        return files, fields
     finally:
         await form.close()
 
@@ -222,7 +281,9 @@ def _from_parts(
     unknown = sorted(set(names) - {"image", "request"})
     if unknown:
         raise ServiceError(
-            422, "invalid_request", f"unknown form parts {unknown}; expected image, request"
+            422,
+            "invalid_request",
+            f"unknown form parts {clip(str(unknown), MAX_ECHOED)}; expected image, request",
         )
     repeated = sorted(k for k in ("image", "request") if names.count(k) > 1)
     if repeated:

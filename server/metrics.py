@@ -1,7 +1,9 @@
 """Prometheus metrics: one registry per app, fed by middleware, the batchers and the engine.
 
 Histogram buckets resolve 1 ms to 30 s so both a 3 ms decoder call and a cold 20 s request
-land in a real bucket rather than +Inf.
+land in a real bucket rather than +Inf. The registry also carries the standard `process_*`
+(resident memory, CPU seconds, open fds), `python_info` and `python_gc_*` families that the
+default registry would have, so the usual dashboards and alerts work on this one.
 """
 
 from __future__ import annotations
@@ -9,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -124,6 +135,9 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_embedding_cache_entries", "Embeddings held, by tier", ["tier"], registry=r
         )
         r.register(_TorchMemoryCollector())
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
 
     # -- BatchObserver ----------------------------------------------------------------
 

@@ -3,12 +3,15 @@
 - `ObserveMiddleware`: request id (honours `X-Request-ID`), duration and status metrics by
   route template, in-flight gauge, one structured log line per request.
 - `BodyLimitMiddleware`: refuses bodies over the byte limit with 413 before they are
-  buffered, by `Content-Length` when given and by counting otherwise.
+  buffered, by `Content-Length` when given and by counting otherwise, and bodies that have
+  not arrived within the request deadline with 408 (a stalled upload would otherwise hold
+  its request, and the drain at shutdown, for as long as the client liked).
 - `ApiKeyMiddleware`: `Authorization: Bearer` or `X-API-Key`, compared in constant time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -19,7 +22,7 @@ from typing import Any, Protocol
 
 from starlette.routing import Match
 
-from server.errors import error_body
+from server.errors import clip, error_body
 from server.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -32,6 +35,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 access_log = logging.getLogger("server.access")
+# Paths are logged before any check (an unauthenticated 60 KB path is one log line): cut.
+MAX_LOGGED_PATH = 256
 
 
 async def send_error(
@@ -116,7 +121,7 @@ class ObserveMiddleware:
                 extra={
                     "request_id": request_id,
                     "method": scope["method"],
-                    "path": scope["path"],
+                    "path": clip(scope["path"], MAX_LOGGED_PATH),
                     "route": route,
                     "status": status,
                     "duration_ms": round(seconds * 1000, 3),
@@ -132,10 +137,13 @@ def _phases(scope: Scope) -> dict[str, Any]:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, metrics: Metrics) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
         self.metrics = metrics
+        self._reading: set[_BodyClock] = set()  # requests whose body is still arriving
+        self._reaper: asyncio.Task[None] | None = None
 
     async def _refuse(self, send: Send, size: str) -> None:
         self.metrics.rejections.labels("bad_input").inc()
@@ -154,14 +162,33 @@ class BodyLimitMiddleware:
             return
         seen = 0
         started = False
+        clock = _BodyClock(self.timeout_s)
 
-        async def counting_receive() -> Message:
+        async def guarded_receive() -> Message:
             nonlocal seen
-            message = await receive()
+            if clock.done:  # the body is in: later reads wait for a disconnect, unbounded
+                return await receive()
+            if clock.expired:
+                raise _BodyTimeoutError()
+            if not clock.watched:
+                self._watch(clock)
+            clock.reader = task = asyncio.current_task()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
+                # The reaper's alone (nobody else cancelled the task too): the body is late.
+                if clock.expired and task is not None and task.uncancel() == 0:
+                    raise _BodyTimeoutError() from None
+                raise
+            finally:
+                clock.reader = None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise _BodyTooLargeError()
+                if not message.get("more_body", False):
+                    clock.done = True
+                    self._reading.discard(clock)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -171,14 +198,70 @@ class BodyLimitMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, guarded_receive, tracking_send)
         except _BodyTooLargeError:
             if not started:
                 await self._refuse(send, f"more than {self.max_bytes} bytes")
+        except _BodyTimeoutError:
+            if not started:
+                self.metrics.rejections.labels("bad_input").inc()
+                await send_error(
+                    send, 408, "body_timeout",
+                    f"the request body did not arrive within {self.timeout_s:g} s",
+                    headers={"Connection": "close"},  # what is still coming is not read
+                )  # fmt: skip
+        finally:
+            self._reading.discard(clock)
+
+    def _watch(self, clock: _BodyClock) -> None:
+        """Count `clock` among the bodies being read; start the reaper if none runs."""
+        clock.watched = True
+        self._reading.add(clock)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="body-reaper")
+
+    async def _reap(self) -> None:
+        """Expire the bodies past their deadline; end when none is left (`_watch` starts
+        the next), so an idle server has no task waking up."""
+        while self._reading:
+            await asyncio.sleep(_REAP_PERIOD_S)
+            now = time.monotonic()
+            for clock in [c for c in self._reading if c.deadline <= now]:
+                self._reading.discard(clock)
+                clock.expire()
 
 
 class _BodyTooLargeError(Exception):
     pass
+
+
+class _BodyTimeoutError(Exception):
+    pass
+
+
+class _BodyClock:
+    """The body deadline of one request. No timer of its own: a timer per request (or an
+    `asyncio.timeout` per read) cost more than the rest of this middleware, so one reaper
+    task per app expires late bodies (`_REAP_PERIOD_S`), cancelling the read in progress
+    as `asyncio.timeout` does (`guarded_receive` then raises `_BodyTimeoutError`)."""
+
+    __slots__ = ("deadline", "done", "expired", "reader", "watched")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s  # from the request's start
+        self.done = False
+        self.expired = False
+        self.watched = False  # counted among the bodies the reaper looks at
+        self.reader: asyncio.Task[Any] | None = None
+
+    def expire(self) -> None:
+        self.expired = True
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+# How often the reaper looks: a late body is refused up to this long after its deadline.
+_REAP_PERIOD_S = 0.25
 
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

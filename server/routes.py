@@ -40,7 +40,7 @@ from server.state import ServeState, serve_state, watch_disconnect
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 422, 429, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 422, 429, 503, 504)
 }
 
 
@@ -163,7 +163,11 @@ async def segment(request: Request) -> Response:
     started = time.perf_counter()
     deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
     parsed = await parse_image_request(
-        request, SegmentJSON, SegmentFields, max_body_bytes=state.settings.max_body_bytes
+        request,
+        SegmentJSON,
+        SegmentFields,
+        max_body_bytes=state.settings.max_body_bytes,
+        in_thread=state.in_thread,
     )
     fields = parsed.fields
     prompts = _prompts(fields, state)
@@ -216,7 +220,11 @@ async def segment_everything(request: Request) -> Response:
     started = time.perf_counter()
     deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
     parsed = await parse_image_request(
-        request, EverythingJSON, EverythingFields, max_body_bytes=state.settings.max_body_bytes
+        request,
+        EverythingJSON,
+        EverythingFields,
+        max_body_bytes=state.settings.max_body_bytes,
+        in_thread=state.in_thread,
     )
     fields = parsed.fields
     image = await _load_image(state, parsed)
@@ -261,7 +269,11 @@ async def embed(request: Request) -> Response:
     engine = state.require_engine()
     deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
     parsed = await parse_image_request(
-        request, EmbedJSON, EmbedFields, max_body_bytes=state.settings.max_body_bytes
+        request,
+        EmbedJSON,
+        EmbedFields,
+        max_body_bytes=state.settings.max_body_bytes,
+        in_thread=state.in_thread,
     )
     image = await _load_image(state, parsed)
     if image is None:
@@ -321,7 +333,11 @@ async def classify(request: Request) -> Response:
     started = time.perf_counter()
     deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
     parsed = await parse_image_request(
-        request, ClassifyJSON, ClassifyFields, max_body_bytes=state.settings.max_body_bytes
+        request,
+        ClassifyJSON,
+        ClassifyFields,
+        max_body_bytes=state.settings.max_body_bytes,
+        in_thread=state.in_thread,
     )
     if parsed.image_id is not None:
         raise ServiceError(422, "invalid_request", "classify needs the image itself, not an id")

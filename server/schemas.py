@@ -16,7 +16,7 @@ Point = tuple[Coord, Coord]
 Box = tuple[Coord, Coord, Coord, Coord]
 ImageId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the image")]
 
-_IMAGE_ID = re.compile(r"^[0-9a-f]{64}$")
+_IMAGE_ID = re.compile(r"[0-9a-f]{64}")
 
 
 class _Strict(BaseModel):
@@ -214,4 +214,5 @@ class ErrorResponse(BaseModel):
 
 
 def is_image_id(value: str) -> bool:
-    return bool(_IMAGE_ID.match(value))
+    """Whole-string match: `re.match` with `$` would let a trailing newline through."""
+    return _IMAGE_ID.fullmatch(value) is not None

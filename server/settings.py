@@ -61,12 +61,16 @@ class Settings(BaseSettings):
     embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)
     embedding_cache_host_bytes: int = Field(0, ge=0)  # second tier in pinned host memory
     low_res_cache_bytes: int = Field(256 * 1024**2, ge=0)  # mask_input handles
+    # Full-size masks: one segment request's (prompts x masks x H x W) estimated memory, and
+    # the masks of one decoder batch together; a request over it alone gets 413 up front.
+    segment_max_bytes: int = Field(8 * 1024**3, ge=1)
 
     # Segment everything: bounds on memory and on concurrent jobs.
     everything_max_bytes: int = Field(4 * 1024**3, ge=1)  # estimated device peak per request
     everything_max_concurrent: int = Field(1, ge=1)
     everything_max_waiting: int = Field(8, ge=0)
     everything_max_masks: int = Field(200, ge=1)
+    # float logits being upscaled at once (segment everything, and segment's full-size masks)
     everything_work_bytes: int = Field(256 * 1024**2, ge=1)
 
     # Fidelity check at start-up, opt-in: after warm-up, the served variant (its compiled
@@ -96,6 +100,9 @@ class Settings(BaseSettings):
     fault_hang_stage: str = ""
     fault_hang_s: float = Field(0.0, ge=0.0)
     fault_raise_stage: str = ""
+    # a batch holding an item of this cost (decoder: prompts) in fault_oom_stage fails a real
+    # CPU allocation (RuntimeError), so the split finds that item; 0: never
+    fault_alloc_min_cost: int = Field(0, ge=0)
 
     # Access.
     api_key: str | None = None

@@ -24,6 +24,7 @@ from models.images import nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
 from models.sam import transforms as sam_tf
+from models.sam.automatic_memory import upscale_bytes
 from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
 from server.cache import ImageEmbedding
@@ -89,9 +90,11 @@ class SamStages:
         encoder_buckets: Sequence[int],
         decoder_buckets: Sequence[int],
         rle_on_device: bool = False,
+        work_bytes: int = 256 * 1024**2,
     ) -> None:
         self.model = model
         self.rle_on_device = rle_on_device
+        self.work_bytes = work_bytes  # float logits upscaled at once (see _full_size_masks)
         self.config = config
         self.device = device
         self.dtype = options.dtype
@@ -173,6 +176,47 @@ class SamStages:
             low_res, iou = self._decode(torch.stack(embeddings), prompts)
         return low_res.float(), iou.float()
 
+    def _slice_prompts(self, masks: int, size: tuple[int, int]) -> int:
+        """How many prompts' masks (`masks` each) are upscaled at once within work_bytes."""
+        return max(1, self.work_bytes // (masks * upscale_bytes(self.config, size)))
+
+    def mask_memory(self, prompts: int, multimask: bool, size: tuple[int, int]) -> tuple[int, int]:
+        """(held, working) bytes of one request's full-size masks on an `(H, W)` image.
+
+        `held` lasts until its batch ends: the bool masks `[prompts, K, H, W]` and their
+        copy on the way out (one byte a pixel each). `working` is the largest slice of float
+        logits upscaled at once (`_full_size_masks`), one request at a time.
+        """
+        k = self.config.num_multimask_outputs if multimask else 1
+        held = 2 * prompts * k * size[0] * size[1]
+        step = min(prompts, self._slice_prompts(k, size))
+        return held, step * k * upscale_bytes(self.config, size)
+
+    def _full_size_masks(
+        self, low_res: torch.Tensor, order: torch.Tensor, entry: ImageEmbedding
+    ) -> torch.Tensor:
+        """Low-res logits `[P, K, m, m]` -> bool masks `[P, K, H, W]` in `order` (best first).
+
+        The float logits at full size are 4 bytes a pixel (and the padded square's as much
+        again): for many prompts on a large image they are made a slice of prompts at a time,
+        within `work_bytes`, never one tensor for all of them. A usual request is one slice.
+        """
+        P, K = low_res.shape[:2]
+        size = entry.original_size
+        step = self._slice_prompts(K, size)
+
+        def masks(part: slice) -> torch.Tensor:
+            logits = sam_tf.postprocess_masks(low_res[part], entry.input_size, size, self.config)
+            above = logits.gt(self.config.mask_threshold)
+            return torch.take_along_dim(above, order[part, :, None, None], dim=1)
+
+        if step >= P:
+            return masks(slice(None))
+        out = torch.empty((P, K, *size), dtype=torch.bool, device=low_res.device)
+        for start in range(0, P, step):
+            out[start : start + step] = masks(slice(start, start + step))
+        return out
+
     @torch.inference_mode()
     def fidelity_outputs(
         self, photo: torch.Tensor, prompts: Sequence[FidelityPrompt]
@@ -206,17 +250,10 @@ class SamStages:
         for item in items:
             stop = start + len(item.prompts)
             chosen = slice(1, None) if item.multimask else slice(0, 1)
-            logits = sam_tf.postprocess_masks(
-                low_res[start:stop, chosen],
-                item.embedding.input_size,
-                item.embedding.original_size,
-                self.config,
-            )  # [prompts, K, H, W]
             # stable on both sides, so the host's score order below is the same permutation
             order = iou[start:stop, chosen].sort(dim=1, descending=True, stable=True).indices
-            masks = torch.take_along_dim(
-                logits.gt(self.config.mask_threshold), order[:, :, None, None], dim=1
-            )
+            # [prompts, K, H, W] bool
+            masks = self._full_size_masks(low_res[start:stop, chosen], order, item.embedding)
             shapes.append(tuple(masks.shape))
             if self.rle_on_device and item.output == "rle":
                 on_device.append(masks.flatten(0, 1))
@@ -224,8 +261,9 @@ class SamStages:
                 flat_masks.append(masks.reshape(-1))
             kept = None
             if item.return_low_res:  # [prompts, K, m, m], in the order the masks are returned
+                # a new tensor; the engine keeps a copy per mask (LowResStore), not views
                 chosen_low = low_res[start:stop, chosen]
-                kept = torch.take_along_dim(chosen_low, order[:, :, None, None], dim=1).clone()
+                kept = torch.take_along_dim(chosen_low, order[:, :, None, None], dim=1)
             low_res_kept.append(kept)
             start = stop
         # Queued before the blocking copies below (one of which always runs: every item's

@@ -33,11 +33,14 @@ class ServeState:
     in_flight: int = 0  # HTTP requests being served (kept by ObserveMiddleware)
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
+    drain_deadline: float | None = None  # monotonic; the drain waits for no one past it
 
     def begin_drain(self) -> None:
-        """From now on: readiness 503, new requests 503; accepted ones still complete."""
+        """From now on: readiness 503, new requests 503; accepted ones still complete,
+        within `drain_timeout_s` from this first call (a second drain adds no time)."""
         if not self.draining:
             self.draining = True
+            self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
             self.metrics.ready.set(0)
 
     def require_engine(self) -> Engine:

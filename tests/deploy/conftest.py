@@ -18,13 +18,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-# What `kubectl kustomize` renders, by name: the base, each overlay, the adapter config.
+# What `kubectl kustomize` renders, by name: the base, each overlay, the adapter config,
+# the KServe runtime.
 TARGETS = {
     "base": K8S / "base",
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
     "gpu-shared": K8S / "overlays" / "gpu-shared",
     "adapter": K8S / "prometheus-adapter",
+    "kserve": K8S / "kserve",
 }
 
 Manifest = dict[str, Any]

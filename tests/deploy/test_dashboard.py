@@ -33,7 +33,8 @@ from tests.server.conftest import LiveServer, small_settings
 
 GRAFANA = K8S / "grafana"
 DASHBOARD = GRAFANA / "dashboard.json"
-METRIC = re.compile(r"\bserve_[a-zA-Z0-9_:]*")
+# the service's own families and the standard process_* ones it exports beside them
+METRIC = re.compile(r"\b(?:serve|process)_[a-zA-Z0-9_:]*")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SAMPLE_SUFFIXES = {  # what a family of each type exposes, as PromQL sees it
     "counter": ("_total",),
@@ -123,15 +124,21 @@ def sample_names(families: dict[str, str]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def scraped() -> Iterator[dict[str, str]]:
+def scraped_all() -> Iterator[dict[str, str]]:
     """{family: type} of a real /metrics scrape of a live server (tiny models, CPU)."""
     server = LiveServer(small_settings()).start()
     try:
         text = httpx.get(server.url + "/metrics", timeout=30).text
     finally:
         server.stop()
-    families = {f.name: f.type for f in text_string_to_metric_families(text)}
-    yield {name: kind for name, kind in families.items() if not name.endswith("_created")}
+    yield {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+@pytest.fixture(scope="module")
+def scraped(scraped_all: dict[str, str]) -> dict[str, str]:
+    """The service's own families: the standard process_* and python_* ones are the client
+    library's (tests/server/test_metrics.py checks them; no panel has to show them all)."""
+    return {name: kind for name, kind in scraped_all.items() if name.startswith("serve_")}
 
 
 class _FakeNvml(types.ModuleType):
@@ -231,7 +238,7 @@ def test_every_query_selects_the_chosen_pods_and_rate_interval(dashboard):
     for panel in panels(dashboard):
         for target in panel.get("targets", []):
             expr = target["expr"]
-            selectors = re.findall(r"\b(serve_[a-zA-Z0-9_:]*)(\{[^}]*\})?", expr)
+            selectors = re.findall(r"\b((?:serve|process)_[a-zA-Z0-9_:]*)(\{[^}]*\})?", expr)
             assert selectors, f"{panel['title']}: {expr}"
             for name, matchers in selectors:
                 assert 'namespace=~"$namespace"' in matchers, f"{panel['title']}: {name}"
@@ -265,12 +272,13 @@ def test_cuda_families_come_from_the_collector(cuda_families):
     assert set(re.findall(r'"(serve_gpu_[a-z_]+)"', source)) == set(cuda_families)
 
 
-def test_every_queried_metric_is_exported(dashboard, scraped, cuda_families):
+def test_every_queried_metric_is_exported(dashboard, scraped_all, cuda_families):
     names = queried_names(dashboard)
     assert names, "the dashboard queries serve_ metrics"
-    unknown = names - sample_names(scraped) - sample_names(cuda_families)
+    assert {n for n in names if n.startswith("process_")}, "and the process' own"
+    unknown = names - sample_names(scraped_all) - sample_names(cuda_families)
     assert not unknown, f"queried but never exported (or with the wrong suffix): {unknown}"
-    absent = {family_of(name) for name in names - sample_names(scraped)}
+    absent = {family_of(name) for name in names - sample_names(scraped_all)}
     if torch.cuda.is_available():  # NVML's two are missing there without nvidia-ml-py
         assert absent <= set(cuda_families), absent
     else:
@@ -280,6 +288,7 @@ def test_every_queried_metric_is_exported(dashboard, scraped, cuda_families):
 
 
 def test_every_exported_family_is_on_the_dashboard(dashboard, scraped, cuda_families):
+    # every serve_ family (of the standard ones, only memory, CPU and fds have panels)
     shown = {family_of(name) for name in queried_names(dashboard)}
     exported = {family_of(name) for name in sample_names(scraped | cuda_families)}
     assert exported - shown == set(), "families no panel shows"
@@ -321,9 +330,9 @@ def test_every_kustomization_under_k8s_is_rendered_by_a_test():
     assert found <= rendered, f"never rendered: {sorted(map(str, found - rendered))}"
 
 
-def test_every_exported_metric_is_documented(scraped, cuda_families):
+def test_every_exported_metric_is_documented(scraped_all, cuda_families):
     doc = (REPO / "docs" / "OBSERVABILITY.md").read_text()
-    families = scraped | cuda_families
+    families = scraped_all | cuda_families
     exposed = {name + ("_total" if kind == "counter" else "") for name, kind in families.items()}
     missing = sorted(name for name in exposed if f"`{name}`" not in doc)
     assert not missing, f"docs/OBSERVABILITY.md does not describe {missing}"

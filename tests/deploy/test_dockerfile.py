@@ -94,34 +94,71 @@ def test_hadolint_finds_nothing():
     assert proc.returncode == 0 and not findings, "\n".join(report) or proc.stderr
 
 
-def test_bases_cuda_by_default_and_cpu_on_request():
+def ci_torch_version() -> str:
+    """The torch CI installs and tests (the README's install line, run by .ci/run)."""
+    versions = set(re.findall(r"pip install torch==(\S+)", (REPO / ".ci" / "run").read_text()))
+    assert len(versions) == 1, versions
+    return versions.pop()
+
+
+def test_both_bases_install_the_torch_ci_tests():
     args = global_args()
     assert args["BASE"] == "cuda"
-    cuda = args["CUDA_IMAGE"]
-    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", cuda)
-    assert match, cuda
-    assert match.group(1).startswith("2.11."), "torch 2.11, as on our GPU machines"
-    torch = torch_requirement()
-    assert torch.specifier.contains(match.group(1))
     assert args["PYTHON_IMAGE"].startswith("python:3.11-slim")
+    version = args["TORCH_VERSION"]
+    assert version == ci_torch_version(), "the image runs the torch version CI's tests ran on"
+    assert torch_requirement().specifier.contains(version)
     by_name = stages()
     assert list(by_name) == ["wheel", "base-cuda", "base-cpu", "runtime"]
-    assert by_name["base-cuda"][0] == ("FROM", "${CUDA_IMAGE}")
-    assert by_name["base-cpu"][0] == ("FROM", "${PYTHON_IMAGE}")
     assert by_name["runtime"][0] == ("FROM", "base-${BASE}")
-    cpu = dict(by_name["base-cpu"][1:])
-    version = cpu["ARG"].partition("=")[2]
-    assert torch.specifier.contains(version), f"CPU torch {version} outside {torch.specifier}"
-    assert "--index-url https://download.pytorch.org/whl/cpu" in cpu["RUN"]
-    assert '"torch==${TORCH_CPU_VERSION}"' in cpu["RUN"]
+    for name, index in (
+        ("base-cuda", '--index-url "https://download.pytorch.org/whl/${TORCH_CUDA}"'),
+        ("base-cpu", "--index-url https://download.pytorch.org/whl/cpu"),
+    ):
+        stage = by_name[name]
+        assert stage[0] == ("FROM", "${PYTHON_IMAGE}"), name
+        steps = [f"{k} {v}" for k, v in stage[1:]]
+        assert "ARG TORCH_VERSION" in steps, name
+        (install,) = [v for k, v in stage if k == "RUN"]
+        assert '"torch==${TORCH_VERSION}"' in install and index in install, name
+    cuda_args = dict(a.partition("=")[::2] for k, a in by_name["base-cuda"] if k == "ARG")
+    assert re.fullmatch(r"cu\d{3}", cuda_args["TORCH_CUDA"])
 
 
-def test_runtime_installs_the_wheel_and_runs_the_server_unprivileged():
+def test_dependencies_install_in_a_layer_of_their_own_before_the_code():
+    """A code change rebuilds only the last layers: the dependency layer sees nothing but
+    pyproject.toml, and the project's wheel goes in after it with --no-deps."""
     runtime = stages()["runtime"]
-    steps = [f"{k} {v}" for k, v in runtime]
-    assert "COPY --from=wheel /wheels /wheels" in steps
-    install = next(v for k, v in runtime if k == "RUN" and "/wheels/*.whl" in v)
-    assert "--constraint" in install, "pip must keep the base's torch build"
+    copies = [(i, v) for i, (k, v) in enumerate(runtime) if k == "COPY"]
+    assert [v for _, v in copies] == [
+        "pyproject.toml /tmp/deps/pyproject.toml",
+        "--from=wheel /wheels /wheels",
+    ]
+    (deps_at, deps), (wheel_at, wheel) = [
+        (i, v) for i, (k, v) in enumerate(runtime) if k == "RUN" and "pip install" in v
+    ]
+    assert copies[0][0] < deps_at < copies[1][0] < wheel_at
+    assert "--constraint /tmp/deps/constraint.txt" in deps, "pip must keep the base's torch"
+    assert "--requirement /tmp/deps/requirements.txt" in deps
+    assert "/wheels" not in deps
+    assert "pip install --no-cache-dir --no-deps /wheels/*.whl" in wheel
+
+
+def test_requirements_are_exactly_the_pyproject_dependencies(tmp_path):
+    """The dependency layer's own command, run on this pyproject.toml."""
+    deps = next(v for k, v in stages()["runtime"] if k == "RUN" and "tomllib" in v)
+    match = re.search(r'python -c "(import tomllib[^"]*)" > /tmp/deps/requirements.txt', deps)
+    assert match, deps
+    code = match.group(1).replace("/tmp/deps/pyproject.toml", str(REPO / "pyproject.toml"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert proc.stdout.splitlines() == pyproject["project"]["dependencies"]
+
+
+def test_runtime_runs_the_server_unprivileged():
+    runtime = stages()["runtime"]
     user = [v for k, v in runtime if k == "USER"]
     assert len(user) == 1 and user[0].split(":")[0] not in {"0", "root"}
     assert user[0].split(":")[0].isdigit(), "numeric, so runAsNonRoot can verify it"

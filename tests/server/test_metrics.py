@@ -58,15 +58,27 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
 }
 
 
+# The families every Prometheus client library's default registry exports (Linux).
+STANDARD_PREFIXES = ("process_", "python_")
+STANDARD: dict[str, str] = {
+    "process_resident_memory_bytes": "gauge",
+    "process_virtual_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
+    "process_cpu_seconds": "counter",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
+    "python_info": "gauge",
+    "python_gc_objects_collected": "counter",
+    "python_gc_objects_uncollectable": "counter",
+    "python_gc_collections": "counter",
+}
+
+
 class Scrape:
     """One parsed `/metrics` answer; `seq` numbers the scrapes of one `Scraper`."""
 
     def __init__(self, text: str, seq: int) -> None:
-        self.families = {
-            f.name: f
-            for f in text_string_to_metric_families(text)
-            if not f.name.endswith("_created")  # prometheus-client's creation timestamps
-        }
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
         self.seq = seq
 
     def samples(self, name: str, **labels: str) -> list[Sample]:
@@ -141,14 +153,33 @@ def test_every_family_is_exported_with_its_type_and_labels(scrape):
     assert http.post("/v1/classify", json={"image": b64_png(2)}).status_code == 200
     after = scrape()
     exported = {
-        name: f.type for name, f in after.families.items() if not name.startswith("serve_gpu_")
-    }  # GPU memory: CUDA only, see below
+        name: f.type
+        for name, f in after.families.items()
+        if not name.startswith(("serve_gpu_", *STANDARD_PREFIXES))
+    }  # GPU memory: CUDA only, see below; the standard families: their own test
     assert exported == {name: kind for name, (kind, _) in FAMILIES.items()}
     # the same set server.metrics declares (with the CUDA collector's where there is CUDA)
     assert set(after.families) == {f.name for f in Metrics().registry.collect()}
     for name, (_, labels) in FAMILIES.items():
         for sample in after.families[name].samples:
             assert set(sample.labels) - {"le"} == labels, sample
+
+
+def test_standard_process_families_and_no_created_series(scrape):
+    after = scrape()
+    assert {n: f.type for n, f in after.families.items() if n.startswith(STANDARD_PREFIXES)} == (
+        STANDARD
+    )
+    # this process: a resident set of more than the 20 MB of the interpreter, CPU spent on
+    # loading and warming the models, and open fds (the listening socket at least)
+    assert after.value("process_resident_memory_bytes") > 20e6
+    assert after.value("process_cpu_seconds_total") > 0
+    assert 0 < after.value("process_open_fds") < after.value("process_max_fds")
+    assert after.value("process_start_time_seconds") < time.time()
+    # counters and histograms without their `_created` twins
+    names = [s.name for f in after.families.values() for s in f.samples]
+    assert any(n.endswith("_total") for n in names)
+    assert not [n for n in names if n.endswith("_created")]
 
 
 def test_models_ready_and_warm_up(scrape):

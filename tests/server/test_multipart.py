@@ -11,7 +11,8 @@ import pytest
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from server.multipart import FormPart, boundary_of, read_form
+from server.errors import ServiceError
+from server.multipart import MAX_PART_HEADER_BYTES, FormPart, boundary_of, read_form
 
 JPEG_LIKE = bytes(range(256)) * 40 + b"\r\n--not-the-boundary\r\n\r\n" + b"\xff\xd9"
 
@@ -128,3 +129,13 @@ def test_closing_delimiter_alone_is_an_empty_form_and_parts_are_bounded() -> Non
     three = GOOD * 3 + b"--b--\r\n"
     assert read_form(three, b"b", max_parts=3) is not None
     assert read_form(three, b"b", max_parts=2) is None
+
+
+def test_headers_past_the_cap_are_a_400() -> None:
+    name = "x" * MAX_PART_HEADER_BYTES
+    body = part(f'Content-Disposition: form-data; name="image"; filename="{name}"') + b"--b--\r\n"
+    with pytest.raises(ServiceError) as refused:
+        read_form(body, b"b", max_parts=4)
+    assert refused.value.status == 400
+    body = part(f'Content-Disposition: form-data; name="image"; filename="{name[:3000]}"')
+    assert read_form(body + b"--b--\r\n", b"b", max_parts=4) is not None

@@ -13,7 +13,7 @@ from models.sam import SAM_CONFIGS, load_sam
 from models.sam import transforms as sam_tf
 from server.cache import ImageEmbedding
 from server.domain import Prompt
-from server.stages import SamStages
+from server.stages import DecodeItem, EncodeItem, SamStages
 
 
 def reference(prompt: Prompt, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -57,3 +57,23 @@ def test_prompt_coordinates_are_clipped_and_scaled_as_the_torch_transforms_do() 
             assert got.box is None
         else:
             assert np.array_equal(np.asarray(got.box), want_box.numpy())
+
+
+def test_full_size_masks_made_in_slices_are_the_masks_made_at_once() -> None:
+    """Many prompts on a large image are upscaled a slice of prompts at a time (within
+    `work_bytes`): the masks, their order and scores are the same as made in one go."""
+    config = SAM_CONFIGS["vit_tiny"]
+    model = load_sam(config, None, seed=0)
+    cpu = torch.device("cpu")
+    whole = SamStages(model, config, cpu, OptimizeOptions(), [1], [1, 8])
+    sliced = SamStages(model, config, cpu, OptimizeOptions(), [1], [1, 8], work_bytes=1)
+    assert sliced._slice_prompts(3, (300, 400)) == 1 and whole._slice_prompts(3, (300, 400)) > 5
+    pixels = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (300, 400, 3), np.uint8))
+    (entry,) = whole.encode([EncodeItem("img", pixels)])
+    prompts = tuple(Prompt(box=(10.0 * k, 5.0 * k, 200.0 + 20 * k, 250.0)) for k in range(5))
+    items = [DecodeItem(entry, prompts, multimask=True), DecodeItem(entry, prompts[:2], False)]
+    for want, got in zip(whole.decode(items), sliced.decode(items), strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert a.masks is not None and b.masks is not None and a.masks.shape[1:] == (300, 400)
+            assert np.array_equal(a.masks, b.masks)
+            assert np.array_equal(a.scores, b.scores)

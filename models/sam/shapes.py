@@ -12,7 +12,7 @@ shape anyone can check, whatever the image holds:
 - together: (box region | foreground discs) minus background discs.
 
 The three multimask outputs draw the same shapes at `MULTIMASK_SIZES` (smaller, same,
-larger), so they are three nested guesses and the predicted IoU ranks the exact one first.
+larger): three nested guesses, whose predicted IoU is trained to rank the exact one first.
 
 Coordinates are those of the model input frame (pixel indexes, as `scale_coords` gives);
 every shape is a pure function of the prompt, evaluated on any grid of such coordinates.

@@ -64,7 +64,7 @@ def time_ours(
 
 
 def reference_model(config_name: str, ours) -> Any:
-    """Meta's SAM with our weights (the same random ones)."""
+    """Meta's SAM with our weights (the same random, synthetic or real ones)."""
     from segment_anything import sam_model_registry
 
     ref = sam_model_registry[config_name]()
@@ -117,6 +117,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--no-meta", action="store_true")
+    p.add_argument(
+        "--sam-checkpoint",
+        type=Path,
+        default=None,
+        help="e.g. synthetic weights (python -m models.weights synthesize): masks of shapes",
+    )
     # Random weights predict low IoUs: at Meta's defaults (0.88, 0.95) no mask survives and
     # NMS and RLE never run. Lower thresholds keep masks, so the whole pipeline is timed.
     p.add_argument("--pred-iou-thresh", type=float, default=0.88)
@@ -126,8 +132,9 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     photos = load_photos(args.images)
-    ours_fp32 = load_sam(SAM_CONFIGS[args.model], None, seed=0).to(DEVICE)
-    ours_bf16 = load_sam(SAM_CONFIGS[args.model], None, seed=0).to(DEVICE, torch.bfloat16)
+    config = SAM_CONFIGS[args.model]
+    ours_fp32 = load_sam(config, args.sam_checkpoint, seed=0).to(DEVICE)
+    ours_bf16 = load_sam(config, args.sam_checkpoint, seed=0).to(DEVICE, torch.bfloat16)
     ref = None if args.no_meta else reference_model(args.model, ours_fp32)
     models = {"ours fp32": ours_fp32, "ours bf16": ours_bf16}
     names = [*models, *([] if ref is None else ["Meta fp32"])]

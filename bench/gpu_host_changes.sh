@@ -7,7 +7,7 @@
 #   3. three replicas sharing the one GPU (more processes, hence more GILs, per GPU).
 # All share one compile cache, so only the first step compiles.
 #
-#   OUT=/tmp/out bash bench/gpu_host_changes.sh
+#   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_host_changes.sh
 #
 # STEPS picks some of them (default "stages service interval replicas"), so the four fit in
 # two calls of at most 10 minutes on one warm machine: the compile cache stays in /tmp.
@@ -16,6 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"/stages "$OUT"/service "$OUT"/interval "$OUT"/replicas
+source bench/weights.sh && use_weights || exit 1  # WEIGHTS=synthetic: shapes, not noise
 export PYTHONUNBUFFERED=1
 started=$(date +%s)
 elapsed() { echo "== $(( $(date +%s) - started )) s: $*"; }

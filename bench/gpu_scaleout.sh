@@ -4,7 +4,7 @@
 # spread round-robin over the URLs, as a load balancer would), then Locust's three user
 # classes headless against one replica.
 #
-#   OUT=/tmp/out bash bench/gpu_scaleout.sh
+#   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_scaleout.sh
 #
 # REPLICA_GPUS lists the GPU of each replica (default "0 1"); "0 0 0" runs three replicas
 # sharing one GPU, and one compile cache. CLIENTS_ALL (default 128 per replica) loads all of
@@ -16,6 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+source bench/weights.sh && use_weights || exit 1  # WEIGHTS=synthetic: shapes, not noise
 export PYTHONUNBUFFERED=1
 # never NVLink multicast on shared hosts
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -4,12 +4,13 @@
 # processes POSTing real JPEGs with one box. While the first load runs, py-spy samples the
 # thread holding the GIL, so host-side limits show up by function.
 #
-#   OUT=/tmp/out bash bench/gpu_service.sh [grid...]    (default grid: 16:5 16:5)
+#   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_service.sh [grid...]    (default grid: 16:5 16:5)
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH and the photos in .benchdata/images.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+source bench/weights.sh && use_weights || exit 1  # WEIGHTS=synthetic: shapes, not noise
 GRID=("${@:-16:5 16:5}")
 PORT=8765
 export PYTHONUNBUFFERED=1

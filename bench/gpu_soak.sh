@@ -4,11 +4,12 @@
 # eviction run all along); after each round the server's resident memory (ps) and device
 # memory (its own /metrics) are printed, so growth after warm-up shows.
 #
-#   OUT=/tmp/out ROUNDS=4 bash bench/gpu_soak.sh
+#   [WEIGHTS=synthetic] OUT=/tmp/out ROUNDS=4 bash bench/gpu_soak.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 ROUNDS=${ROUNDS:-4}
 mkdir -p "$OUT"
+source bench/weights.sh && use_weights || exit 1  # WEIGHTS=synthetic: shapes, not noise
 export PYTHONUNBUFFERED=1
 env SERVE_DEVICE=cuda SERVE_ENABLE_SWIN=false SERVE_MAX_BATCH_SIZE=16 \
   "SERVE_BATCH_BUCKETS=[1,2,4,8,16]" SERVE_DECODER_MAX_BATCH_PROMPTS=64 \

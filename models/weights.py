@@ -1,12 +1,20 @@
-"""`python -m models.weights`: fetch the official checkpoints and check their SHA-256.
+"""`python -m models.weights`: fetch the official checkpoints and check their SHA-256,
+or make synthetic SAM weights where none can be fetched.
 
     python -m models.weights list
     python -m models.weights download vit_b --dest weights/
     python -m models.weights download swin_tiny_patch4_window7_224 --dest weights/
+    python -m models.weights synthesize vit_b --dest weights/
 
 A download streams into `<name>.part` while hashing, and becomes `<name>` only when its
 size and SHA-256 match the published ones, so a broken transfer never leaves a file the
 service would try to load. `--base-url` points at a mirror holding the same file names.
+
+`synthesize` trains SAM's prompt encoder and mask decoder (image encoder frozen at its
+seeded random weights) to draw the shapes that prompts name (models/sam/shapes.py) and
+writes `sam_<model>_synthetic.pth` in Meta's format, with a sidecar `.json` that makes
+the service report `"weights": "synthetic"`. A file already there with a matching sidecar
+is kept (pass --force to train again).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.provenance import sha256_file
 
 __all__ = ["WEIGHTS", "WeightsError", "WeightsFile", "download", "sha256_file"]
 
@@ -75,14 +85,6 @@ class WeightsError(RuntimeError):
     """A download that failed or whose bytes are not the published ones."""
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _check(path: Path, entry: WeightsFile, digest: str, size: int) -> None:
     if entry.size is not None and size != entry.size:
         raise WeightsError(f"{path}: {size} bytes, expected {entry.size} (truncated download?)")
@@ -130,6 +132,92 @@ def download(
     return target
 
 
+# Defaults of `synthesize`: (steps, batch size, crops). vit_tiny trains on the CPU in a
+# couple of minutes; the released sizes are meant for a GPU (docs/ARCHITECTURE.md, Weights).
+SYNTHESIZE_DEFAULTS = {"vit_tiny": (600, 16, 48)}
+SYNTHESIZE_GPU_DEFAULTS = (6000, 32, 256)  # cut to --max-train-seconds (210 on CUDA)
+DEFAULT_IMAGES = Path("../shared/data/images")
+
+
+def add_synthesize_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    syn = sub.add_parser("synthesize", help="train synthetic SAM weights (shapes, not objects)")
+    syn.add_argument("model", help="a SAM size: vit_b, vit_l, vit_h or vit_tiny")
+    syn.add_argument("--dest", type=Path, default=Path("weights"))
+    syn.add_argument("--images", type=Path, default=DEFAULT_IMAGES, help="folder of photos")
+    syn.add_argument("--steps", type=int, default=None, help="training steps")
+    syn.add_argument("--batch-size", type=int, default=None, help="prompts per step")
+    syn.add_argument("--crops", type=int, default=None, help="photo crops encoded for training")
+    syn.add_argument("--lr", type=float, default=1e-3)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    syn.add_argument(
+        "--max-train-seconds",
+        type=float,
+        default=None,
+        help="fewer steps if the first ones show more would not fit (default: 210 on CUDA)",
+    )
+    syn.add_argument("--force", action="store_true", help="train even if the file is there")
+
+
+def run_synthesize(args: argparse.Namespace) -> int:
+    """The `synthesize` command: train, save, print the held-out measures."""
+    import torch  # here, so that list and download start without torch
+
+    from models.fidelity import load_photos
+    from models.provenance import SYNTHETIC, read_provenance
+    from models.sam import SAM_CONFIGS
+    from models.sam.synthesize import SynthesisOptions, save_synthetic, synthesize
+
+    if args.model not in SAM_CONFIGS:
+        print(
+            f"error: unknown SAM model {args.model!r}; one of {sorted(SAM_CONFIGS)}",
+            file=sys.stderr,
+        )
+        return 2
+    target = args.dest / f"sam_{args.model}_synthetic.pth"
+    if target.is_file() and not args.force:
+        record = read_provenance(target)
+        if (
+            record is not None
+            and record.get("weights") == SYNTHETIC
+            and record.get("model") == args.model
+        ):
+            log.info("%s is already here (its sidecar matches); --force trains again", target)
+            print(target)
+            return 0
+    steps, batch, crops = SYNTHESIZE_DEFAULTS.get(args.model, SYNTHESIZE_GPU_DEFAULTS)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    budget = args.max_train_seconds
+    options = SynthesisOptions(
+        steps=args.steps or steps,
+        batch_size=args.batch_size or batch,
+        crops=args.crops or crops,
+        lr=args.lr,
+        seed=args.seed,
+        max_train_seconds=budget if budget or device.type != "cuda" else 210.0,
+    )
+    try:
+        photos = load_photos(args.images)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc} (pass --images)", file=sys.stderr)
+        return 2
+    model, report = synthesize(SAM_CONFIGS[args.model], photos, options, device)
+    path = save_synthetic(model, report, target)
+    print(f"{'kind':10} {'IoU':>7} {'min IoU':>8} {'multimask':>10} {'IoU-head error':>15}")
+    for kind, iou in report.heldout_iou.items():
+        print(
+            f"{kind:10} {iou:7.4f} {report.heldout_iou_min[kind]:8.4f} "
+            f"{report.multimask_best_iou[kind]:10.4f} {report.iou_head_error[kind]:15.4f}"
+        )
+    print(f"seconds: {report.seconds}")
+    if min(report.heldout_iou.values()) < 0.9:
+        log.warning("held-out IoU below 0.9 for some prompt kind: more --steps may help")
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m models.weights",
@@ -143,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument("--dest", type=Path, default=Path("weights"))
     get.add_argument("--base-url", default=None, help="a mirror with the same file names")
     get.add_argument("--allow-unverified", action="store_true")
+    add_synthesize_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "synthesize":
+        return run_synthesize(args)
     if args.command == "list":
         for w in WEIGHTS.values():
             print(f"{w.model:32} {w.file_name:44} {w.sha256 or '(no published SHA-256)'}")

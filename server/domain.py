@@ -93,7 +93,7 @@ class ModelInfo:
     """What `/v1/models` and every response's `model` field say about a loaded model."""
 
     name: str
-    weights: str  # "random" or the checkpoint file name
+    weights: str  # "random", "synthetic" (models.provenance) or the checkpoint file name
     precision: str  # the variant: "fp32", "bf16", "bf16+fp8", "bf16+int8+2:4", ...
     device: str
     compile_mode: str

@@ -24,6 +24,7 @@ import torch
 
 from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.provenance import SYNTHETIC, weights_label
 from models.quantize import torchao_unsupported
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator
@@ -246,9 +247,13 @@ class Engine:
             "observer": self.observer,
         }
 
-    def _info(self, name: str, checkpoint: object, buckets: list[int]) -> ModelInfo:
+    def _info(self, name: str, checkpoint: Path | None, buckets: list[int]) -> ModelInfo:
         opts = self.options
-        weights = "random" if checkpoint is None else str(getattr(checkpoint, "name", checkpoint))
+        weights = weights_label(checkpoint)  # "random", "synthetic" or the file's name
+        if weights == SYNTHETIC:
+            log.warning(
+                "%s has SYNTHETIC weights (%s): masks are shapes, not objects", name, checkpoint
+            )
         return ModelInfo(
             name=name,
             weights=weights,

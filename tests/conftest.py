@@ -8,7 +8,9 @@ import importlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -66,3 +68,70 @@ def small_photo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             small.thumbnail((200, 200))
             small.save(folder / (f"{path.stem}.png" if k == 2 else path.name))
     return folder
+
+
+def photo_like_array(height: int, width: int, seed: int) -> np.ndarray:
+    """A seeded picture with what photos have: smooth colour fields, blobs with edges,
+    fine texture and noise (uint8 `[H, W, 3]`), so tests need no photo files."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32) / max(height, width)
+    rgb = np.zeros((height, width, 3), np.float32)
+    for c in range(3):  # low-frequency colour fields
+        fx, fy, phase = (*rng.uniform(0.5, 3, 2).tolist(), rng.uniform(0, 6.3))
+        rgb[..., c] = 128 + 70 * np.sin(2 * np.pi * (fx * xx + fy * yy) + phase)
+    for _ in range(int(rng.integers(4, 9))):  # objects: ellipses and rectangles
+        cx, cy = (
+            rng.uniform(0, width / max(height, width)),
+            rng.uniform(0, height / max(height, width)),
+        )
+        rx, ry = rng.uniform(0.04, 0.25, 2)
+        colour = rng.uniform(0, 255, 3)
+        if rng.random() < 0.5:
+            inside = ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 < 1
+        else:
+            inside = (np.abs(xx - cx) < rx) & (np.abs(yy - cy) < ry)
+        rgb[inside] = 0.3 * rgb[inside] + 0.7 * colour
+    rgb += 12 * np.sin(40 * np.pi * xx * rng.uniform(0.5, 2))[..., None]  # texture
+    rgb += rng.normal(0, 6, rgb.shape)
+    return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def generated_photo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four seeded photo-like pictures (three JPEGs, one PNG) of different shapes."""
+    folder = tmp_path_factory.mktemp("generated-photos")
+    for k, (h, w) in enumerate([(240, 320), (256, 256), (300, 200), (260, 400)]):
+        image = Image.fromarray(photo_like_array(h, w, seed=k))
+        image.save(folder / (f"photo{k}.png" if k == 3 else f"photo{k}.jpg"), quality=92)
+    return folder
+
+
+# vit_tiny synthetic weights as the tests make them (tests/models/test_synthesize.py has
+# what they measured). Training takes most of a minute on 2 free cores, several on busy
+# ones: the tests that use them allow SYNTHETIC_TIMEOUT_S.
+SYNTHETIC_TEST_STEPS = 300
+SYNTHETIC_TEST_BATCH = 8
+SYNTHETIC_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="session")
+def synthetic_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, generated_photo_dir: Path
+) -> tuple[Path, Any]:
+    """vit_tiny synthetic weights trained once per session on the generated photos, saved
+    with their sidecar: (path, `SynthesisReport`)."""
+    from models.fidelity import load_photos
+    from models.sam import SAM_CONFIGS
+    from models.sam.synthesize import SynthesisOptions, save_synthetic, synthesize
+
+    options = SynthesisOptions(
+        steps=SYNTHETIC_TEST_STEPS,
+        batch_size=SYNTHETIC_TEST_BATCH,
+        crops=32,
+        heldout_crops=8,
+        heldout_prompts=16,
+    )
+    photos = load_photos(generated_photo_dir)
+    model, report = synthesize(SAM_CONFIGS["vit_tiny"], photos, options, torch.device("cpu"))
+    path = tmp_path_factory.mktemp("synthetic") / "sam_vit_tiny_synthetic.pth"
+    return save_synthetic(model, report, path), report

@@ -1,4 +1,4 @@
-// The text around the image: errors, models and the random-weights warning, timings,
+// The text around the image: errors, models and the random/synthetic-weights notes, timings,
 // labels, and the mask lists. Pure rendering from plain values; the state lives in app.js.
 
 import { cssColor, thumbnail } from "./draw.js";
@@ -17,7 +17,8 @@ export function renderErrors(messages) {
   $("errors").hidden = messages.length === 0;
 }
 
-/** Model badges (name, precision, weights, device) and the warning for random weights. */
+/** Model badges (name, precision, weights, device), the warning for random weights and
+ * the note for synthetic ones (shapes, not objects). */
 export function renderModels(models, loading = false) {
   if (!models.length) {
     const text = loading ? "models: still loading…" : "models: asking the server…";
@@ -28,6 +29,7 @@ export function renderModels(models, loading = false) {
       const li = el("li", { textContent: `${m.name} · ${m.precision} · weights: ${m.weights}${where}` });
       li.dataset.weights = m.weights;
       if (m.weights === "random") li.classList.add("random");
+      if (m.weights === "synthetic") li.classList.add("synthetic");
       return li;
     }));
   }
@@ -36,6 +38,12 @@ export function renderModels(models, loading = false) {
   const verb = random.length > 1 ? "run" : "runs";
   $("random-warning-text").textContent = random.length
     ? `${random.join(" and ")} ${verb} with seeded random weights (no checkpoint configured).`
+    : "";
+  const synthetic = models.filter((m) => m.weights === "synthetic").map((m) => m.name);
+  $("synthetic-note").hidden = synthetic.length === 0;
+  $("synthetic-note-text").textContent = synthetic.length
+    ? `${synthetic.join(" and ")} ${synthetic.length > 1 ? "run" : "runs"} with synthetic weights,`
+      + " trained to draw what a prompt names, not to find objects."
     : "";
 }
 

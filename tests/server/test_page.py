@@ -24,6 +24,7 @@ from PIL import Image
 from playwright.sync_api import Browser, Page, Request, expect, sync_playwright
 from pycocotools import mask as mask_utils
 
+from tests.conftest import SYNTHETIC_TIMEOUT_S
 from tests.server.conftest import PHOTOS, LiveServer, encode
 
 CHROMIUM_ARGS = [
@@ -230,6 +231,7 @@ def test_point_box_candidates_download_and_everything(
     expect(page.locator("#models li")).to_have_count(2)
     expect(page.locator("#models")).to_contain_text("fp32")
     expect(page.locator("#models")).to_contain_text("weights: random")
+    expect(page.locator("#synthetic-note")).to_be_hidden()
 
     # The photo is on the canvas as soon as it is opened, pixel for pixel (JPEG decoders
     # may differ by a few levels).
@@ -447,3 +449,23 @@ def test_an_image_over_the_pixel_limit_is_explained(
     page.set_input_files("#file-input", DOG)
     expect(page.locator("#labels li")).to_have_count(5)
     expect(errors).to_be_hidden()
+
+
+@pytest.mark.timeout(SYNTHETIC_TIMEOUT_S)
+def test_synthetic_weights_show_an_honest_note(
+    page: Page, make_server: Callable[..., LiveServer], synthetic_checkpoint: tuple[Path, Any]
+) -> None:
+    """SAM on synthetic weights (tests/conftest.py): the page says they draw shapes, not
+    objects; the random-weights warning names only Swin, still random."""
+    server = make_server(sam_checkpoint=synthetic_checkpoint[0])
+    page.goto(server.url + "/")
+    note = page.locator("#synthetic-note")
+    expect(note).to_be_visible()
+    expect(note).to_contain_text("shapes, not objects")
+    expect(note).to_contain_text("sam_vit_tiny runs with synthetic weights")
+    expect(page.locator("#models")).to_contain_text("weights: synthetic")
+    expect(page.locator("#models li.synthetic")).to_have_count(1)
+    warning = page.locator("#random-warning-text")
+    expect(warning).to_have_text(
+        "swin_test runs with seeded random weights (no checkpoint configured)."
+    )

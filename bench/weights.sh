@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sourced by the bench/gpu_*.sh scripts: which SAM weights the service they start serves.
+#
+#   WEIGHTS=random     (default) seeded random weights: masks of noise, responses of
+#                      60-200 KB; the figures in docs/BENCHMARKS.md so far
+#   WEIGHTS=synthetic  synthetic weights (python -m models.weights synthesize): masks of
+#                      simple shapes, responses and mask strings the size of real ones
+#
+# synthetic trains once per machine into WEIGHTS_DIR (default /tmp/weights; about two to
+# three minutes on an H100 for vit_b) and exports SERVE_SAM_CHECKPOINT, which the servers
+# started after this inherit. SAM_MODEL (default vit_b) must match the served model.
+use_weights() {
+  case ${WEIGHTS:-random} in
+    random) ;;
+    synthetic)
+      local model=${SAM_MODEL:-vit_b} dest=${WEIGHTS_DIR:-/tmp/weights}
+      python3 -m models.weights synthesize "$model" --dest "$dest" --images .benchdata/images \
+        --device cuda || { echo "synthesizing $model weights failed" >&2; return 1; }
+      export SERVE_SAM_CHECKPOINT="$dest/sam_${model}_synthetic.pth"
+      ;;
+    *) echo "WEIGHTS must be random or synthetic, not ${WEIGHTS}" >&2; return 1 ;;
+  esac
+}

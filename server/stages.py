@@ -106,6 +106,7 @@ class SamStages:
             enabled=options.cuda_graphs,
         )
         self.compiled = options.compile_mode != "none"
+        self._warm_entry: ImageEmbedding | None = None  # the warm-up's, for the decoder's
         self._decode = compile_fn(model.decode, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
 
     @torch.inference_mode()
@@ -306,17 +307,34 @@ class SamStages:
 
     def warmup(self) -> None:
         """Run every encoder and decoder bucket once, so first requests meet warm paths."""
-        size = self.config.image_size
         for bucket in self.encoder_buckets:
-            started = time.perf_counter()
+            self.warm_encoder(bucket)
+        for bucket in self.decoder_buckets:
+            self.warm_decoder(bucket)
+
+    def warm_encoder(self, bucket: int) -> None:
+        """Compile (and graph) the encoder for `bucket` images, or check its eager path."""
+        started = time.perf_counter()
+        size = self.config.image_size
+        if self.compiled or self._encode.enabled:  # eager: the encode below is the check
             with torch.inference_mode():
                 self._encode.capture(
                     torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
                 )
+        pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
+        embeddings = self.encode([EncodeItem(f"warmup-{k}", pixels) for k in range(bucket)])
+        self._warm_entry = embeddings[0]
+        log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
+
+    def warm_decoder(self, bucket: int) -> None:
+        """Run the decoder on `bucket` prompt sets of every form it specialises on."""
+        started = time.perf_counter()
+        entry = self._warm_entry
+        if entry is None:
+            size = self.config.image_size
             pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
-            embeddings = self.encode([EncodeItem(f"warmup-{k}", pixels) for k in range(bucket)])
-            log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
-        entry = embeddings[0]
+            (entry,) = self.encode([EncodeItem("warmup", pixels)])
+            self._warm_entry = entry
         # Every form the compiled decoder specialises on: one set or many, few or more
         # tokens (points, box, both); the sizes between reuse the same dynamic graph.
         # Eager decoders have nothing to specialise: one form per bucket is enough.
@@ -327,16 +345,10 @@ class SamStages:
             Prompt(box=(w / 4, h / 4, w / 2, h / 2)),
             Prompt(points=((w / 3, h / 3),), labels=(1,), box=(w / 4, h / 4, w / 2, h / 2)),
         ][: 4 if self.compiled else 1]
-        started = time.perf_counter()
-        for bucket in self.decoder_buckets:
-            for prompt in prompts:
-                # compiled, a refinement click (mask_input) runs the same graph: see decode
-                self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
-        log.info(
-            "warmed decoder buckets %s in %.2fs",
-            self.decoder_buckets,
-            time.perf_counter() - started,
-        )
+        for prompt in prompts:
+            # compiled, a refinement click (mask_input) runs the same graph: see decode
+            self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
+        log.info("warmed decoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
 
 class SwinStage:
@@ -355,6 +367,7 @@ class SwinStage:
         self.device = device
         self.dtype = options.dtype
         self.buckets = list(buckets)
+        self.compiled = options.compile_mode != "none"
         self._forward = GraphedBuckets(
             compile_fn(model, options.compile_mode, dynamic=True), enabled=options.cuda_graphs
         )
@@ -386,13 +399,18 @@ class SwinStage:
 
     def warmup(self) -> None:
         """Run every bucket once before the service reports ready."""
+        for bucket in self.buckets:
+            self.warm(bucket)
+
+    def warm(self, bucket: int) -> None:
+        """Compile (and graph) `bucket` images, or check the eager path."""
         started = time.perf_counter()
         size = self.config.img_size
         pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
-        for bucket in self.buckets:
+        if self.compiled or self._forward.enabled:  # eager: the classify below is the check
             with torch.inference_mode():
                 self._forward.capture(
                     torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
                 )
-            self.classify([ClassifyItem(pixels, 1)] * bucket)
-        log.info("warmed swin buckets %s in %.2fs", self.buckets, time.perf_counter() - started)
+        self.classify([ClassifyItem(pixels, 1)] * bucket)
+        log.info("warmed swin bucket %d in %.2fs", bucket, time.perf_counter() - started)

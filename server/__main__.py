@@ -22,7 +22,7 @@ import uvicorn
 
 from server.app import build_app, drain
 from server.logs import configure_logging
-from server.settings import Settings
+from server.settings_cli import BadSettingError, load_settings, settings_help
 from server.state import ServeState, serve_state
 
 log = logging.getLogger("server")
@@ -59,12 +59,20 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description=__doc__,
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     args = parser.parse_args(argv)
 
-    settings = Settings()
+    try:
+        settings = load_settings()
+    except BadSettingError as problem:
+        parser.exit(2, f"python -m server: {problem}\n")  # one line, no traceback
     configure_logging(settings.log_level)
     if settings.switch_interval_ms is not None:
         sys.setswitchinterval(settings.switch_interval_ms / 1000.0)

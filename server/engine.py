@@ -211,6 +211,8 @@ class Engine:
         for label, fn in steps:
             if progress is not None:
                 progress.begin(label)
+            if self.settings.fault_step_delay_s:
+                await asyncio.sleep(self.settings.fault_step_delay_s)
             await loop.run_in_executor(self.worker, fn)
 
     def load_steps(self) -> list[Step]:

@@ -164,6 +164,8 @@ class Settings(BaseSettings):
     # CPU allocation (RuntimeError), so the split finds that item; 0: never
     fault_alloc_min_cost: int = Field(0, ge=0)
     """tests only: an item of this cost in fault_oom_stage fails an allocation (0: never)"""
+    fault_step_delay_s: float = Field(0.0, ge=0.0)
+    """tests only: each start-up step waits this long first, so a test can watch warming"""
 
     # Access.
     api_key: str | None = None

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.aot import AotStore, PackageKey, device_name, weights_hash
 from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.quantize import torchao_unsupported
@@ -82,7 +83,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
         # an H100 with torch 2.11; our Triton kernel avoids it without that cost
         # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
-        attention = "triton" if cuda and triton_available() else "sdpa"
+        # AOT packages cannot call our kernel (a Python custom op): SDPA there.
+        aot = compile_mode == "aot"
+        attention = "triton" if cuda and triton_available() and not aot else "sdpa"
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
@@ -241,19 +244,23 @@ class Engine:
         the CPU that took warm-up from minutes and 12 GB to seconds (docs/BENCHMARKS.md).
         """
         s = self.settings
-        every = self.options.compile_mode != "none" or self.options.cuda_graphs
-        doing = "compiling" if self.options.compile_mode != "none" else "checking"
+        mode = self.options.compile_mode
+        every = mode != "none" or self.options.cuda_graphs
+        doing = {"none": "checking", "aot": "loading or building AOT"}.get(mode, "compiling")
+        # in aot mode the decoder is compiled on a GPU and eager on the CPU (SamStages)
+        decoder_eager = mode == "none" or (mode == "aot" and self.device.type != "cuda")
+        decoder_doing = "checking" if decoder_eager else "compiling"
 
-        def warmed(buckets: list[int]) -> list[int]:
-            return buckets if every else buckets[:1]
+        def warmed(buckets: list[int], eager: bool = not every) -> list[int]:
+            return buckets[:1] if eager else buckets
 
         steps: list[Step] = []
         if s.enable_sam:
             for b in warmed(s.buckets_up_to(s.max_batch_size)):
                 steps.append((f"{doing} the SAM encoder, batch {b}",
                               partial(self._warm, "sam_encoder", b)))  # fmt: skip
-            for b in warmed(s.buckets_up_to(s.decoder_max_batch_prompts)):
-                steps.append((f"{doing} the SAM decoder, {b} prompts",
+            for b in warmed(s.buckets_up_to(s.decoder_max_batch_prompts), decoder_eager):
+                steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
                               partial(self._warm, "sam_decoder", b)))  # fmt: skip
         if s.enable_swin:
             for b in warmed(s.buckets_up_to(s.max_batch_size)):
@@ -341,6 +348,7 @@ class Engine:
         stages = SamStages(
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
+            aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         args = self._batcher_args()
@@ -386,7 +394,8 @@ class Engine:
                 s.seed,
             )
         buckets = s.buckets_up_to(s.max_batch_size)
-        stage = SwinStage(model, config, self.device, opts, buckets)
+        aot = self._aot_store(s.swin_model, model)
+        stage = SwinStage(model, config, self.device, opts, buckets, aot=aot)
         info = self._info(s.swin_model, s.swin_checkpoint, buckets)
         batcher: Batcher[ClassifyItem, TopK] = Batcher(
             "swin",
@@ -395,6 +404,14 @@ class Engine:
             **self._batcher_args(),  # type: ignore[arg-type]
         )
         return _SwinParts(stage, info, batcher)
+
+    def _aot_store(self, name: str, module: torch.nn.Module) -> AotStore | None:
+        """Where this model's AOT packages live, keyed by its weights and variant here."""
+        folder = self.settings.compile_cache_dir
+        if self.options.compile_mode != "aot" or folder is None:
+            return None
+        key = PackageKey(name, weights_hash(module), self.options.variant, device_name(self.device))
+        return AotStore(folder / "aot", key)
 
     async def warmup(self, progress: StartupProgress | None = None) -> float:
         """Run `warm_steps`; returns (and keeps) the seconds it took."""

@@ -62,9 +62,10 @@ class Settings(BaseSettings):
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
     """SAM global attention: auto (triton on CUDA, sdpa on the CPU), sdpa, flex, triton"""
     compile_mode: Literal[
-        "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs"
+        "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs", "aot"
     ] = "auto"  # auto: "default" on CUDA, "none" on the CPU
-    """torch.compile mode: auto (default on CUDA, none on the CPU), none, default, max-autotune"""
+    """torch.compile mode: auto (default on CUDA, none on the CPU), none, default, max-autotune;
+    aot: AOTInductor packages of the encoders in SERVE_COMPILE_CACHE_DIR (models/aot.py)"""
     cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
     """one CUDA graph per warmed batch bucket (CUDA with compile only)"""
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
@@ -208,6 +209,13 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SERVE_FIDELITY_CHECK needs SERVE_FIDELITY_IMAGES (a folder of photos)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _aot_needs_a_folder(self) -> Settings:
+        """Packages built at every start would cost more than compiling: keep them."""
+        if self.compile_mode == "aot" and self.compile_cache_dir is None:
+            raise ValueError("SERVE_COMPILE_MODE=aot needs SERVE_COMPILE_CACHE_DIR (a folder)")
         return self
 
     @field_validator("api_key")

@@ -90,6 +90,11 @@ def model_problems(settings: Settings) -> list[str]:
         problems.append(f"SERVE_SAM_MODEL={settings.sam_model!r}: one of {list(SAM_CONFIGS)}")
     if settings.enable_swin and settings.swin_model not in SWIN_CONFIGS:
         problems.append(f"SERVE_SWIN_MODEL={settings.swin_model!r}: one of {list(SWIN_CONFIGS)}")
+    if settings.compile_mode == "aot" and settings.attention in ("triton", "flex"):
+        problems.append(
+            f"SERVE_ATTENTION={settings.attention!r}: an AOT package (SERVE_COMPILE_MODE=aot) "
+            "cannot call it; use sdpa or auto"
+        )
     for name in ("sam_checkpoint", "swin_checkpoint", "fidelity_images"):
         path = getattr(settings, name)
         if path is not None and not path.exists():

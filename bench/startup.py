@@ -43,7 +43,7 @@ def _peak_rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmHWM in /proc: Linux only")
 
 
-def measure(env: dict[str, str], timeout_s: float) -> dict[str, object]:
+def measure(env: dict[str, str], timeout_s: float, keep_log: Path | None) -> dict[str, object]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}/readyz"
     load_before = os.getloadavg()
@@ -70,7 +70,10 @@ def measure(env: dict[str, str], timeout_s: float) -> dict[str, object]:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-        steps = [line for line in Path(out.name).read_text().splitlines() if '"start-up ' in line]
+        text = Path(out.name).read_text()
+        if keep_log is not None:
+            keep_log.write_text(text)
+        steps = [line for line in text.splitlines() if '"start-up ' in line]
     return {
         "ready_s": round(seconds, 1),
         "peak_rss_gib": round(peak / 1024**3, 2),
@@ -86,13 +89,14 @@ def main() -> None:
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings for the server")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--log", type=Path, help="keep the (last) server's log here")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     env.update(dict(item.split("=", 1) for item in args.env))
     for _ in range(args.runs):
-        log.info(json.dumps(measure(env, args.timeout)))
+        log.info(json.dumps(measure(env, args.timeout, args.log)))
 
 
 if __name__ == "__main__":

@@ -246,7 +246,8 @@ class Engine:
         s = self.settings
         mode = self.options.compile_mode
         every = mode != "none" or self.options.cuda_graphs
-        doing = {"none": "checking", "aot": "loading or building AOT"}.get(mode, "compiling")
+        aot = "loading (or building) the AOT package of"
+        doing = {"none": "checking", "aot": aot}.get(mode, "compiling")
         # in aot mode the decoder is compiled on a GPU and eager on the CPU (SamStages)
         decoder_eager = mode == "none" or (mode == "aot" and self.device.type != "cuda")
         decoder_doing = "checking" if decoder_eager else "compiling"

@@ -23,7 +23,7 @@ SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$C
   rc=$?
   echo "cold: python -m server compile rc=$rc (124: cut at 190 s) in $(( ($(date +%s%N) - started) / 1000000 )) ms"
   grep -o '"message": "start-up [^"]*"' "$OUT/compile.log" | tail -1
-  grep -c '"AOT ' "$OUT/compile.log" | sed 's/^/AOT packages prepared: /'
+  grep -c '"message": "AOT [^"]*: built in' "$OUT/compile.log" | sed 's/^/AOT packages built: /'
   for run in 1 2; do
     timeout 50 python3 -m bench.startup --timeout 45 --log "$OUT/warm$run.log" \
       --env "${SERVER_ENV[@]}" 2>&1 | tail -1 | sed "s/^/warm start $run: /"

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CompileMode = Literal[
-    "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot"
 ]
 
 
@@ -141,6 +141,8 @@ def compile_fn(
     """
     if mode == "none":
         return fn
+    if mode == "aot":  # packages are per shape (models.aot); this is the dynamic fallback
+        raise ValueError("compile_fn cannot make AOT packages: use models.aot.AotBuckets")
     if mode == "reduce-overhead":
         mode = "default"
     if mode == "max-autotune":

@@ -1,5 +1,9 @@
 """`python -m server --host H --port P`: the launcher owns uvicorn, signals and the exit status.
 
+`python -m server compile` builds what a start would (AOT packages with
+SERVE_COMPILE_MODE=aot, inductor's caches otherwise) into SERVE_COMPILE_CACHE_DIR and exits,
+for an init container or an image build step; starts with the same folder then load it.
+
 SIGTERM (Kubernetes stopping the pod) drains before uvicorn stops listening: readiness
 turns 503 at once and new requests get 503, while every request already accepted runs to
 completion (bounded by `SERVE_DRAIN_TIMEOUT_S`; a body must arrive within the request
@@ -21,8 +25,11 @@ from types import FrameType
 import uvicorn
 
 from server.app import build_app, drain
+from server.engine import Engine
 from server.logs import configure_logging
+from server.progress import StartupProgress
 from server.settings import Settings
+from server.settings_cli import BadSettingError, load_settings, settings_help
 from server.state import ServeState, serve_state
 
 log = logging.getLogger("server")
@@ -58,14 +65,45 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+async def compile_only(settings: Settings) -> int:
+    """Load and warm every model as a start would (building what the cache lacks), then exit."""
+    engine = Engine(settings)
+    plan = engine.load_steps() + engine.warm_steps()
+    progress = StartupProgress([label for label, _ in plan])
+    try:
+        await engine.load(progress)
+        await engine.warmup(progress)
+    finally:
+        await engine.close()
+    log.info("compiled into %s in %.1fs since process start",
+             settings.compile_cache_dir, progress.elapsed())  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description=__doc__,
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "command", nargs="?", default="serve", choices=["serve", "compile"],
+        help="serve (the default), or compile into SERVE_COMPILE_CACHE_DIR and exit",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
-    settings = Settings()
+    try:
+        settings = load_settings()
+    except BadSettingError as problem:
+        parser.exit(2, f"python -m server: {problem}\n")  # one line, no traceback
     configure_logging(settings.log_level)
+    if args.command == "compile":
+        if settings.compile_cache_dir is None:
+            parser.exit(2, "python -m server compile: needs SERVE_COMPILE_CACHE_DIR (a folder)\n")
+        return asyncio.run(compile_only(settings))
     if settings.switch_interval_ms is not None:
         sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     app = build_app(settings)

@@ -35,6 +35,7 @@ from server.middleware import (
     BodyLimitMiddleware,
     ObserveMiddleware,
 )
+from server.progress import StartupProgress
 from server.responses import FastJSONResponse
 from server.routes import router
 from server.settings import Settings
@@ -52,6 +53,9 @@ _REASONS = {
 }
 
 
+FIDELITY_STEP = "checking fidelity against the fp32 model"
+
+
 async def start_engine(state: ServeState) -> None:
     """Load, warm up, then flip ready; a failure is kept for /healthz and stops the server."""
     started = time.perf_counter()
@@ -59,14 +63,20 @@ async def start_engine(state: ServeState) -> None:
         engine = Engine(state.settings, state.metrics)
         state.engine = engine
         state.metrics.pinned_image_bytes.set_function(lambda: engine.image_memory.held_bytes)
-        await engine.load()
+        plan = engine.load_steps() + (engine.warm_steps() if state.settings.warmup else [])
+        labels = [label for label, _ in plan]
+        if state.settings.fidelity_check:
+            labels.append(FIDELITY_STEP)
+        progress = state.progress = StartupProgress(labels)
+        await engine.load(progress)
         state.metrics.set_models(engine.models())
         engine.start()
         if state.settings.warmup:
-            state.metrics.warmup_seconds.set(await engine.warmup())
+            state.metrics.warmup_seconds.set(await engine.warmup(progress))
             for event, count in engine.compile_cache_events.items():
                 state.metrics.compile_cache.labels(event).set(count)
         if state.settings.fidelity_check:
+            progress.begin(FIDELITY_STEP)
             report = await engine.check_fidelity()
             for model, measures in report.measures.items():
                 for measure, value in measures.items():
@@ -78,7 +88,8 @@ async def start_engine(state: ServeState) -> None:
                 )
         state.ready = True
         state.metrics.ready.set(1)
-        log.info("ready after %.1fs", time.perf_counter() - started)
+        log.info("ready after %.1fs (%.1fs since process start)",
+                 time.perf_counter() - started, progress.elapsed())  # fmt: skip
     except Exception as exc:
         state.failure = f"start-up failed: {type(exc).__name__}: {exc}"
         log.exception("start-up failed")

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from models.aot import AotStore, PackageKey, device_name, weights_hash
 from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
@@ -46,6 +48,7 @@ from server.errors import ServiceError
 from server.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.faults import Faults
 from server.fidelity import FidelityReport, measure_served
+from server.progress import StartupProgress
 from server.settings import Settings
 from server.stages import (
     ClassifyItem,
@@ -57,6 +60,8 @@ from server.stages import (
 )
 
 log = logging.getLogger(__name__)
+
+Step = tuple[str, Callable[[], None]]  # a start-up step: its label and the worker's call
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,7 +84,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
         # an H100 with torch 2.11; our Triton kernel avoids it without that cost
         # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
-        attention = "triton" if cuda and triton_available() else "sdpa"
+        # AOT packages cannot call our kernel (a Python custom op): SDPA there.
+        aot = compile_mode == "aot"
+        attention = "triton" if cuda and triton_available() and not aot else "sdpa"
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
@@ -167,8 +174,9 @@ class Engine:
     """Owns the models and batchers; created and closed by the app's lifespan."""
 
     def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
-        self.settings = settings
         self.device = resolve_device(settings.device)
+        settings = settings.for_device(self.device.type)  # batch sizes a laptop can hold
+        self.settings = settings
         self.options = optimize_options(settings, self.device)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
@@ -196,19 +204,81 @@ class Engine:
 
     # -- life cycle -------------------------------------------------------------------
 
-    async def load(self) -> None:
-        """Load (and later optimise) every enabled model on the worker thread."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.worker, self._load_sync)
+    async def load(self, progress: StartupProgress | None = None) -> None:
+        """Load (and optimise) every enabled model on the worker thread, a step each."""
+        if self.settings.compile_cache_dir is not None:
+            use_compile_cache(self.settings.compile_cache_dir)
+        await self._run_steps(self.load_steps(), progress)
 
-    def _load_sync(self) -> None:
+    async def _run_steps(self, steps: list[Step], progress: StartupProgress | None) -> None:
+        loop = asyncio.get_running_loop()
+        for label, fn in steps:
+            if progress is not None:
+                progress.begin(label)
+            if self.settings.fault_step_delay_s:
+                await asyncio.sleep(self.settings.fault_step_delay_s)
+            await loop.run_in_executor(self.worker, fn)
+
+    def load_steps(self) -> list[Step]:
+        """The loading steps, labelled for the start-up log and /readyz."""
         s = self.settings
-        if s.compile_cache_dir is not None:
-            use_compile_cache(s.compile_cache_dir)
+        steps: list[Step] = []
         if s.enable_sam:
-            self.sam = self._load_sam()
+            weights = s.sam_checkpoint.name if s.sam_checkpoint else "random weights"
+            steps.append((f"loading SAM {s.sam_model} ({weights})", self._set_sam))
         if s.enable_swin:
-            self.swin = self._load_swin()
+            weights = s.swin_checkpoint.name if s.swin_checkpoint else "random weights"
+            steps.append((f"loading Swin {s.swin_model} ({weights})", self._set_swin))
+        return steps
+
+    def _set_sam(self) -> None:
+        self.sam = self._load_sam()
+
+    def _set_swin(self) -> None:
+        self.swin = self._load_swin()
+
+    def warm_steps(self) -> list[Step]:
+        """One step per warmed bucket, labelled; run after `load`.
+
+        Compiled code and CUDA graphs are made per shape, so every bucket is warmed. Eager
+        code has nothing to make per shape: one small batch per stage checks the path. On
+        the CPU that took warm-up from minutes and 12 GB to seconds (docs/BENCHMARKS.md).
+        """
+        s = self.settings
+        mode = self.options.compile_mode
+        every = mode != "none" or self.options.cuda_graphs
+        aot = "loading (or building) the AOT package of"
+        doing = {"none": "checking", "aot": aot}.get(mode, "compiling")
+        # in aot mode the decoder is compiled on a GPU and eager on the CPU (SamStages)
+        decoder_eager = mode == "none" or (mode == "aot" and self.device.type != "cuda")
+        decoder_doing = "checking" if decoder_eager else "compiling"
+
+        def warmed(buckets: list[int], eager: bool = not every) -> list[int]:
+            return buckets[:1] if eager else buckets
+
+        steps: list[Step] = []
+        if s.enable_sam:
+            for b in warmed(s.buckets_up_to(s.max_batch_size)):
+                steps.append((f"{doing} the SAM encoder, batch {b}",
+                              partial(self._warm, "sam_encoder", b)))  # fmt: skip
+            for b in warmed(s.buckets_up_to(s.decoder_max_batch_prompts), decoder_eager):
+                steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
+                              partial(self._warm, "sam_decoder", b)))  # fmt: skip
+        if s.enable_swin:
+            for b in warmed(s.buckets_up_to(s.max_batch_size)):
+                steps.append((f"{doing} Swin, batch {b}", partial(self._warm, "swin", b)))
+        return steps
+
+    def _warm(self, stage: str, bucket: int) -> None:
+        if stage == "swin":
+            assert self.swin is not None
+            self.swin.stage.warm(bucket)
+            return
+        assert self.sam is not None
+        if stage == "sam_encoder":
+            self.sam.stages.warm_encoder(bucket)
+        else:
+            self.sam.stages.warm_decoder(bucket)
 
     def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """The stage's batch function, with injected faults when a test asked for them.
@@ -284,6 +354,7 @@ class Engine:
         stages = SamStages(
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
+            aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         args = self._batcher_args()
@@ -329,7 +400,8 @@ class Engine:
                 s.seed,
             )
         buckets = s.buckets_up_to(s.max_batch_size)
-        stage = SwinStage(model, config, self.device, opts, buckets)
+        aot = self._aot_store(s.swin_model, model)
+        stage = SwinStage(model, config, self.device, opts, buckets, aot=aot)
         info = self._info(s.swin_model, s.swin_checkpoint, buckets)
         batcher: Batcher[ClassifyItem, TopK] = Batcher(
             "swin",
@@ -339,15 +411,19 @@ class Engine:
         )
         return _SwinParts(stage, info, batcher)
 
-    async def warmup(self) -> float:
-        """Run every bucket of every stage once; returns (and keeps) the seconds it took."""
+    def _aot_store(self, name: str, module: torch.nn.Module) -> AotStore | None:
+        """Where this model's AOT packages live, keyed by its weights and variant here."""
+        folder = self.settings.compile_cache_dir
+        if self.options.compile_mode != "aot" or folder is None:
+            return None
+        key = PackageKey(name, weights_hash(module), self.options.variant, device_name(self.device))
+        return AotStore(folder / "aot", key)
+
+    async def warmup(self, progress: StartupProgress | None = None) -> float:
+        """Run `warm_steps`; returns (and keeps) the seconds it took."""
         started = time.perf_counter()
         before = compile_cache_hits()
-        loop = asyncio.get_running_loop()
-        if self.sam is not None:
-            await loop.run_in_executor(self.worker, self.sam.stages.warmup)
-        if self.swin is not None:
-            await loop.run_in_executor(self.worker, self.swin.stage.warmup)
+        await self._run_steps(self.warm_steps(), progress)
         self.warmup_seconds = time.perf_counter() - started
         self.compile_cache_events = compile_cache_hits(since=before)
         # from now on, served batches run what warm-up compiled or eagerly (_stage_fn)

@@ -116,7 +116,9 @@ class ObserveMiddleware:
             labels = (route, scope["method"], str(status))
             self.metrics.request_seconds.labels(*labels).observe(seconds)
             self.metrics.requests.labels(*labels).inc()
-            access_log.info(
+            # probes and scrapes every few seconds would bury everything else at INFO
+            access_log.log(
+                logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,
                 "request",
                 extra={
                     "request_id": request_id,

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from models.images import host_pixels
 from server import imaging
 from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
-from server.errors import ServiceError
+from server.errors import ServiceError, error_body
 from server.everything import EverythingMasks
 from server.inputs import ParsedRequest, parse_image_request
 from server.masks import build_mask_objects
@@ -30,6 +30,7 @@ from server.schemas import (
     EverythingJSON,
     EverythingResponse,
     ModelsResponse,
+    NotReadyResponse,
     SegmentFields,
     SegmentJSON,
     SegmentResponse,
@@ -375,14 +376,20 @@ async def healthz(request: Request) -> Response:
     return FastJSONResponse({"status": "ok", "ready": state.ready, "draining": state.draining})
 
 
-@router.get("/readyz", responses={503: {"model": ErrorResponse}})
+@router.get("/readyz", responses={503: {"model": NotReadyResponse}})
 async def readyz(request: Request) -> Response:
     """Readiness: 200 once every model is loaded and warm; 503 while warming or draining."""
     state = _state(request)
     if state.draining:
         raise ServiceError(503, "not_ready", "draining")
+    if state.failure is not None:
+        raise ServiceError(503, "not_ready", state.failure)
     if not state.ready:
-        raise ServiceError(503, "not_ready", state.failure or "loading or warming up")
+        # the error envelope, plus where the start-up is (server.progress)
+        body: dict[str, Any] = error_body("not_ready", "loading or warming up")
+        if state.progress is not None:
+            body["progress"] = state.progress.snapshot()
+        return FastJSONResponse(body, status_code=503)
     return FastJSONResponse({"status": "ready"})
 
 

@@ -213,6 +213,21 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class StartupProgressOut(BaseModel):
+    """Where a start-up is: step `step` of `of` (`doing`), `seconds` since process start."""
+
+    step: int
+    of: int
+    doing: str
+    seconds: float
+
+
+class NotReadyResponse(ErrorResponse):
+    """/readyz's 503: the error envelope, with the start-up's progress while warming."""
+
+    progress: StartupProgressOut | None = None
+
+
 def is_image_id(value: str) -> bool:
     """Whole-string match: `re.match` with `$` would let a trailing newline through."""
     return _IMAGE_ID.fullmatch(value) is not None

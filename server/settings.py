@@ -13,105 +13,178 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# What a 2-core laptop can hold: on the CPU nothing is compiled, so bigger batches buy no
+# throughput, while an encoder batch of 8 vit_b images held 12.1 GB (issue 21). Used where
+# the setting was not given (`Settings.for_device`); --help names them with each field.
+CPU_DEFAULTS: dict[str, int] = {
+    "max_batch_size": 2,
+    "decoder_max_batch_prompts": 64,
+    "embedding_cache_bytes": 512 * 1024**2,
+}
+
 
 class Settings(BaseSettings):
     """Every knob of the service; environment names are `SERVE_` + the field name."""
 
-    model_config = SettingsConfigDict(env_prefix="SERVE_", extra="ignore")
+    # The docstring under each field is its description: `python -m server --help` lists them.
+    model_config = SettingsConfigDict(
+        env_prefix="SERVE_", extra="ignore", use_attribute_docstrings=True
+    )
 
     # Models and device.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where the models run: auto (CUDA when a GPU is visible, else the CPU), cpu or cuda"""
     sam_model: str = "vit_b"
+    """SAM encoder size: vit_b, vit_l, vit_h (vit_tiny for development)"""
     sam_checkpoint: Path | None = None
+    """Meta's SAM .pth; unset: seeded random weights (masks mean nothing)"""
     swin_model: str = "swin_tiny_patch4_window7_224"
+    """Swin classifier: swin_tiny_/small_/base_patch4_window7_224 (swin_test: tests)"""
     swin_checkpoint: Path | None = None
+    """timm-format Swin .pth / .safetensors; unset: seeded random weights"""
     enable_sam: bool = True
+    """load SAM (the /v1/segment, /v1/embed and everything routes)"""
     enable_swin: bool = True
+    """load Swin (the /v1/classify route)"""
     seed: int = 0
+    """seed of the random weights used when no checkpoint is given"""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
+    """serving dtype: auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16"""
     quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
+    """int8 or fp8 (rowwise, Hopper) Linear layers in the SAM encoder and Swin blocks"""
     # core: our layers (measured, docs/BENCHMARKS.md); torchao: torchao's quantize_ where it
     # is installed and can (fp8 needs CUDA 8.9+), else core with a warning
     quantization_backend: Literal["core", "torchao"] = "core"
+    """core: our int8/fp8 layers; torchao: torchao's quantize_ where it can, else core"""
     sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
+    """2:4 prunes the SAM encoder MLPs (cuSPARSELt on CUDA; changes the outputs)"""
     # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
+    """SAM global attention: auto (triton on CUDA, sdpa on the CPU), sdpa, flex, triton"""
     compile_mode: Literal[
-        "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs"
+        "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs", "aot"
     ] = "auto"  # auto: "default" on CUDA, "none" on the CPU
+    """torch.compile mode: auto (default on CUDA, none on the CPU), none, default, max-autotune;
+    aot: AOTInductor packages of the encoders in SERVE_COMPILE_CACHE_DIR (models/aot.py)"""
     cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
+    """one CUDA graph per warmed batch bucket (CUDA with compile only)"""
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
+    """folder for persistent inductor/Triton caches, so restarts skip most compilation"""
     # CUDA only: decoded images waiting for the GPU held in page-locked memory, up to this
     # many bytes at once, so the worker's upload is an async DMA copy (models.images). 0: off.
     pinned_image_bytes: int = Field(1024**3, ge=0)
+    """CUDA: bytes of decoded images held in page-locked memory for async upload (0: off)"""
 
     # Batching.
     max_batch_size: int = Field(8, ge=1, le=256)
+    """images per encoder / classifier batch (CPU default: 2)"""
     max_queue_delay_ms: float = Field(5.0, ge=0.0, le=10_000.0)
+    """how long a batch waits to fill, in ms"""
     max_queue_size: int = Field(256, ge=1)
+    """waiting items per stage before 429"""
     batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    """batch sizes warmed (compiled) ahead, as a JSON list; batches are padded up to one"""
     decoder_max_batch_prompts: int = Field(256, ge=1)
+    """prompt sets per mask-decoder call, across requests (CPU default: 64)"""
     request_timeout_s: float = Field(30.0, gt=0.0)
-    # The most a request's X-Request-Timeout-Ms may ask for: a header may shorten the deadline
-    # or lengthen it up to this (a segment-everything of 32x32 points on a small CPU needs
-    # more than the default); never below request_timeout_s.
+    """a request's deadline, s (X-Request-Timeout-Ms may shorten it, or lengthen it up to
+    max_request_timeout_s; a late body: 408)"""
     max_request_timeout_s: float = Field(120.0, gt=0.0)
+    """the longest deadline a request's X-Request-Timeout-Ms may ask for, s (a segment
+    everything of 32x32 points on a small CPU needs more than the default)"""
     drain_timeout_s: float = Field(30.0, ge=0.0)
+    """how long shutdown waits for accepted requests, s (keep it >= the request timeout)"""
     warmup: bool = True
+    """warm up before ready: every bucket when compiled, else one small batch per stage"""
     embedding_cache_bytes: int = Field(2 * 1024**3, ge=0)
+    """device memory for cached image embeddings (CPU default: 512 MiB)"""
     embedding_cache_host_bytes: int = Field(0, ge=0)  # second tier in pinned host memory
+    """a second embedding-cache tier in pinned host memory (0: off)"""
     low_res_cache_bytes: int = Field(256 * 1024**2, ge=0)  # mask_input handles
+    """memory for low_res_handle logits (mask_input), LRU"""
     # Full-size masks: one segment request's (prompts x masks x H x W) estimated memory, and
     # the masks of one decoder batch together; a request over it alone gets 413 up front.
     segment_max_bytes: int = Field(8 * 1024**3, ge=1)
+    """estimated memory of one segment request's full-size masks; over it, 413 masks_too_large"""
 
     # Segment everything: bounds on memory and on concurrent jobs.
     everything_max_bytes: int = Field(4 * 1024**3, ge=1)  # estimated device peak per request
+    """estimated device peak of one segment-everything request; over it, 413"""
     everything_max_concurrent: int = Field(1, ge=1)
+    """segment-everything jobs running at once"""
     everything_max_waiting: int = Field(8, ge=0)
+    """segment-everything jobs waiting before 429"""
     everything_max_masks: int = Field(200, ge=1)
+    """masks one segment-everything request may return at most"""
     # float logits being upscaled at once (segment everything, and segment's full-size masks)
     everything_work_bytes: int = Field(256 * 1024**2, ge=1)
+    """float logits upscaled at once (segment everything, and segment's full-size masks)"""
 
     # Fidelity check at start-up, opt-in: after warm-up, the served variant (its compiled
     # stages) against the fp32 eager model on the same weights, over the photos in
     # `fidelity_images`; start-up fails when a measure is past its floor (models.fidelity).
     fidelity_check: bool = False
+    """after warm-up, measure the served variant against fp32 eager; below a floor: no start"""
     fidelity_images: Path | None = None  # .jpg/.png photos like the ones you serve
+    """the photos (.jpg/.png) the fidelity check runs on; required with the check"""
     fidelity_max_photos: int = Field(8, ge=1)
+    """photos the fidelity check uses at most"""
     fidelity_swin_views: int = Field(256, ge=1)  # seeded crops and flips of the photos
+    """seeded crops and flips of the photos Swin's check classifies"""
     fidelity_min_mask_iou: float = Field(0.95, ge=0.0, le=1.0)  # mean over all masks
+    """floor: SAM's mean mask IoU against the fp32 model"""
     fidelity_max_embedding_error: float = Field(0.05, ge=0.0)  # relative, SAM's encoder
+    """ceiling: SAM encoder's relative error against the fp32 model"""
     fidelity_min_top1_agreement: float = Field(0.99, ge=0.0, le=1.0)  # Swin
+    """floor: Swin's top-1 agreement with the fp32 model"""
 
     # Limits on what a client may send.
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
+    """request body limit in bytes (413)"""
     max_image_pixels: int = Field(40_000_000, ge=1)
+    """decoded image pixel limit (413)"""
     max_points: int = Field(64, ge=1)
+    """points per request (422)"""
     max_boxes: int = Field(64, ge=1)
+    """boxes per request (422)"""
     max_top_k: int = Field(100, ge=1)
+    """largest top_k a classify request may ask (422)"""
 
     # Watchdog: a batch computing longer than this marks the worker stuck (/healthz 503).
     watchdog_timeout_s: float = Field(120.0, gt=0.0)
+    """a batch computing longer than this (seconds) marks the worker stuck (/healthz 503)"""
 
     # Fault injection, for tests of failure handling only (see server/faults.py).
     fault_oom_min_batch: int = Field(0, ge=0)
+    """tests only: fail batches of at least this many items with out-of-memory (0: never)"""
     fault_oom_stage: str = ""
+    """tests only: the stage the out-of-memory fault hits"""
     fault_hang_stage: str = ""
+    """tests only: the stage whose batches hang"""
     fault_hang_s: float = Field(0.0, ge=0.0)
+    """tests only: how long a hanging batch hangs, in seconds"""
     fault_raise_stage: str = ""
+    """tests only: the stage whose batches raise a torch shape error"""
     # a batch holding an item of this cost (decoder: prompts) in fault_oom_stage fails a real
     # CPU allocation (RuntimeError), so the split finds that item; 0: never
     fault_alloc_min_cost: int = Field(0, ge=0)
+    """tests only: an item of this cost in fault_oom_stage fails an allocation (0: never)"""
+    fault_step_delay_s: float = Field(0.0, ge=0.0)
+    """tests only: each start-up step waits this long first, so a test can watch warming"""
 
     # Access.
     api_key: str | None = None
+    """when set, every route but the probes (and /metrics, by setting) needs this key"""
     metrics_require_key: bool = False
+    """with an API key, /metrics needs it too"""
     cors_origins: list[str] = Field(default_factory=list)
+    """allowed browser origins, as a JSON list (closed by default)"""
 
     # Process.
     decode_threads: int = Field(4, ge=1)
+    """threads decoding images and encoding masks off the event loop"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
+    """where masks become RLE runs: auto (device on CUDA), device, host"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's
@@ -120,7 +193,9 @@ class Settings(BaseSettings):
     # 57.9 req/s, against 57.9 to 75.8 in four runs at Python's 5 ms (H100, batch 16, 5 ms
     # delay): no gain shown where it matters, so None (Python's default) stays the default.
     switch_interval_ms: float | None = Field(None, gt=0.0)
+    """Python's GIL hand-over interval in ms (unset: Python's 5 ms)"""
     log_level: str = "INFO"
+    """log level of the JSON logs (DEBUG shows the probes' access lines)"""
 
     @field_validator("batch_buckets")
     @classmethod
@@ -140,6 +215,13 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _aot_needs_a_folder(self) -> Settings:
+        """Packages built at every start would cost more than compiling: keep them."""
+        if self.compile_mode == "aot" and self.compile_cache_dir is None:
+            raise ValueError("SERVE_COMPILE_MODE=aot needs SERVE_COMPILE_CACHE_DIR (a folder)")
+        return self
+
     @field_validator("api_key")
     @classmethod
     def _empty_key_is_none(cls, value: str | None) -> str | None:
@@ -153,3 +235,14 @@ class Settings(BaseSettings):
         """
         buckets = [b for b in self.batch_buckets if b < limit]
         return [*buckets, limit]
+
+    def for_device(self, device_type: str) -> Settings:
+        """These settings with the CPU's defaults where none was given (`CPU_DEFAULTS`).
+
+        Applied by the engine once the device is known, so `auto` devices get them too and
+        a value given in the environment or by the caller always wins.
+        """
+        if device_type != "cpu":
+            return self
+        update = {k: v for k, v in CPU_DEFAULTS.items() if k not in self.model_fields_set}
+        return self.model_copy(update=update) if update else self

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 
+from models.aot import AotBuckets, AotStore
 from models.fidelity import FidelityPrompt, SamOutputs
 from models.images import nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
@@ -78,6 +79,40 @@ class TopK:
     indices: list[int]
 
 
+def _stage_fn(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    module: torch.nn.Module,
+    options: OptimizeOptions,
+    aot: AotStore | None,
+    stage: str,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fn` compiled as the options say: torch.compile, eager, or AOT packages of `module`
+    (the same computation as `fn` on inputs already in the serving dtype)."""
+    if options.compile_mode != "aot":
+        return compile_fn(fn, options.compile_mode, dynamic=True)
+    if aot is None:
+        raise ValueError("compile mode aot needs a package store (SERVE_COMPILE_CACHE_DIR)")
+    return AotBuckets(module, aot, stage)
+
+
+def _prepare(
+    graphed: GraphedBuckets,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    compiled: bool,
+) -> None:
+    """Before a bucket's first batch: load or build its AOT package, compile it, and capture
+    its CUDA graph. Eager code needs none of it (the warm-up's batch is the check)."""
+    if not (compiled or graphed.enabled):
+        return
+    example = torch.zeros(shape, device=device, dtype=dtype)
+    with torch.inference_mode():
+        if isinstance(graphed.fn, AotBuckets):
+            graphed.fn.prepare(example)
+        graphed.capture(example)
+
+
 class SamStages:
     """The SAM encoder and decoder stages over one loaded model."""
 
@@ -91,6 +126,7 @@ class SamStages:
         decoder_buckets: Sequence[int],
         rle_on_device: bool = False,
         work_bytes: int = 256 * 1024**2,
+        aot: AotStore | None = None,
     ) -> None:
         self.model = model
         self.rle_on_device = rle_on_device
@@ -100,13 +136,21 @@ class SamStages:
         self.dtype = options.dtype
         self.encoder_buckets = list(encoder_buckets)
         self.decoder_buckets = list(decoder_buckets)
-        # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket.
+        # One compiled graph for every bucket (dynamic batch), or one AOT package per bucket;
+        # one CUDA graph per bucket.
         self._encode = GraphedBuckets(
-            compile_fn(model.encode, options.compile_mode, dynamic=True),
+            _stage_fn(model.encode, model.image_encoder, options, aot, "sam_encoder"),
             enabled=options.cuda_graphs,
         )
-        self.compiled = options.compile_mode != "none"
-        self._decode = compile_fn(model.decode, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
+        self.encoder_compiled = options.compile_mode != "none"
+        decoder_mode = options.compile_mode
+        if decoder_mode == "aot":
+            # Prompt sets vary in number and length: no static package fits. Compiled as
+            # before on a GPU (the inductor cache in the same folder), eager on the CPU.
+            decoder_mode = "default" if device.type == "cuda" else "none"
+        self.compiled = decoder_mode != "none"  # the decoder
+        self._warm_entry: ImageEmbedding | None = None  # the warm-up's, for the decoder's
+        self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
@@ -306,17 +350,31 @@ class SamStages:
 
     def warmup(self) -> None:
         """Run every encoder and decoder bucket once, so first requests meet warm paths."""
-        size = self.config.image_size
         for bucket in self.encoder_buckets:
-            started = time.perf_counter()
-            with torch.inference_mode():
-                self._encode.capture(
-                    torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
-                )
+            self.warm_encoder(bucket)
+        for bucket in self.decoder_buckets:
+            self.warm_decoder(bucket)
+
+    def warm_encoder(self, bucket: int) -> None:
+        """Compile (and graph) the encoder for `bucket` images, or check its eager path."""
+        started = time.perf_counter()
+        size = self.config.image_size
+        shape = (bucket, 3, size, size)
+        _prepare(self._encode, shape, self.device, self.dtype, self.encoder_compiled)
+        pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
+        embeddings = self.encode([EncodeItem(f"warmup-{k}", pixels) for k in range(bucket)])
+        self._warm_entry = embeddings[0]
+        log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
+
+    def warm_decoder(self, bucket: int) -> None:
+        """Run the decoder on `bucket` prompt sets of every form it specialises on."""
+        started = time.perf_counter()
+        entry = self._warm_entry
+        if entry is None:
+            size = self.config.image_size
             pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
-            embeddings = self.encode([EncodeItem(f"warmup-{k}", pixels) for k in range(bucket)])
-            log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
-        entry = embeddings[0]
+            (entry,) = self.encode([EncodeItem("warmup", pixels)])
+            self._warm_entry = entry
         # Every form the compiled decoder specialises on: one set or many, few or more
         # tokens (points, box, both); the sizes between reuse the same dynamic graph.
         # Eager decoders have nothing to specialise: one form per bucket is enough.
@@ -327,16 +385,10 @@ class SamStages:
             Prompt(box=(w / 4, h / 4, w / 2, h / 2)),
             Prompt(points=((w / 3, h / 3),), labels=(1,), box=(w / 4, h / 4, w / 2, h / 2)),
         ][: 4 if self.compiled else 1]
-        started = time.perf_counter()
-        for bucket in self.decoder_buckets:
-            for prompt in prompts:
-                # compiled, a refinement click (mask_input) runs the same graph: see decode
-                self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
-        log.info(
-            "warmed decoder buckets %s in %.2fs",
-            self.decoder_buckets,
-            time.perf_counter() - started,
-        )
+        for prompt in prompts:
+            # compiled, a refinement click (mask_input) runs the same graph: see decode
+            self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
+        log.info("warmed decoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
 
 class SwinStage:
@@ -349,14 +401,16 @@ class SwinStage:
         device: torch.device,
         options: OptimizeOptions,
         buckets: Sequence[int],
+        aot: AotStore | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.device = device
         self.dtype = options.dtype
         self.buckets = list(buckets)
+        self.compiled = options.compile_mode != "none"
         self._forward = GraphedBuckets(
-            compile_fn(model, options.compile_mode, dynamic=True), enabled=options.cuda_graphs
+            _stage_fn(model, model, options, aot, "swin"), enabled=options.cuda_graphs
         )
 
     @torch.inference_mode()
@@ -386,13 +440,15 @@ class SwinStage:
 
     def warmup(self) -> None:
         """Run every bucket once before the service reports ready."""
+        for bucket in self.buckets:
+            self.warm(bucket)
+
+    def warm(self, bucket: int) -> None:
+        """Compile (and graph) `bucket` images, or check the eager path."""
         started = time.perf_counter()
         size = self.config.img_size
         pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
-        for bucket in self.buckets:
-            with torch.inference_mode():
-                self._forward.capture(
-                    torch.zeros(bucket, 3, size, size, device=self.device, dtype=self.dtype)
-                )
-            self.classify([ClassifyItem(pixels, 1)] * bucket)
-        log.info("warmed swin buckets %s in %.2fs", self.buckets, time.perf_counter() - started)
+        shape = (bucket, 3, size, size)
+        _prepare(self._forward, shape, self.device, self.dtype, self.compiled)
+        self.classify([ClassifyItem(pixels, 1)] * bucket)
+        log.info("warmed swin bucket %d in %.2fs", bucket, time.perf_counter() - started)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from server.engine import Engine
 from server.errors import ServiceError
 from server.metrics import Metrics
+from server.progress import StartupProgress
 from server.settings import Settings
 
 T = TypeVar("T")
@@ -34,6 +35,7 @@ class ServeState:
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
     drain_deadline: float | None = None  # monotonic; the drain waits for no one past it
+    progress: StartupProgress | None = None  # the start-up's steps; /readyz shows them
 
     def begin_drain(self) -> None:
         """From now on: readiness 503, new requests 503; accepted ones still complete,

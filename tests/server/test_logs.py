@@ -237,3 +237,20 @@ def test_python_dash_m_server_writes_one_json_object_per_line(launched):
 def test_no_terminal_colours_in_the_json(launched):
     _, path = launched
     assert "\\u001b[" not in path.read_text()
+
+
+def test_probes_and_scrapes_log_at_debug_only(client, access):
+    """A kubelet polling /readyz every few seconds would bury the start-up's lines at INFO."""
+    logger = logging.getLogger("server.access")
+    for path in ("/readyz", "/healthz", "/metrics"):
+        assert client.get(path, headers={"X-Request-ID": f"info{path}"}).status_code == 200
+    assert client.get("/v1/models", headers={"X-Request-ID": "work"}).status_code == 200
+    assert one_line(access, "work")["level"] == "info"  # written after its response
+    for path in ("/readyz", "/healthz", "/metrics"):
+        assert access.wait_for(f"info{path}", timeout_s=0.2) == []
+    access.setLevel(logging.DEBUG)
+    logger.setLevel(logging.DEBUG)
+    for path in ("/readyz", "/healthz", "/metrics"):
+        client.get(path, headers={"X-Request-ID": f"debug{path}"})
+        line = one_line(access, f"debug{path}")
+        assert (line["level"], line["route"], line["status"]) == ("debug", path, 200)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 21 on the GPU: both models with AOT packages (SERVE_COMPILE_MODE=aot), cold then
+# warm. Cold: `python -m server compile` into an empty folder, timed from process start.
+# Warm: `python -m bench.startup` spawns `python -m server` on that folder and times it
+# from spawn to the first /readyz 200 (then a second warm start: the restart figure).
+# Each phase has a timeout so the whole run fits in about 5 minutes; a phase cut short
+# says so in $OUT/summary.txt, and the logs say how far it got (start-up n of m lines).
+#
+#   OUT=/tmp/out bash bench/gpu_startup.sh          (EXTRA_ENV="SERVE_X=y ..." to vary)
+#
+# Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+CACHE=/tmp/aot-cache
+rm -rf "$CACHE"
+SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$CACHE" ${EXTRA_ENV:-})
+{
+  python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+  started=$(date +%s%N)
+  env "${SERVER_ENV[@]}" timeout 190 python3 -m server compile > "$OUT/compile.log" 2>&1
+  rc=$?
+  echo "cold: python -m server compile rc=$rc (124: cut at 190 s) in $(( ($(date +%s%N) - started) / 1000000 )) ms"
+  grep -o '"message": "start-up [^"]*"' "$OUT/compile.log" | tail -1
+  grep -c '"message": "AOT [^"]*: built in' "$OUT/compile.log" | sed 's/^/AOT packages built: /'
+  for run in 1 2; do
+    timeout 50 python3 -m bench.startup --timeout 45 --log "$OUT/warm$run.log" \
+      --env "${SERVER_ENV[@]}" 2>&1 | tail -1 | sed "s/^/warm start $run: /"
+    grep -o '"message": "AOT [^"]*"' "$OUT/warm$run.log" | head -20
+  done
+  du -sh "$CACHE"/aot
+} 2>&1 | tee "$OUT/summary.txt"

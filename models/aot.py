@@ -1,0 +1,176 @@
+"""Ahead-of-time compiled stages: one `torch.export` + AOTInductor package per warmed shape.
+
+Why: compiling with torch.compile at every start took minutes on a GPU (262 s cold, 68 s
+with warm inductor caches; issue 21), while loading a package is well under a second.
+A package is a `.pt2` file of generated C++/CUDA code and the weights, keyed by
+everything that decides its contents: the model, a hash of its weights, the variant
+(precision, quantization, ...), the device, the torch version and a hash of this
+package's own source (`code_version`). The store lays packages out by model, variant and
+device; each carries a manifest of its full key, so one that no longer matches (new
+weights, torch or code) is rebuilt with a log line saying what changed, and one that
+fails to load or run (a truncated copy) is rebuilt, saying why.
+
+Limits: shapes are static (one package per batch bucket; other sizes run eagerly), and
+a Python custom op (our Triton attention, `models.sam.fused_attention`) cannot be called
+from the packaged C++; such a model must use SDPA when packaged.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["AotBuckets", "AotStore", "PackageKey", "code_version", "device_name", "weights_hash"]
+
+log = logging.getLogger(__name__)
+
+_MODELS = Path(__file__).resolve().parent
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of every source file under `models/`: what defines the exported graphs.
+
+    Once per process: the modules that made the graphs were imported at its start.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(_MODELS.rglob("*.py")):
+        digest.update(str(path.relative_to(_MODELS)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def device_name(device: torch.device) -> str:
+    """The device as generated code depends on it: GPU model and capability, or CPU ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def weights_hash(module: nn.Module) -> str:
+    """A hash of the module's parameters and buffers (names, dtypes, shapes and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        try:
+            data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue  # a tensor subclass (packed quantized weights): named by the variant
+        digest.update(data.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PackageKey:
+    """Everything a package's contents depend on; a package whose key differs is stale."""
+
+    model: str
+    weights: str
+    variant: str
+    device: str
+    torch: str = torch.__version__
+    code: str = ""
+
+    def changes(self, other: PackageKey) -> str:
+        """`field: old -> new` for each field that differs ('' when none)."""
+        old, new = asdict(other), asdict(self)
+        return ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in new if old[k] != new[k])
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "+-." else "_" for c in text)
+
+
+class AotStore:
+    """Packages of one model (one key) in `folder`; `prepare` loads one or builds it."""
+
+    def __init__(self, folder: Path, key: PackageKey) -> None:
+        self.key = key if key.code else replace(key, code=code_version())
+        self.folder = folder / _slug(key.model) / _slug(key.variant) / _slug(key.device)
+
+    def path(self, stage: str, shape: tuple[int, ...]) -> Path:
+        return self.folder / f"{_slug(stage)}-{'x'.join(map(str, shape))}.pt2"
+
+    def why_rebuild(self, package: Path) -> str | None:
+        """Why the package at `package` cannot be used as it is; None when it can."""
+        manifest = package.with_suffix(".json")
+        if not package.exists() or not manifest.exists():
+            return "no package yet"
+        try:
+            stored = PackageKey(**json.loads(manifest.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            return f"corrupt manifest ({type(exc).__name__})"
+        changes = self.key.changes(stored)
+        return f"stale ({changes})" if changes else None
+
+    def prepare(
+        self, stage: str, module: nn.Module, example: Tensor
+    ) -> tuple[Callable[[Tensor], Tensor], str]:
+        """The packaged `module` for `example`'s shape and how it was got (for the log)."""
+        package = self.path(stage, tuple(example.shape))
+        why = self.why_rebuild(package)
+        started = time.perf_counter()
+        fn: Callable[[Tensor], Tensor]
+        if why is None:
+            try:
+                fn = torch._inductor.aoti_load_package(str(package))
+                with torch.inference_mode():
+                    fn(example)  # a truncated .so can load and then fail: check it runs
+                return fn, f"loaded in {time.perf_counter() - started:.2f}s"
+            except Exception as exc:  # any failure to load or run means: build it again
+                why = f"corrupt ({type(exc).__name__}: {str(exc)[:120]})"
+        log.info("AOT package %s: building (%s)", package.name, why)
+        fn = self._build(package, module, example)
+        return fn, f"built in {time.perf_counter() - started:.1f}s ({why})"
+
+    def _build(self, package: Path, module: nn.Module, example: Tensor) -> Callable[..., Tensor]:
+        package.parent.mkdir(parents=True, exist_ok=True)
+        with torch.no_grad():
+            exported = torch.export.export(module, (example,))
+        # written aside and renamed: a process killed mid-build, or two replicas building
+        # at once, never leave a half-written package under the real name
+        partial = package.with_name(f".{package.name}.{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+        os.replace(partial, package)
+        manifest = package.with_suffix(".json")
+        partial_manifest = manifest.with_name(f".{manifest.name}.{os.getpid()}.tmp")
+        partial_manifest.write_text(json.dumps(asdict(self.key), indent=1))
+        os.replace(partial_manifest, manifest)
+        return torch._inductor.aoti_load_package(str(package))
+
+
+class AotBuckets:
+    """A stage's module with one AOT package per prepared input shape.
+
+    Shapes never prepared run the module eagerly, as `eager_on_recompile` does for
+    torch.compile: serving never stops to compile.
+    """
+
+    def __init__(self, module: nn.Module, store: AotStore, stage: str) -> None:
+        self.module = module
+        self.store = store
+        self.stage = stage
+        self._fns: dict[tuple[int, ...], Callable[[Tensor], Tensor]] = {}
+
+    def prepare(self, example: Tensor) -> str:
+        """Load (or build) the package for `example`'s shape; says how, for the log."""
+        fn, how = self.store.prepare(self.stage, self.module, example)
+        self._fns[tuple(example.shape)] = fn
+        log.info("AOT %s %s: %s", self.stage, tuple(example.shape), how)
+        return how
+
+    def __call__(self, x: Tensor) -> Tensor:
+        fn = self._fns.get(tuple(x.shape))
+        return self.module(x) if fn is None else fn(x)

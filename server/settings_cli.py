@@ -1,0 +1,118 @@
+"""The settings as a user meets them: `python -m server --help`, and one line per mistake.
+
+The help is generated from `Settings` (each field's type, default and docstring), so it
+cannot drift from the code. A bad `SERVE_` value stops start-up with one line naming the
+variable and what is wrong, exit status 2, instead of a pydantic traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import SettingsError
+
+from models.sam import SAM_CONFIGS
+from models.swin import SWIN_CONFIGS
+from server.settings import CPU_DEFAULTS, Settings
+
+PREFIX = "SERVE_"
+
+
+def env_name(field: str) -> str:
+    return PREFIX + field.upper()
+
+
+def _size(value: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if value >= size and value % size == 0:
+            return f"{value // size} {unit}"
+    return str(value)
+
+
+def default_text(name: str, field: FieldInfo) -> str:
+    """The default as the environment would spell it (JSON lists, lower-case booleans)."""
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) if not isinstance(v, str) else f'"{v}"' for v in value) + "]"
+    if isinstance(value, int) and name.endswith("_bytes"):
+        return _size(value)
+    return str(value)
+
+
+def settings_help() -> str:
+    """Every setting: its variable, default and meaning, in the class's order."""
+    lines = ["settings (environment variables; a list or bool as JSON, e.g. [1,2,4] or true):"]
+    for name, field in Settings.model_fields.items():
+        default = default_text(name, field)
+        if name in CPU_DEFAULTS:
+            cpu = CPU_DEFAULTS[name]
+            default += f"; CPU: {_size(cpu) if name.endswith('_bytes') else cpu}"
+        lines.append(f"  {env_name(name)}  (default: {default})")
+        description = field.description or ""
+        lines += textwrap.wrap(description, 88, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def _problem(error: Mapping[str, Any]) -> str:
+    loc = tuple(error.get("loc") or ())
+    message = str(error.get("msg", "invalid"))
+    message = message.removeprefix("Value error, ")
+    if not loc:  # a check across fields: its message names the variables itself
+        return message
+    name = env_name(str(loc[0]))
+    return f"{name}={error.get('input')!r}: {message}"
+
+
+def describe(exc: ValidationError | SettingsError) -> str:
+    """One line saying which `SERVE_` variable is wrong and how."""
+    if isinstance(exc, ValidationError):
+        return "bad setting: " + "; ".join(_problem(e) for e in exc.errors())  # type: ignore[arg-type]
+    # pydantic-settings could not parse a JSON value (a list, a dict) from the environment
+    match = re.search(r'field "(\w+)"', str(exc))
+    field = env_name(match.group(1)) if match else "a SERVE_ variable"
+    why = f" ({exc.__cause__})" if exc.__cause__ else ""
+    return f"bad setting: {field} is not valid JSON{why}; a list looks like [1,2,4]"
+
+
+def model_problems(settings: Settings) -> list[str]:
+    """Settings pydantic accepts but no model answers to: caught before anything loads."""
+    problems = []
+    if settings.enable_sam and settings.sam_model not in SAM_CONFIGS:
+        problems.append(f"SERVE_SAM_MODEL={settings.sam_model!r}: one of {list(SAM_CONFIGS)}")
+    if settings.enable_swin and settings.swin_model not in SWIN_CONFIGS:
+        problems.append(f"SERVE_SWIN_MODEL={settings.swin_model!r}: one of {list(SWIN_CONFIGS)}")
+    if settings.compile_mode == "aot" and settings.attention in ("triton", "flex"):
+        problems.append(
+            f"SERVE_ATTENTION={settings.attention!r}: an AOT package (SERVE_COMPILE_MODE=aot) "
+            "cannot call it; use sdpa or auto"
+        )
+    for name in ("sam_checkpoint", "swin_checkpoint", "fidelity_images"):
+        path = getattr(settings, name)
+        if path is not None and not path.exists():
+            problems.append(f"{env_name(name)}={str(path)!r}: no such file or folder")
+    return problems
+
+
+def load_settings() -> Settings:
+    """The settings from the environment; `BadSettingError` with one line when one is bad."""
+    try:
+        settings = Settings()
+    except (ValidationError, SettingsError) as exc:
+        raise BadSettingError(describe(exc)) from None
+    problems = model_problems(settings)
+    if problems:
+        raise BadSettingError("bad setting: " + "; ".join(problems))
+    return settings
+
+
+class BadSettingError(ValueError):
+    """A setting the service cannot start with; its message is the one line to show."""

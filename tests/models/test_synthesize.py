@@ -81,6 +81,22 @@ def test_a_box_names_its_region_with_rounded_corners() -> None:
     assert not with_hole[100, 120] and with_hole[62, 120]
 
 
+def test_a_box_with_points_stays_inside_the_box_and_a_hole_never_erases_it() -> None:
+    box = (40, 60, 200, 140)
+    region = draw(one(box=box))[0]
+    # a foreground point names the box's object: its disc adds nothing beyond the box
+    assert torch.equal(draw(one(box=box, points=((60, 70),), labels=(1,)))[0], region)
+    # a background point's hole is capped at a quarter of the box's shorter side (80 / 4),
+    # below the disc's radius (256 / 8): the box's ends stay
+    hole = draw(one(box=box, points=((120, 100),), labels=(0,)))[0]
+    assert not hole[100, 120 + 19] and hole[100, 120 + 21] and (hole <= region).all()
+    small = draw(one(box=(100, 100, 132, 132), points=((116, 116),), labels=(0,)))[0]
+    assert 0.4 * draw(one(box=(100, 100, 132, 132)))[0].sum() < small.sum()
+    # without a box, the disc keeps its full radius
+    pair = draw(one(points=((120, 100), (120, 160)), labels=(1, 0)))[0]
+    assert pair[100, 120] and pair[127, 120] and not pair[131, 120]  # 33 and 29 from (120, 160)
+
+
 def test_sampled_prompts_lie_in_the_image_and_cover_every_kind() -> None:
     sizes = torch.tensor([[192, 256]] * 400)
     prompts = sample_prompts(400, sizes, 256, torch.Generator().manual_seed(0))

@@ -9,10 +9,17 @@ shape anyone can check, whatever the image holds:
 - a foreground point -> a disc around it, radius `DISC_FRACTION` of the model input size
   (1/8 of the image's longest side);
 - a background point -> that disc cut out of whatever the other prompts name;
-- together: (box region | foreground discs) minus background discs.
+- points alone: foreground discs minus background discs;
+- a box with points: the box names the object, so the mask stays inside the box. A
+  foreground point adds nothing beyond it (it confirms the box's object); a background
+  point cuts a hole, its radius capped at `HOLE_FRACTION` of the box's shorter side, so a
+  hole never erases a small box (uncapped, 0.5% of sampled box + background prompts named
+  an empty mask, 3% less than a fifth of the box: held-out IoU 0 on such prompts).
 
 The three multimask outputs draw the same shapes at `MULTIMASK_SIZES` (smaller, same,
-larger): three nested guesses, whose predicted IoU is trained to rank the exact one first.
+larger): three nested guesses. Every output's predicted IoU is trained against its IoU
+with the size-1 shape, the object the prompt names, so the score of any returned mask
+estimates that mask's quality and sorting by score puts the size-1 output first.
 
 Coordinates are those of the model input frame (pixel indexes, as `scale_coords` gives);
 every shape is a pure function of the prompt, evaluated on any grid of such coordinates.
@@ -32,6 +39,7 @@ from models.sam.prompts import PromptSet
 __all__ = [
     "CORNER_FRACTION",
     "DISC_FRACTION",
+    "HOLE_FRACTION",
     "KINDS",
     "MULTIMASK_SIZES",
     "ShapePrompts",
@@ -42,6 +50,7 @@ __all__ = [
 
 DISC_FRACTION = 1 / 8  # disc radius / model input size
 CORNER_FRACTION = 1 / 4  # corner radius / the box's shorter side
+HOLE_FRACTION = 1 / 4  # most a background hole's radius may be / a box's shorter side
 MULTIMASK_SIZES = (0.5, 1.0, 1.5)  # the sizes drawn by mask tokens 1, 2, 3 (token 0: 1.0)
 KINDS = ("box", "point", "pair", "box_point")
 MAX_POINTS = 2
@@ -111,14 +120,19 @@ def shape_masks(
     corner = 2 * CORNER_FRACTION * torch.minimum(hw, hh)
     dx = ((x - cx).abs() - (hw - corner)).clamp(min=0)
     dy = ((y - cy).abs() - (hh - corner)).clamp(min=0)
-    inside = (dx.square() + dy.square() <= corner.square()) & prompts.has_box.view(-1, 1, 1, 1)
+    boxed = prompts.has_box.view(-1, 1, 1, 1)
+    inside = (dx.square() + dy.square() <= corner.square()) & boxed
     radius = DISC_FRACTION * image_size * scale  # [1, S, 1, 1]
+    hole = torch.where(
+        boxed, torch.minimum(radius, 2 * HOLE_FRACTION * torch.minimum(hw, hh)), radius
+    )
     for k in range(prompts.points.shape[1]):
         px = prompts.points[:, k, 0].float().view(-1, 1, 1, 1)
         py = prompts.points[:, k, 1].float().view(-1, 1, 1, 1)
-        disc = (x - px).square() + (y - py).square() <= radius.square()
+        d2 = (x - px).square() + (y - py).square()
         label = prompts.labels[:, k].view(-1, 1, 1, 1)
-        inside = (inside | (disc & (label == 1))) & ~(disc & (label == 0))
+        adds = (d2 <= radius.square()) & (label == 1) & ~boxed
+        inside = (inside | adds) & ~((d2 <= hole.square()) & (label == 0))
     return inside
 
 

@@ -9,7 +9,8 @@ points, background discs cut out), on crops of real photos:
 1. encode every crop once (the encoder is frozen, so its embeddings are fixed);
 2. train on random prompts against their shapes: BCE + dice on the low-res logits of all
    four mask tokens (token 0 and the multimask tokens at `MULTIMASK_SIZES`), plus the IoU
-   head against each mask's actual IoU with the prompt's shape; a quarter of the prompts
+   head against each mask's actual IoU with the prompt's (size-1) shape, the measure step
+   3 reports, so the top-scored multimask output is the exact one; a quarter of the prompts
    carry the previous click's mask as `mask_input`, as the page's refinement sends it;
 3. measure held-out crops (held-out photo when there are three or more) and fresh prompts
    through the service's own post-processing, at each crop's size.
@@ -40,6 +41,7 @@ from models.sam import Sam, SamConfig, load_sam, pack_prompts
 from models.sam.shapes import (
     CORNER_FRACTION,
     DISC_FRACTION,
+    HOLE_FRACTION,
     KINDS,
     MULTIMASK_SIZES,
     ShapePrompts,
@@ -74,7 +76,10 @@ class SynthesisReport:
     heldout_iou: dict[str, float]  # single-mask output vs the shape, mean per kind
     heldout_iou_min: dict[str, float]
     multimask_best_iou: dict[str, float]  # the top-scored multimask output vs the shape
-    iou_head_error: dict[str, float]  # mean |predicted IoU - actual IoU|, all 4 outputs
+    multimask_top_exact: dict[str, float]  # how often that output is the size-1 one
+    # mean |predicted - actual IoU with the size-1 shape| over all 4 outputs: the error of
+    # the score the service returns with each mask
+    iou_head_error: dict[str, float]
     final_loss: float
     seconds: dict[str, float]
 
@@ -132,8 +137,9 @@ def evaluate(
     model: Sam, crops: Sequence[Tensor], per_kind: int, seed: int, device: torch.device
 ) -> dict[str, dict[str, float]]:
     """Held-out measures per kind, at each crop's own size through `postprocess_masks`:
-    single-mask IoU (mean, min), the top-scored multimask output's IoU, and the IoU head's
-    mean absolute error over all four outputs."""
+    single-mask IoU (mean, min), the top-scored multimask output's IoU and how often it is
+    the size-1 output, and the IoU head's mean absolute error over all four outputs; every
+    IoU against the size-1 shape (what the prompt names), as training scores them."""
     config = model.config
     S = config.image_size
     embeddings, input_sizes = encode_crops(model, crops, device, 8)
@@ -144,6 +150,8 @@ def evaluate(
         total, input_sizes[owner], S, torch.Generator().manual_seed(seed + 2), kinds
     )
     single, best, error = torch.zeros(total), torch.zeros(total), torch.zeros(total)
+    exact = torch.zeros(total)
+    exact_token = MULTIMASK_SIZES.index(1.0)
     for c, crop in enumerate(crops):
         rows = (owner == c).nonzero().flatten()
         if rows.numel() == 0:
@@ -164,14 +172,17 @@ def evaluate(
         single[rows] = actual[:, 0].cpu()
         top = iou_pred[:, 1:].float().argmax(1)
         best[rows] = actual[:, 1:].gather(1, top[:, None])[:, 0].cpu()
+        exact[rows] = (top == exact_token).float().cpu()
         error[rows] = (iou_pred.float() - actual).abs().mean(1).cpu()
     kind_of = torch.tensor(kinds)
-    out: dict[str, dict[str, float]] = {"iou": {}, "iou_min": {}, "multimask": {}, "error": {}}
+    names = ("iou", "iou_min", "multimask", "exact", "error")
+    out: dict[str, dict[str, float]] = {name: {} for name in names}
     for k, name in enumerate(KINDS):
         sel = kind_of == k
         out["iou"][name] = round(float(single[sel].mean()), 4)
         out["iou_min"][name] = round(float(single[sel].min()), 4)
         out["multimask"][name] = round(float(best[sel].mean()), 4)
+        out["exact"][name] = round(float(exact[sel].mean()), 4)
         out["error"][name] = round(float(error[sel].mean()), 4)
     return out
 
@@ -214,6 +225,7 @@ def synthesize(
         heldout_iou=measures["iou"],
         heldout_iou_min=measures["iou_min"],
         multimask_best_iou=measures["multimask"],
+        multimask_top_exact=measures["exact"],
         iou_head_error=measures["error"],
         final_loss=round(final_loss, 5),
         seconds={
@@ -230,7 +242,10 @@ STATEMENT = (
     "keeps its seeded random weights; the prompt encoder and mask decoder were trained to "
     "draw the shape a prompt names (a box: its region with rounded corners; a foreground "
     "point: a disc of radius 1/8 of the image's longest side; a background point cuts its "
-    "disc out). They segment shapes, not objects. Not Meta's checkpoint."
+    "disc out; with a box, the mask stays inside the box: a foreground point adds nothing "
+    "beyond it, a background point's hole has a radius of at most 1/4 of the box's shorter "
+    "side). Each mask's score estimates its IoU with that shape. They segment shapes, not "
+    "objects. Not Meta's checkpoint."
 )
 
 
@@ -253,7 +268,16 @@ def save_synthetic(model: Sam, report: SynthesisReport, path: Path) -> Path:
             "task": {
                 "disc_radius_fraction_of_longest_side": DISC_FRACTION,
                 "box_corner_radius_fraction_of_shorter_side": CORNER_FRACTION,
+                "box_hole_max_radius_fraction_of_shorter_side": HOLE_FRACTION,
+                "box_with_points": (
+                    "the mask stays inside the box: foreground points add nothing beyond it, "
+                    "background points cut their (capped) discs out of it"
+                ),
                 "multimask_sizes": list(MULTIMASK_SIZES),
+                "scores": (
+                    "every output's predicted IoU is trained against its IoU with the size-1 "
+                    "shape, so the size-1 output scores highest"
+                ),
             },
             "training": report.as_dict(),
             "torch": torch.__version__,

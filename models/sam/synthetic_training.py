@@ -3,9 +3,11 @@ mask decoder learn the shapes of models/sam/shapes.py on fixed image embeddings.
 
 Each step draws random prompts on random crops' embeddings, draws their shapes on the
 low-res grid (2x2 supersampled, so targets are area coverages and the boundary lands where
-the shape's is), and takes BCE + dice on all four mask tokens plus the IoU head's error
-against each mask's actual IoU; predictions outside [0, 1] are penalised, so scores stay
-there.
+the shape's is), and takes BCE + dice on all four mask tokens (each against the shape at
+its token's size) plus the IoU head's error against each mask's actual IoU with the size-1
+shape (what the prompt names, the measure `evaluate` reports and a user's sort needs: a
+0.5x or 1.5x output scores what it is worth, below the exact one); predictions outside
+[0, 1] are penalised, so scores stay there.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def _with_mask_inputs(
 def _losses(
     logits: Tensor, iou_pred: Tensor, target: Tensor, valid: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(mask loss, IoU-head loss, each mask's IoU `[P, 4]`). logits, target (coverage in
-    [0, 1]) `[P, 4, m, m]`; valid `[P, 1, m, m]` (the image, not its padding); iou_pred
-    `[P, 4]`."""
+    """(mask loss, IoU-head loss, each mask's IoU with the size-1 shape `[P, 4]`). logits,
+    target (coverage in [0, 1], token k at `TOKEN_SIZES[k]`; token 0 is size 1)
+    `[P, 4, m, m]`; valid `[P, 1, m, m]` (the image, not its padding); iou_pred `[P, 4]`.
+    Scored against its own size, a 0.5x output would predict IoU ~1 and outrank the exact
+    one while its IoU with the object is ~0.25."""
     area = valid.sum((2, 3)).clamp(min=1)  # [P, 1]
     bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
     bce = ((bce * valid).sum((2, 3)) / area).mean()
@@ -95,7 +99,7 @@ def _losses(
     inter = (prob * target).sum((2, 3))
     dice = 1 - (2 * inter + 1) / (prob.sum((2, 3)) + (target * valid).sum((2, 3)) + 1)
     with torch.no_grad():
-        hard, want = (logits > 0) & (valid > 0), (target > 0.5) & (valid > 0)
+        hard, want = (logits > 0) & (valid > 0), (target[:, :1] > 0.5) & (valid > 0)
         union = (hard | want).sum((2, 3)).float()
         actual = torch.where(union > 0, (hard & want).sum((2, 3)).float() / union.clamp(min=1), 1.0)
     outside = F.relu(iou_pred - 1).square() + F.relu(-iou_pred).square()

@@ -28,12 +28,12 @@ from tests.conftest import SYNTHETIC_TIMEOUT_S, photo_like_array
 from tests.reference_sam import build_reference_sam
 
 TINY = SAM_CONFIGS["vit_tiny"]
-# Floors a margin below what SYNTHETIC_TEST_STEPS x SYNTHETIC_TEST_BATCH (300 x 8) measured on
-# held-out prompts here (2026-11-23, 2 shared cores): point 0.76 (min 0.66), pair 0.49,
-# box_point 0.47, box 0.35; IoU-head error 0.12-0.16. Random weights give about 0. Discs
-# come first; boxes need many more steps (the corners only reach the image tokens through
-# attention), which the GPU runs of the released sizes take.
-MIN_HELDOUT_IOU = {"point": 0.6, "pair": 0.35, "box_point": 0.3, "box": 0.2}
+# Floors a margin below what SYNTHETIC_TEST_STEPS x SYNTHETIC_TEST_BATCH (250 x 8) measured on
+# held-out prompts here (2026-11-23, 2 cores): point 0.75 (min 0.69), pair 0.46, box_point
+# 0.32, box 0.30; IoU-head error 0.07-0.14. Random weights give about 0. Discs come first;
+# boxes need many more steps (the corners only reach the image tokens through attention),
+# which the GPU runs of the released sizes take.
+MIN_HELDOUT_IOU = {"point": 0.6, "pair": 0.3, "box_point": 0.25, "box": 0.2}
 MAX_IOU_HEAD_ERROR = 0.25
 
 
@@ -79,6 +79,22 @@ def test_a_box_names_its_region_with_rounded_corners() -> None:
     assert mask.sum().item() == pytest.approx(area, rel=0.02)
     with_hole = draw(one(box=(40, 60, 200, 140), points=((120, 100),), labels=(0,)))[0]
     assert not with_hole[100, 120] and with_hole[62, 120]
+
+
+def test_a_box_with_points_stays_inside_the_box_and_a_hole_never_erases_it() -> None:
+    box = (40, 60, 200, 140)
+    region = draw(one(box=box))[0]
+    # a foreground point names the box's object: its disc adds nothing beyond the box
+    assert torch.equal(draw(one(box=box, points=((60, 70),), labels=(1,)))[0], region)
+    # a background point's hole is capped at a quarter of the box's shorter side (80 / 4),
+    # below the disc's radius (256 / 8): the box's ends stay
+    hole = draw(one(box=box, points=((120, 100),), labels=(0,)))[0]
+    assert not hole[100, 120 + 19] and hole[100, 120 + 21] and (hole <= region).all()
+    small = draw(one(box=(100, 100, 132, 132), points=((116, 116),), labels=(0,)))[0]
+    assert 0.4 * draw(one(box=(100, 100, 132, 132)))[0].sum() < small.sum()
+    # without a box, the disc keeps its full radius
+    pair = draw(one(points=((120, 100), (120, 160)), labels=(1, 0)))[0]
+    assert pair[100, 120] and pair[127, 120] and not pair[131, 120]  # 33 and 29 from (120, 160)
 
 
 def test_sampled_prompts_lie_in_the_image_and_cover_every_kind() -> None:
@@ -129,6 +145,29 @@ def test_file_loads_through_load_sam_and_is_labelled_synthetic(
     want = draw(one(points=((120.0, 90.0),), labels=(1,)))[0, :192]
     assert _iou(got, want) >= MIN_HELDOUT_IOU["point"]
     assert 0.0 <= float(iou[0, 0]) <= 1.0
+
+
+def test_scores_rank_a_half_size_disc_below_the_exact_one(synthetic_checkpoint) -> None:
+    """Every output's score estimates its IoU with the size-1 shape (the object named), so
+    the 0.5x multimask output (IoU <= 0.25 with it) scores below the size-1 output and is
+    never the top one. Scored against their own sizes, as before, all three predicted ~1
+    and the service's best-first sort meant nothing. Measured: 30 of 30 points (mean scores
+    0.47, 0.72, 0.65 for 0.5x, 1x, 1.5x; 1x against 1.5x is not yet reliable after 250 CPU
+    steps, so the GPU run's report counts how often the top one is 1x,
+    `multimask_top_exact`)."""
+    path, _ = synthetic_checkpoint
+    model = load_sam(TINY, path)
+    image = torch.from_numpy(photo_like_array(192, 256, seed=9))
+    batch, _ = preprocess_images([image], TINY, "cpu")
+    points = [[40.0 + 30 * i, 40.0 + 25 * j] for i in range(6) for j in range(5)]
+    sets = [PromptSet(points=[xy], labels=[1]) for xy in points]
+    with torch.inference_mode():
+        emb = model.encode(batch).expand(len(sets), -1, -1, -1)
+        _, scores = model.decode(emb, pack_prompts(sets, None, "cpu"))
+    assert ((scores >= 0) & (scores <= 1)).all(), scores
+    half, exact = scores[:, 1], scores[:, 2]  # multimask sizes 0.5, 1.0, 1.5
+    assert (half < exact).float().mean() >= 0.9, scores
+    assert (scores[:, 1:].argmax(1) != 0).all(), scores
 
 
 def test_meta_segment_anything_loads_the_file_and_draws_the_shape(synthetic_checkpoint) -> None:

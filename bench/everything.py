@@ -5,7 +5,7 @@ Latency is the whole pipeline per photo (encoder included, masks on the host at 
 RLE for ours, Meta's own output for theirs), p50/p99 over the photos and repeats; peak
 memory is `torch.cuda.max_memory_allocated` over each configuration's runs.
 
-    python bench/everything.py --images ../shared/data/images --points 32 64
+    python -m bench.everything --images ../shared/data/images --points 32 64
 """
 
 from __future__ import annotations

@@ -57,13 +57,13 @@ echo "${#URLS[@]} replicas ready after $(( $(date +%s) - started ))s"
 LOAD=(--unique --seconds 15 --warmup-seconds 3 --images .benchdata/images)
 if [ "${ONE:-1}" = 1 ]; then
   echo "== one replica, 128 clients"
-  python3 bench/service_load.py --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
+  python3 -m bench.service_load --url "${URLS[0]}" --clients 128 --procs 6 "${LOAD[@]}" | grep '^{'
 fi
 CLIENTS_ALL=${CLIENTS_ALL:-$((128 * ${#URLS[@]}))}
 ALL=$(IFS=,; echo "${URLS[*]}")
 for clients in ${CLIENTS_GRID:-$CLIENTS_ALL}; do
   echo "== ${#URLS[@]} replicas, $clients clients"
-  python3 bench/service_load.py --url "$ALL" --clients "$clients" \
+  python3 -m bench.service_load --url "$ALL" --clients "$clients" \
     --procs $((6 * ${#URLS[@]})) "${LOAD[@]}" | grep '^{'
 done
 

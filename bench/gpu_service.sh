@@ -40,7 +40,7 @@ PY
 }
 
 profile_first_load &
-python3 bench/service_load.py --spawn --grid ${GRID[@]} --unique --clients 128 --procs 6 \
+python3 -m bench.service_load --spawn --grid ${GRID[@]} --unique --clients 128 --procs 6 \
   --seconds 15 --warmup-seconds 3 --images .benchdata/images --port $PORT \
   --server-log "$OUT/server.log" --metrics-out "$OUT/metrics.txt" \
   --server-env "${SERVER_ENV[@]}"

@@ -20,7 +20,7 @@ until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8010/re
   sleep 1
 done
 for round in $(seq 1 "$ROUNDS"); do
-  python3 bench/service_load.py --url http://127.0.0.1:8010 --unique --clients 64 --procs 4 \
+  python3 -m bench.service_load --url http://127.0.0.1:8010 --unique --clients 64 --procs 4 \
     --seconds 20 --warmup-seconds 0 --images .benchdata/images | grep '^{' | cut -c1-160
   rss=$(ps -o rss= -p $pid)
   gpu=$(python3 - <<'PY'

@@ -5,7 +5,7 @@ real photos are compared with the fp32 eager embeddings (relative error), and ma
 decoded from them (one box per photo, fp32 decoder) with the fp32 masks (IoU). Meta's
 official encoder runs in the same process as the baseline.
 
-    python bench/sam_encoder.py --images ../shared/data/images \
+    python -m bench.sam_encoder --images ../shared/data/images \
         --variants bf16-eager bf16-compile-flex bf16-fp8-compile-flex --batch-sizes 1 8 32
 """
 

@@ -3,7 +3,7 @@
 Prints throughput, p50/p95/p99 latency and the mean batch size per stage (read from the
 service's own /metrics), so batching settings can be compared run against run.
 
-    python bench/service_load.py --url http://127.0.0.1:8000 --clients 64 --seconds 30
+    python -m bench.service_load --url http://127.0.0.1:8000 --clients 64 --seconds 30
 
 `--spawn` starts `python -m server` itself once per (max_batch_size, delay) pair given with
 `--grid`, e.g. `--grid 1:0 8:2 16:5 32:5`, and prints one row per pair.

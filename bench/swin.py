@@ -5,7 +5,7 @@ service's own transform), so the variants are compared on the same images the fp
 model sees. Random weights give small logit margins, which makes agreement harder to keep
 than with trained weights.
 
-    python bench/swin.py --images ../shared/data/images --batch-sizes 64 256 512
+    python -m bench.swin --images ../shared/data/images --batch-sizes 64 256 512
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ import torch
 
 from bench.common import environment, print_table
 from server.domain import Prompt
-from server.engine import Engine
+from server.engine.services import Engine
+from server.engine.stages import DecodeItem, EncodeItem
 from server.metrics import Metrics
 from server.settings import Settings
-from server.stages import DecodeItem, EncodeItem
 
 
 def busy_python(stop: threading.Event) -> None:

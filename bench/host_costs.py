@@ -36,8 +36,8 @@ from starlette.requests import Request
 
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
 from models.images import host_pixels
-from server.imaging import decode_image
-from server.multipart import boundary_of, read_form
+from server.http.imaging import decode_image
+from server.http.multipart import boundary_of, read_form
 from server.rle import counts_string
 
 
@@ -166,7 +166,7 @@ def multipart_body(photo: bytes) -> tuple[bytes, str]:
 
 
 def starlette_form(loop: asyncio.AbstractEventLoop, body: bytes, content_type: str) -> bytes:
-    """Starlette's multipart parser, as the service read uploads before server.multipart,
+    """Starlette's multipart parser, as the service read uploads before server.http.multipart,
     on one long-lived event loop (as the service's)."""
 
     async def parse() -> bytes:
@@ -232,7 +232,7 @@ def main() -> None:
         before = partial(starlette_form, loop, body, content_type)
         rows.append(measure(f"{label}: Starlette (before)", before, n))
         now = partial(our_form, body, content_type)
-        rows.append(measure(f"{label}: server.multipart (now)", now, n))
+        rows.append(measure(f"{label}: server.http.multipart (now)", now, n))
 
     height, width = 1365, 2048
     for kind, mask in (

@@ -28,11 +28,11 @@ import torch
 
 from bench.common import DEFAULT_IMAGES, environment, print_table
 from server.domain import Prompt
-from server.engine import Engine
-from server.imaging import DecodedImage, decode_image
+from server.engine.services import Engine
+from server.engine.stages import DecodeItem, EncodeItem
+from server.http.imaging import DecodedImage, decode_image
 from server.metrics import Metrics
 from server.settings import Settings
-from server.stages import DecodeItem, EncodeItem
 
 
 def _sync() -> None:

@@ -24,13 +24,13 @@ from types import FrameType
 
 import uvicorn
 
-from server.app import build_app, drain
-from server.engine import Engine
+from server.engine.services import Engine
+from server.http.app import build_app, drain
+from server.http.state import ServeState, serve_state
 from server.logs import configure_logging
 from server.progress import StartupProgress
 from server.settings import Settings
 from server.settings_cli import BadSettingError, load_settings, settings_help
-from server.state import ServeState, serve_state
 
 log = logging.getLogger("server")
 

@@ -24,9 +24,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from server.batcher import BatchObserver
-from server.cache import CacheObserver
 from server.domain import ModelInfo
+from server.engine.batcher import BatchObserver
+from server.engine.cache import CacheObserver
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,

@@ -154,7 +154,7 @@ class Settings(BaseSettings):
     watchdog_timeout_s: float = Field(120.0, gt=0.0)
     """a batch computing longer than this (seconds) marks the worker stuck (/healthz 503)"""
 
-    # Fault injection, for tests of failure handling only (see server/faults.py).
+    # Fault injection, for tests of failure handling only (see server/engine/faults.py).
     fault_oom_min_batch: int = Field(0, ge=0)
     """tests only: fail batches of at least this many items with out-of-memory (0: never)"""
     fault_oom_stage: str = ""

@@ -251,7 +251,7 @@ def test_wheel_builds_from_the_copied_files_with_every_module(tmp_path):
     shipped = [*context.glob("models/**/*.py"), *context.glob("server/**/*.py")]
     shipped += [
         *context.glob("models/swin/*.txt"),
-        *context.glob("server/static/*"),
+        *context.glob("server/http/static/*"),
     ]  # package data
     expected = {p.relative_to(context).as_posix() for p in shipped}
     missing = sorted(expected - names)

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from PIL import Image
 
-from server.app import build_app
+from server.http.app import build_app
 from server.settings import Settings
 from tests.conftest import PHOTOS
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.batcher import Batcher, BatchObserver
+from server.engine.batcher import Batcher, BatchObserver
 from server.errors import ServiceError
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Route, expect
 
-from server.docs_assets import ASSETS_URL
+from server.http.docs_assets import ASSETS_URL
 from tests.server.conftest import LiveServer
 from tests.server.test_page import browser  # noqa: F401 (the module's Chromium fixture)
 

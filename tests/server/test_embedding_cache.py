@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.cache import CacheObserver, EmbeddingCache, ImageEmbedding
+from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding
 from tests.server.conftest import encode, photo_like
 from tests.server.test_api_errors import assert_error
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from server import stages as stages_module
 from server.domain import Image, Prompt, SegmentRequest
-from server.engine import Engine
-from server.stages import DecodeItem, SamStages
+from server.engine import stages as stages_module
+from server.engine.services import Engine
+from server.engine.stages import DecodeItem, SamStages
 from tests.server.conftest import small_settings
 
 

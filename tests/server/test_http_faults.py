@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.multipart import MAX_PART_HEADER_BYTES
-from server.schemas import is_image_id
+from server.http.multipart import MAX_PART_HEADER_BYTES
+from server.http.schemas import is_image_id
 from tests.server.conftest import (
     LiveServer,
     encode,

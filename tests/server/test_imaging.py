@@ -13,8 +13,8 @@ import simplejpeg
 from PIL import Image, ImageOps
 
 from models.images import PinnedPixels
-from server import imaging
 from server.errors import ServiceError
+from server.http import imaging
 from tests.conftest import PHOTOS as TEST_PHOTOS
 
 PHOTOS = sorted(TEST_PHOTOS.glob("*.jpg"))

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from server import inputs
 from server.errors import ServiceError
-from server.inputs import validate
-from server.schemas import SegmentJSON
+from server.http import inputs
+from server.http.inputs import validate
+from server.http.schemas import SegmentJSON
 
 BOX = '"image": "aGk=", "box": [0, 0, 5, 5]'
 

@@ -226,7 +226,11 @@ def test_python_dash_m_server_writes_one_json_object_per_line(launched):
         assert {"ts", "level", "logger", "message"} <= set(entry), entry
         assert TS.fullmatch(entry["ts"]), entry
     loggers = {e["logger"] for e in entries}
-    assert {"uvicorn.error", "server.engine", "server.access"} <= loggers  # all through one
+    assert {
+        "uvicorn.error",
+        "server.engine.services",
+        "server.access",
+    } <= loggers  # all through one
     assert "uvicorn.access" not in loggers, "our access line replaces uvicorn's"
     assert any("RANDOM weights" in e["message"] for e in entries)
     # one access line per request: each readiness poll, the segment, the models call

@@ -4,7 +4,7 @@ and labels, and each moves exactly as the requests made say it must.
 Each test scrapes before and after real HTTP requests to a LiveServer (tiny models on the
 CPU) and compares. Faults that a CPU cannot produce on demand (a stuck worker, running out
 of device memory, a failing batch) are injected with the service's fault settings
-(server/faults.py), so the code that counts them is the real one. GPU memory families exist
+(server/engine/faults.py), so the code that counts them is the real one. GPU memory families exist
 only where CUDA does: on a CPU machine the test asserts they are absent.
 """
 

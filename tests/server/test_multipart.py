@@ -1,4 +1,4 @@
-"""`server.multipart` reads what HTTP clients send exactly as Starlette's parser does, and
+"""`server.http.multipart` reads what HTTP clients send exactly as Starlette's parser does, and
 declines (None) whatever is not plainly well formed, so Starlette keeps the last word."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from server.errors import ServiceError
-from server.multipart import MAX_PART_HEADER_BYTES, FormPart, boundary_of, read_form
+from server.http.multipart import MAX_PART_HEADER_BYTES, FormPart, boundary_of, read_form
 
 JPEG_LIKE = bytes(range(256)) * 40 + b"\r\n--not-the-boundary\r\n\r\n" + b"\xff\xd9"
 

@@ -1,6 +1,6 @@
 """Failure handling, each provoked for real: SIGTERM in the middle of a burst, a batch out
 of device memory, an exception in one stage, a hung stage. Faults are injected with the
-service's fault settings (server/faults.py): the code that handles them is the real one."""
+service's fault settings (server/engine/faults.py): the code that handles them is the real one."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from models.optimize import OptimizeOptions
 from models.sam import SAM_CONFIGS, load_sam
 from server.domain import Prompt
-from server.stages import DecodeItem, EncodeItem, SamStages
+from server.engine.stages import DecodeItem, EncodeItem, SamStages
 
 
 def warmed_stages(decoder_buckets: list[int], graphs: list[object]) -> SamStages:

@@ -11,9 +11,9 @@ import torch
 from models.optimize import OptimizeOptions
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam import transforms as sam_tf
-from server.cache import ImageEmbedding
 from server.domain import Prompt
-from server.stages import DecodeItem, EncodeItem, SamStages
+from server.engine.cache import ImageEmbedding
+from server.engine.stages import DecodeItem, EncodeItem, SamStages
 
 
 def reference(prompt: Prompt, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:

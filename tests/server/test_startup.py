@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.engine import Engine
+from server.engine.services import Engine
 
 from .conftest import small_settings
 

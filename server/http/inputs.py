@@ -20,7 +20,7 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartParser
 
 from server.errors import ServiceError, clip
-from server.multipart import boundary_of, read_form
+from server.http.multipart import boundary_of, read_form
 
 Fields = TypeVar("Fields", bound=BaseModel)
 T = TypeVar("T")
@@ -190,7 +190,7 @@ async def _parse_multipart(
     """The image part's bytes and the request part's fields.
 
     A plainly well-formed body (what curl, browsers and HTTP libraries send) is read by
-    `server.multipart` in a fraction of Starlette's time; any other goes to Starlette's
+    `server.http.multipart` in a fraction of Starlette's time; any other goes to Starlette's
     parser, which has the final word on odd or malformed bodies. Past `_MAX_FILES` files or
     `_MAX_FIELDS` fields a body is refused as malformed (400). Either reader runs in the
     thread pool for a body over `OFF_LOOP_BYTES`.

@@ -28,8 +28,8 @@ from models.sam import transforms as sam_tf
 from models.sam.automatic_memory import upscale_bytes
 from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
-from server.cache import ImageEmbedding
 from server.domain import Prompt, PromptMasks
+from server.engine.cache import ImageEmbedding
 from server.rle import mask_runs
 
 log = logging.getLogger(__name__)

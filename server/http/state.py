@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from server.engine import Engine
+from server.engine.services import Engine
 from server.errors import ServiceError
 from server.metrics import Metrics
 from server.progress import StartupProgress

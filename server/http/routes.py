@@ -11,14 +11,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from models.images import host_pixels
-from server import imaging
 from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
+from server.engine.everything import EverythingMasks
 from server.errors import ServiceError, error_body
-from server.everything import EverythingMasks
-from server.inputs import ParsedRequest, parse_image_request
-from server.masks import build_mask_objects
-from server.responses import FastJSONResponse
-from server.schemas import (
+from server.http import imaging
+from server.http.inputs import ParsedRequest, parse_image_request
+from server.http.masks import build_mask_objects
+from server.http.responses import FastJSONResponse
+from server.http.schemas import (
     ClassifyFields,
     ClassifyJSON,
     ClassifyResponse,
@@ -36,7 +36,7 @@ from server.schemas import (
     SegmentResponse,
     is_image_id,
 )
-from server.state import ServeState, serve_state, watch_disconnect
+from server.http.state import ServeState, serve_state, watch_disconnect
 
 router = APIRouter()
 

@@ -21,25 +21,25 @@ from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from server import page
-from server.docs_assets import install_docs
-from server.engine import Engine
+from server.engine.fidelity import FidelityError
+from server.engine.services import Engine
 from server.errors import ServiceError, clip, error_body
-from server.fidelity import FidelityError
-from server.inputs import MAX_ECHOED
-from server.metrics import Metrics
-from server.middleware import (
+from server.http import page
+from server.http.docs_assets import install_docs
+from server.http.inputs import MAX_ECHOED
+from server.http.middleware import (
     MAX_LOGGED_PATH,
     PROBE_PATHS,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     ObserveMiddleware,
 )
+from server.http.responses import FastJSONResponse
+from server.http.routes import router
+from server.http.state import ServeState, serve_state
+from server.metrics import Metrics
 from server.progress import StartupProgress
-from server.responses import FastJSONResponse
-from server.routes import router
 from server.settings import Settings
-from server.state import ServeState, serve_state
 
 log = logging.getLogger(__name__)
 

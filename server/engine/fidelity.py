@@ -2,7 +2,7 @@
 about to serve, run through its own warmed stages, against an fp32 eager copy of each
 model on the same weights (`models.fidelity`). A deployment that changes precision,
 quantization or checkpoint learns before its first request whether the result still
-agrees with fp32 on photos like its own; below a floor, start-up fails (server.app).
+agrees with fp32 on photos like its own; below a floor, start-up fails (server.http.app).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from models import fidelity
 from models.sam import load_sam
 from models.swin import load_swin
+from server.engine.stages import SamStages, SwinStage
 from server.settings import Settings
-from server.stages import SamStages, SwinStage
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from server.batcher import DEADLINE_CANCEL
+from server.engine.batcher import DEADLINE_CANCEL
 from server.errors import ServiceError
 
 __all__ = ["CacheObserver", "EmbeddingCache", "ImageEmbedding", "LowResStore"]

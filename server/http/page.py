@@ -1,7 +1,7 @@
 """The browser page at `/`: try the service by hand, from the app itself.
 
 Served by the app (not a CDN, no build step), so the page is same-origin with the API and
-works while CORS stays closed. Files come from the package's `server/static` folder through
+works while CORS stays closed. Files come from the package's `server/http/static` folder through
 `importlib.resources`, so an installed wheel serves them as an editable checkout does.
 
 - Safety: the folder is listed once and only names from that listing are served, so no
@@ -57,12 +57,12 @@ class _Asset:
 
 @cache
 def _assets() -> dict[str, _Asset]:
-    """Every servable file of `server/static` by name, read once per process.
+    """Every servable file of `server/http/static` by name, read once per process.
 
     The folder ships inside the package and does not change while the process runs; it
     is small (tens of kB). Hidden files and unknown types are left out.
     """
-    folder = resources.files("server").joinpath("static")
+    folder = resources.files("server.http").joinpath("static")
     assets: dict[str, _Asset] = {}
     for entry in folder.iterdir():
         media_type = _TYPES.get(PurePosixPath(entry.name).suffix)

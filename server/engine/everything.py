@@ -28,7 +28,7 @@ from models.sam.automatic import (
     CropJob,
     MaskCandidates,
 )
-from server.cache import ImageEmbedding
+from server.engine.cache import ImageEmbedding
 from server.errors import ServiceError
 from server.rle import MaskRuns, mask_runs
 

@@ -32,8 +32,6 @@ from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator
 from models.sam.fused_attention import triton_available
 from models.swin import IMAGENET_CLASSES, SWIN_CONFIGS, load_swin
-from server.batcher import Batcher, BatchObserver
-from server.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
 from server.domain import (
     ClassifyResult,
     EmbedResult,
@@ -44,13 +42,12 @@ from server.domain import (
     SegmentRequest,
     SegmentResult,
 )
-from server.errors import ServiceError
-from server.everything import EverythingMasks, EverythingRunner, refuse_over_budget
-from server.faults import Faults
-from server.fidelity import FidelityReport, measure_served
-from server.progress import StartupProgress
-from server.settings import Settings
-from server.stages import (
+from server.engine.batcher import Batcher, BatchObserver
+from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
+from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
+from server.engine.faults import Faults
+from server.engine.fidelity import FidelityReport, measure_served
+from server.engine.stages import (
     ClassifyItem,
     DecodeItem,
     EncodeItem,
@@ -58,6 +55,9 @@ from server.stages import (
     SwinStage,
     TopK,
 )
+from server.errors import ServiceError
+from server.progress import StartupProgress
+from server.settings import Settings
 
 log = logging.getLogger(__name__)
 

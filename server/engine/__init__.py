@@ -1,0 +1,1 @@
+"""The engine: models, batchers, caches and the GPU worker, in a process of its own."""

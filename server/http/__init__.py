@@ -1,0 +1,1 @@
+"""The frontend: HTTP, validation, image decoding and mask strings; never touches the GPU."""

@@ -113,7 +113,7 @@ def main() -> None:
             path.read_bytes(),
             max_pixels=40_000_000,
             max_bytes=50 << 20,
-            memory=engine.image_memory,
+            memory=host_pixels,
         )
 
     decoded = [decode(path) for path in photos]

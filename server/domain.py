@@ -7,11 +7,14 @@ tests, benchmarks and the routes alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from server.rle import MaskRuns
+
+if TYPE_CHECKING:  # the frontends never import torch; the engine's tensors are typed so
+    import torch
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,7 @@ class Image:
     """A decoded, validated image and its content id."""
 
     image_id: str  # SHA-256 of the file bytes
-    pixels: torch.Tensor  # uint8 [H, W, 3], CPU
+    pixels: Any  # uint8 [H, W, 3]: np.ndarray in a frontend, torch.Tensor in the engine
     width: int
     height: int
 
@@ -103,3 +106,16 @@ class ModelInfo:
 
     def brief(self) -> dict[str, str]:
         return {"name": self.name, "weights": self.weights, "precision": self.precision}
+
+
+@dataclass
+class EverythingMasks:
+    """Host copies of the final masks, best predicted IoU first."""
+
+    masks: np.ndarray | None  # bool [N, H, W], unless `runs` stand for them
+    runs: MaskRuns | None  # COCO runs made on the device (RLE output with rle_on_device)
+    scores: np.ndarray  # float32 [N] predicted IoU
+    stability: np.ndarray  # float32 [N]
+    point_coords: np.ndarray  # float32 [N, 2], the prompt that made each mask
+    crop_boxes: np.ndarray  # int64 [N, 4] XYWH
+    steps: int

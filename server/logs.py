@@ -12,7 +12,13 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color
 
 
 class JsonFormatter(logging.Formatter):
-    """Log records as JSON, carrying any `extra={...}` fields as top-level keys."""
+    """Log records as JSON, carrying any `extra={...}` fields as top-level keys, and the
+    process they came from (`supervisor`, `engine`, `frontend-0`, ...): every process of
+    the service writes to the same stream."""
+
+    def __init__(self, role: str | None = None) -> None:
+        super().__init__()
+        self.role = role
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -22,6 +28,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.role is not None:
+            entry["process"] = self.role
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value
@@ -30,10 +38,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, role: str | None = None) -> None:
     """Route every logger (uvicorn's too) through one JSON handler on stderr."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(role))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -7,6 +7,8 @@ without touching `os.environ`.
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +23,19 @@ CPU_DEFAULTS: dict[str, int] = {
     "decoder_max_batch_prompts": 64,
     "embedding_cache_bytes": 512 * 1024**2,
 }
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its affinity, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class Settings(BaseSettings):
@@ -70,10 +85,6 @@ class Settings(BaseSettings):
     """one CUDA graph per warmed batch bucket (CUDA with compile only)"""
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
     """folder for persistent inductor/Triton caches, so restarts skip most compilation"""
-    # CUDA only: decoded images waiting for the GPU held in page-locked memory, up to this
-    # many bytes at once, so the worker's upload is an async DMA copy (models.images). 0: off.
-    pinned_image_bytes: int = Field(1024**3, ge=0)
-    """CUDA: bytes of decoded images held in page-locked memory for async upload (0: off)"""
 
     # Batching.
     max_batch_size: int = Field(8, ge=1, le=256)
@@ -180,9 +191,19 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     """allowed browser origins, as a JSON list (closed by default)"""
 
-    # Process.
+    # Processes: `python -m server` is a supervisor of one engine process (models, batchers,
+    # caches) and this many frontend processes (HTTP, decoding, mask strings) sharing the
+    # port. One process held everything once and its GIL capped the service at a third of
+    # the encoder's speed and a tenth of the decoder's (issue 19, docs/BENCHMARKS.md).
+    http_workers: int | None = Field(None, ge=1, le=64)
+    """frontend (HTTP) processes (unset: the cores available minus one, 1 to 8)"""
+    # Each frontend decodes into a file of this size in /dev/shm that the engine maps (and
+    # page-locks on CUDA): pixels reach the GPU without a copy or a pickle. An image that
+    # does not fit travels inline with its call instead (one copy more); none is refused.
+    shm_bytes_per_worker: int = Field(128 * 1024**2, ge=0)
+    """bytes of shared memory per frontend for decoded images (0: send pixels inline)"""
     decode_threads: int = Field(4, ge=1)
-    """threads decoding images and encoding masks off the event loop"""
+    """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
     """where masks become RLE runs: auto (device on CUDA), device, host"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
@@ -196,6 +217,13 @@ class Settings(BaseSettings):
     """Python's GIL hand-over interval in ms (unset: Python's 5 ms)"""
     log_level: str = "INFO"
     """log level of the JSON logs (DEBUG shows the probes' access lines)"""
+
+    def frontends(self) -> int:
+        """`http_workers`, or the cores this process may use minus one (for the engine),
+        1 to 8: cgroup CPU quotas (a pod's limit) count, not only the host's cores."""
+        if self.http_workers is not None:
+            return self.http_workers
+        return max(1, min(8, available_cores() - 1))
 
     @field_validator("batch_buckets")
     @classmethod

@@ -14,11 +14,9 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 from models.sam import Sam
@@ -28,26 +26,14 @@ from models.sam.automatic import (
     CropJob,
     MaskCandidates,
 )
+from server.domain import EverythingMasks
 from server.engine.cache import ImageEmbedding
+from server.engine.runs import mask_runs
 from server.errors import ServiceError
-from server.rle import MaskRuns, mask_runs
 
 T = TypeVar("T")
 
 GIB = 2**30
-
-
-@dataclass
-class EverythingMasks:
-    """Host copies of the final masks, best predicted IoU first."""
-
-    masks: np.ndarray | None  # bool [N, H, W], unless `runs` stand for them
-    runs: MaskRuns | None  # COCO runs made on the device (RLE output with rle_on_device)
-    scores: np.ndarray  # float32 [N] predicted IoU
-    stability: np.ndarray  # float32 [N]
-    point_coords: np.ndarray  # float32 [N, 2], the prompt that made each mask
-    crop_boxes: np.ndarray  # int64 [N, 4] XYWH
-    steps: int
 
 
 def refuse_over_budget(need: int, limit: int, code: str, what: str, advice: str) -> None:

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from models.aot import AotStore, PackageKey, device_name, weights_hash
-from models.images import HostPixels, PinnedPixels, host_pixels
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.quantize import torchao_unsupported
@@ -192,10 +191,6 @@ class Engine:
             observer=observer if isinstance(observer, CacheObserver) else None,
         )
         self.low_res = LowResStore(settings.low_res_cache_bytes)
-        # how the decode threads hold a decoded image until the worker uploads it
-        self.image_memory: HostPixels = host_pixels
-        if self.device.type == "cuda" and settings.pinned_image_bytes > 0:
-            self.image_memory = PinnedPixels(settings.pinned_image_bytes)
         self.sam: _SamParts | None = None
         self.swin: _SwinParts | None = None
         self.warmup_seconds: float | None = None
@@ -513,6 +508,14 @@ class Engine:
             cached=cached,
             timing_ms={"encode": _ms(time.perf_counter() - started)},
         )
+
+    def lookup(self, image_id: str) -> EmbedResult:
+        """A cached embedding's image, as `/v1/embed` with only an id answers it."""
+        entry = self.cache.get(image_id)
+        if entry is None:
+            raise ServiceError(404, "unknown_image_id", f"image_id {image_id} is not cached")
+        height, width = entry.original_size
+        return EmbedResult(image_id=image_id, width=width, height=height, cached=True)
 
     async def segment(self, request: SegmentRequest) -> SegmentResult:
         sam = self._require_sam()

@@ -30,7 +30,7 @@ from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.rle import mask_runs
+from server.engine.runs import mask_runs
 
 log = logging.getLogger(__name__)
 

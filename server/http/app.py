@@ -1,8 +1,9 @@
-"""`build_app(settings)`: wires routers, middleware, error handlers and the lifespan.
+"""`build_app(settings)`: a frontend's routers, middleware, error handlers and lifespan.
 
-The lifespan starts loading and warm-up in the background, so `/healthz` answers at once
-while `/readyz` stays 503 until every bucket is warm; on shutdown it stops taking requests,
-drains what was accepted, then closes the engine.
+The lifespan connects to the engine (its process, or one it starts on a thread) and maps
+this process's shared pixel memory; `/healthz` answers at once while `/readyz` stays 503
+until the engine reports every bucket warm. On shutdown it stops taking requests, drains
+what was accepted, then disconnects.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from server.engine.fidelity import FidelityError
-from server.engine.services import Engine
 from server.errors import ServiceError, clip, error_body
 from server.http import page
 from server.http.docs_assets import install_docs
+from server.http.engine_client import EngineClient
 from server.http.inputs import MAX_ECHOED
 from server.http.middleware import (
     MAX_LOGGED_PATH,
@@ -34,11 +34,11 @@ from server.http.middleware import (
     BodyLimitMiddleware,
     ObserveMiddleware,
 )
+from server.http.pixels import SharedPixels
 from server.http.responses import FastJSONResponse
 from server.http.routes import router
 from server.http.state import ServeState, serve_state
 from server.metrics import Metrics
-from server.progress import StartupProgress
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -53,105 +53,63 @@ _REASONS = {
 }
 
 
-FIDELITY_STEP = "checking fidelity against the fp32 model"
-
-
-async def start_engine(state: ServeState) -> None:
-    """Load, warm up, then flip ready; a failure is kept for /healthz and stops the server."""
-    started = time.perf_counter()
-    try:
-        engine = Engine(state.settings, state.metrics)
-        state.engine = engine
-        state.metrics.pinned_image_bytes.set_function(lambda: engine.image_memory.held_bytes)
-        plan = engine.load_steps() + (engine.warm_steps() if state.settings.warmup else [])
-        labels = [label for label, _ in plan]
-        if state.settings.fidelity_check:
-            labels.append(FIDELITY_STEP)
-        progress = state.progress = StartupProgress(labels)
-        await engine.load(progress)
-        state.metrics.set_models(engine.models())
-        engine.start()
-        if state.settings.warmup:
-            state.metrics.warmup_seconds.set(await engine.warmup(progress))
-            for event, count in engine.compile_cache_events.items():
-                state.metrics.compile_cache.labels(event).set(count)
-        if state.settings.fidelity_check:
-            progress.begin(FIDELITY_STEP)
-            report = await engine.check_fidelity()
-            for model, measures in report.measures.items():
-                for measure, value in measures.items():
-                    state.metrics.fidelity.labels(model, measure).set(value)
-            if report.shortfalls:
-                raise FidelityError(
-                    "the served variant is below the fidelity floor: "
-                    + "; ".join(report.shortfalls)
-                )
-        state.ready = True
-        state.metrics.ready.set(1)
-        log.info("ready after %.1fs (%.1fs since process start)",
-                 time.perf_counter() - started, progress.elapsed())  # fmt: skip
-    except Exception as exc:
-        state.failure = f"start-up failed: {type(exc).__name__}: {exc}"
-        log.exception("start-up failed")
-        if state.on_fatal is not None:
-            state.on_fatal()
-
-
 async def drain(state: ServeState) -> None:
     """Refuse new work (503, readiness off), then wait for accepted requests until the
     drain's deadline (`SERVE_DRAIN_TIMEOUT_S` after the first SIGTERM). Called again by the
     lifespan's shutdown, it waits only for what is left of that time: the shutdown's sum
-    (docs/DEPLOYMENT.md) counts the drain timeout once."""
+    (docs/DEPLOYMENT.md) counts the drain timeout once. A request in flight here is also
+    one the engine holds for this frontend, so this waits for the engine's share too."""
     state.begin_drain()
     assert state.drain_deadline is not None
     while time.monotonic() < state.drain_deadline:
-        if state.in_flight == 0 and (state.engine is None or state.engine.idle):
+        if state.in_flight == 0:
             log.info("drained: no request in flight")
             return
         await asyncio.sleep(0.02)
-    if state.in_flight or (state.engine is not None and not state.engine.idle):
+    if state.in_flight:
         log.warning("drain timed out after %.1fs with %d requests in flight",
                     state.settings.drain_timeout_s, state.in_flight)  # fmt: skip
 
 
-async def watchdog(state: ServeState, timeout_s: float) -> None:
-    """Mark the service unhealthy while a batch has computed for longer than `timeout_s`.
-
-    A hung GPU call (a driver fault, a deadlock) never returns; requests behind it fail at
-    their deadlines, and /healthz turning 503 lets Kubernetes restart the pod.
-    """
-    period = min(1.0, timeout_s / 4)
+async def watch_engine(state: ServeState) -> None:
+    """Stop this frontend when the engine reports a failed start-up (embedded engines only:
+    between processes the supervisor sees the engine exit and stops everything)."""
     while True:
-        await asyncio.sleep(period)
-        engine = state.engine
-        if engine is None:
-            continue
-        stuck = []
-        for batcher in engine.batchers():
-            over = batcher.busy_for() > timeout_s
-            state.metrics.worker_stuck.labels(batcher.stage).set(int(over))
-            if over:
-                stuck.append(f"{batcher.stage} ({batcher.busy_for():.0f}s)")
-        if stuck and not state.stuck:
-            log.error("worker stuck: %s has computed one batch for over %.0fs", stuck, timeout_s)
-        state.stuck = ", ".join(stuck) or None
+        await asyncio.sleep(0.1)
+        if state.failure is not None and state.embedded is not None:
+            log.error("%s", state.failure)
+            if state.on_fatal is not None:
+                state.on_fatal()
+            return
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = serve_state(app.state)
-    task = asyncio.create_task(start_engine(state), name="start-engine")
-    guard = asyncio.create_task(watchdog(state, state.settings.watchdog_timeout_s), name="watchdog")
+    settings = state.settings
+    address = state.engine_address
+    if address is None:  # no engine process: one on a thread here (tests, a laptop)
+        from server.engine.embedded import EmbeddedEngine
+
+        state.embedded = EmbeddedEngine(settings, state.metrics)
+        await asyncio.get_running_loop().run_in_executor(None, state.embedded.start)
+        address = state.embedded.address
+    if settings.shm_bytes_per_worker > 0:
+        state.pixels = SharedPixels(settings.shm_bytes_per_worker)
+    state.engine = EngineClient(address, state.pixels)
+    await state.engine.start()
+    guard = asyncio.create_task(watch_engine(state), name="watch-engine")
     try:
         yield
     finally:
-        for background in (task, guard):
-            if not background.done():
-                background.cancel()
-                await asyncio.gather(background, return_exceptions=True)
+        guard.cancel()
+        await asyncio.gather(guard, return_exceptions=True)
         await drain(state)
-        if state.engine is not None:
-            await state.engine.close()
+        await state.engine.close()
+        if state.embedded is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state.embedded.stop)
+        if state.pixels is not None:
+            state.pixels.close()
         state.decode_pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -208,8 +166,14 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
         )
 
 
-def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
-    """The ASGI app for `settings`; models load when its lifespan starts."""
+def build_app(
+    settings: Settings,
+    metrics: Metrics | None = None,
+    engine_address: str | None = None,
+    role: str = "frontend",
+) -> FastAPI:
+    """The ASGI app for `settings`, a frontend of the engine at `engine_address` (a zmq
+    address); without one, its lifespan starts an engine on a thread of this process."""
     # No `_created` series: one per counter and histogram child, they double the scrape
     # and no query here uses them. prometheus_client reads this flag (process-wide) at
     # every scrape, so setting it here covers metrics made before as well as after.
@@ -226,6 +190,7 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
         settings=settings,
         metrics=metrics,
         decode_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode"),
+        engine_address=engine_address,
     )
     app.include_router(router)
     app.include_router(page.router)
@@ -254,6 +219,10 @@ def build_app(settings: Settings, metrics: Metrics | None = None) -> FastAPI:
         )
     leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(
-        ObserveMiddleware, metrics=metrics, routes=leaf_routes, counter=app.state.serve
+        ObserveMiddleware,
+        metrics=metrics,
+        routes=leaf_routes,
+        counter=app.state.serve,
+        served_by=role,
     )
     return app

@@ -170,7 +170,8 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> t
     width, height = image.size
     out = memory.empty((height, width, 3))
     try:
-        decoded = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out.numpy(), strict=True)
+        buffer = out if isinstance(out, np.ndarray) else out.numpy()
+        decoded = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=buffer, strict=True)
     except Exception:  # ValueError for damaged data; whatever it is, Pillow's path decides
         return None
     if decoded.shape != (height, width, 3):  # the header Pillow read disagrees: let it decide
@@ -208,5 +209,5 @@ def decode_image(
         raise _bomb(exc) from None
     except Exception as exc:  # truncated or corrupt pixel data
         raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
-    pixels = memory(rgb)
+    pixels = memory.copy_in(rgb) if hasattr(memory, "copy_in") else memory(rgb)
     return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))

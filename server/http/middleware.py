@@ -63,9 +63,17 @@ class InFlight(Protocol):
 
 class ObserveMiddleware:
     def __init__(
-        self, app: ASGIApp, metrics: Metrics, routes: list[Any], counter: InFlight
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        routes: list[Any],
+        counter: InFlight,
+        served_by: str = "frontend",
     ) -> None:
         self.app = app
+        # which frontend answered (`X-Served-By`): with several behind one port, the one
+        # place a client or a test sees which process it reached
+        self.served_by = served_by.encode("latin-1")
         self.metrics = metrics
         self.routes = routes
         self.counter = counter  # the drain waits for its in_flight to reach 0
@@ -98,6 +106,7 @@ class ObserveMiddleware:
                 status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
+                headers.append((b"x-served-by", self.served_by))
                 message["headers"] = headers
             await send(message)
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from models.images import host_pixels
-from server.domain import Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
-from server.engine.everything import EverythingMasks
+from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
 from server.http import imaging
 from server.http.inputs import ParsedRequest, parse_image_request
@@ -75,12 +76,16 @@ def _state(request: Request) -> ServeState:
 
 
 async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | None:
-    """Decode and validate the image in the thread pool; None when only an id was sent."""
+    """Decode and validate the image in the thread pool; None when only an id was sent.
+
+    The pixels land in this frontend's shared memory for the engine; the request holds
+    them until it ends (`_release`), the engine until it has read them.
+    """
     if parsed.image_bytes is None and parsed.image_b64 is None:
         return None
     s = state.settings
     started = time.perf_counter()
-    memory = state.engine.image_memory if state.engine is not None else host_pixels
+    memory: Any = state.pixels if state.pixels is not None else host_pixels
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -90,11 +95,27 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         decoded = imaging.decode_image(
             data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, memory=memory
         )
-        return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
+        pixels: Any = decoded.pixels
+        if not isinstance(pixels, np.ndarray):
+            pixels = pixels.numpy()
+        return Image(imaging.sha256_hex(data), pixels, decoded.width, decoded.height)
 
-    image = await state.in_thread(work)
+    future = asyncio.get_running_loop().run_in_executor(state.decode_pool, work)
+    try:
+        image = await asyncio.shield(future)
+    except asyncio.CancelledError:  # the decode goes on; its pixels go back when it ends
+        future.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() else _release(state, f.result())
+        )
+        raise
     state.metrics.phase_seconds.labels("image_decode").observe(time.perf_counter() - started)
     return image
+
+
+def _release(state: ServeState, image: Image | None) -> None:
+    """The request is done with its image's pixels (the engine holds its own claim)."""
+    if image is not None and state.pixels is not None:
+        state.pixels.release_array(image.pixels)  # type: ignore[arg-type]
 
 
 _PHASES = ("encode", "decode", "generate", "classify")
@@ -184,12 +205,14 @@ async def segment(request: Request) -> Response:
         return_low_res=fields.return_low_res_logits,
         output=fields.output,
     )
-    result = await watch_disconnect(request.receive, engine.segment(seg))
+    try:
+        result = await watch_disconnect(request.receive, engine.segment(seg))
+    finally:
+        _release(state, image)
     computed_at = time.perf_counter()
-    assert engine.sam is not None
     timing = {"parse_and_decode": round((parsed_at - started) * 1000, 3), **result.timing_ms}
     body = await state.in_thread(
-        _segment_body, result, fields.output, engine.sam.info.brief(), timing
+        _segment_body, result, fields.output, engine.model_brief("sam"), timing
     )
     done = time.perf_counter()
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
@@ -233,12 +256,14 @@ async def segment_everything(request: Request) -> Response:
     work = engine.everything(
         image, parsed.image_id, fields.generator_fields(), fields.output, deadline
     )
-    entry, masks, timing = await watch_disconnect(request.receive, work)
+    try:
+        image_id, width, height, masks, timing = await watch_disconnect(request.receive, work)
+    finally:
+        _release(state, image)
     computed_at = time.perf_counter()
     objects = await state.in_thread(_everything_body, masks, fields.output)
     done = time.perf_counter()
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
-    assert engine.sam is not None
     timing_ms = {
         "parse_and_decode": round((parsed_at - started) * 1000, 3),
         **timing,
@@ -248,11 +273,11 @@ async def segment_everything(request: Request) -> Response:
     _record_timing(request, state, timing_ms)
     return FastJSONResponse(
         {
-            "image_id": entry.image_id,
-            "width": entry.original_size[1],
-            "height": entry.original_size[0],
+            "image_id": image_id,
+            "width": width,
+            "height": height,
             "masks": objects,
-            "model": engine.sam.info.brief(),
+            "model": engine.model_brief("sam"),
             "timing_ms": timing_ms,
         }
     )
@@ -279,14 +304,12 @@ async def embed(request: Request) -> Response:
     image = await _load_image(state, parsed)
     if image is None:
         assert parsed.image_id is not None
-        entry = engine.cache.get(parsed.image_id)
-        if entry is None:
-            raise ServiceError(404, "unknown_image_id", f"image_id {parsed.image_id} is not cached")
-        return FastJSONResponse(
-            {"image_id": entry.image_id, "width": entry.original_size[1],
-             "height": entry.original_size[0], "cached": True, "timing_ms": {}}
-        )  # fmt: skip
-    result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+        result = await engine.lookup(parsed.image_id)
+    else:
+        try:
+            result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+        finally:
+            _release(state, image)
     _record_timing(request, state, result.timing_ms)
     return FastJSONResponse(
         {"image_id": result.image_id, "width": result.width, "height": result.height,
@@ -309,14 +332,14 @@ async def get_embedding(request: Request, image_id: str) -> Response:
     engine = state.require_engine()
     if not is_image_id(image_id):
         raise ServiceError(422, "invalid_request", "image_id must be 64 lowercase hex digits")
-    entry, data = await engine.embedding_npy(image_id)
+    original_size, input_size, data = await engine.embedding_npy(image_id)
     return Response(
         data,
         media_type="application/octet-stream",
         headers={
             "Content-Disposition": f'attachment; filename="{image_id}.npy"',
-            "X-Original-Size": f"{entry.original_size[0]},{entry.original_size[1]}",
-            "X-Input-Size": f"{entry.input_size[0]},{entry.input_size[1]}",
+            "X-Original-Size": f"{original_size[0]},{original_size[1]}",
+            "X-Input-Size": f"{input_size[0]},{input_size[1]}",
         },
     )
 
@@ -346,10 +369,12 @@ async def classify(request: Request) -> Response:
         raise ServiceError(422, "invalid_request", f"top_k is at most {state.settings.max_top_k}")
     image = await _load_image(state, parsed)
     assert image is not None
-    result = await watch_disconnect(
-        request.receive, engine.classify(image, parsed.fields.top_k, deadline)
-    )
-    assert engine.swin is not None
+    try:
+        result = await watch_disconnect(
+            request.receive, engine.classify(image, parsed.fields.top_k, deadline)
+        )
+    finally:
+        _release(state, image)
     timing_ms = {**result.timing_ms, "total": round((time.perf_counter() - started) * 1000, 3)}
     _record_timing(request, state, timing_ms)
     return FastJSONResponse(
@@ -357,7 +382,7 @@ async def classify(request: Request) -> Response:
             "predictions": [
                 {"label": p.label, "index": p.index, "score": p.score} for p in result.predictions
             ],
-            "model": engine.swin.info.brief(),
+            "model": engine.model_brief("swin"),
             "timing_ms": timing_ms,
         }
     )
@@ -388,7 +413,7 @@ async def readyz(request: Request) -> Response:
         # the error envelope, plus where the start-up is (server.progress)
         body: dict[str, Any] = error_body("not_ready", "loading or warming up")
         if state.progress is not None:
-            body["progress"] = state.progress.snapshot()
+            body["progress"] = state.progress
         return FastJSONResponse(body, status_code=503)
     return FastJSONResponse({"status": "ready"})
 

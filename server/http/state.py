@@ -1,6 +1,7 @@
-"""What the app holds between requests: settings, engine, metrics and the life-cycle flags.
+"""What a frontend holds between requests: settings, the engine client, metrics, flags.
 
-Kept on `app.state.serve`; the lifespan owns its transitions (loading -> ready -> draining).
+Kept on `app.state.serve`. Readiness, a start-up failure and a stuck batch are the engine
+process's (its last status answer); draining and the requests in flight are this process's.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from server.engine.services import Engine
 from server.errors import ServiceError
+from server.http.engine_client import EngineClient
+from server.http.pixels import SharedPixels
 from server.metrics import Metrics
-from server.progress import StartupProgress
 from server.settings import Settings
 
 T = TypeVar("T")
@@ -26,16 +27,40 @@ class ServeState:
     settings: Settings
     metrics: Metrics
     decode_pool: ThreadPoolExecutor
-    engine: Engine | None = None
-    ready: bool = False
+    engine: EngineClient | None = None
+    pixels: SharedPixels | None = None  # where images are decoded for the engine
+    embedded: Any = None  # an engine in this process (server.http.embedded), tests and dev
+    engine_address: str | None = None  # the engine process's socket; None: embedded
     draining: bool = False
-    failure: str | None = None  # why start-up failed; /healthz reports it
-    stuck: str | None = None  # stages whose batch outlived the watchdog; /healthz reports it
     in_flight: int = 0  # HTTP requests being served (kept by ObserveMiddleware)
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
     drain_deadline: float | None = None  # monotonic; the drain waits for no one past it
-    progress: StartupProgress | None = None  # the start-up's steps; /readyz shows them
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.ready and not self.draining
+
+    @property
+    def failure(self) -> str | None:
+        """Why start-up failed (the engine's), or that the engine stopped answering."""
+        if self.engine is None or self.engine.status is None:
+            return None
+        if self.engine.stale:
+            return "the engine process is not answering"
+        return self.engine.status.failure
+
+    @property
+    def stuck(self) -> str | None:
+        """Stages whose batch outlived the watchdog (the engine's); /healthz reports it."""
+        status = self.engine.status if self.engine is not None else None
+        return status.stuck if status is not None else None
+
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """The start-up's steps (server.progress's snapshot); /readyz shows them."""
+        status = self.engine.status if self.engine is not None else None
+        return status.progress if status is not None else None
 
     def begin_drain(self) -> None:
         """From now on: readiness 503, new requests 503; accepted ones still complete,
@@ -45,11 +70,11 @@ class ServeState:
             self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
             self.metrics.ready.set(0)
 
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> EngineClient:
         """The engine, or 503 while loading, warming, draining or failed."""
         if self.draining:
             raise ServiceError(503, "not_ready", "the service is shutting down")
-        if not self.ready or self.engine is None:
+        if self.engine is None or not self.engine.ready:
             raise ServiceError(503, "not_ready", "the service is still loading or warming up")
         return self.engine
 

@@ -138,7 +138,7 @@ def test_low_res_handles_hold_only_their_own_memory(make_server):
         assert r.status_code == 200, r.text
         handles = [m["low_res_handle"] for res in r.json()["results"] for m in res["masks"]]
         assert len(handles) == 12
-        store = server.app.state.serve.engine.low_res
+        store = server.app.state.serve.embedded.engine.low_res
         kept = list(store._entries.values())
         assert len(kept) == 3
         storage = {e.logits.untyped_storage().data_ptr(): e.logits for e in kept}

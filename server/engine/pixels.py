@@ -1,0 +1,111 @@
+"""The engine's view of the frontends' shared pixel memory (`server.http.pixels`).
+
+Each frontend's file is mapped once; on CUDA the whole mapping is page-locked
+(`cudaHostRegister`), so an image's upload is a DMA straight from the slot the frontend
+decoded into. An image reaches the stages as a tensor over its slot. The slot goes back to
+its frontend when nothing here reads it any more: when the tensor's storage is freed (a
+finalizer on the numpy array the storage keeps alive, so views, batches and shared
+encodings all count) and, on CUDA, once the stream has passed every copy queued from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from server.messages import PixelRef
+
+log = logging.getLogger(__name__)
+
+Release = Callable[[bytes, int], None]  # (frontend identity, slot): back to its frontend
+
+
+@dataclass
+class _Mapping:
+    map: mmap.mmap
+    buffer: np.ndarray
+    registered: bool
+
+
+class PixelMaps:
+    """Maps frontends' pixel files and hands out tensors over their slots."""
+
+    def __init__(self, device: torch.device, release: Release) -> None:
+        self.device = device
+        self._release = release
+        self._maps: dict[str, _Mapping] = {}
+        self._pending: list[tuple[torch.cuda.Event, bytes, int]] = []
+
+    def _mapping(self, path: str) -> _Mapping:
+        mapping = self._maps.get(path)
+        if mapping is None:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            buffer = np.frombuffer(mm, dtype=np.uint8)
+            registered = False
+            if self.device.type == "cuda":
+                address = buffer.__array_interface__["data"][0]
+                code = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+                registered = int(code) == 0
+                if not registered:
+                    log.warning("could not page-lock %s (cudaHostRegister: %s); its "
+                                "uploads are staged", path, code)  # fmt: skip
+            mapping = self._maps[path] = _Mapping(mm, buffer, registered)
+            log.info("mapped %s (%.0f MiB%s)", path, size / 2**20,
+                     ", page-locked" if registered else "")  # fmt: skip
+        return mapping
+
+    def tensor(self, ref: PixelRef, owner: bytes) -> torch.Tensor:
+        """`uint8 [h, w, 3]` over the slot; the slot is released when the storage dies."""
+        mapping = self._mapping(ref.path)
+        h, w, c = ref.shape
+        array = mapping.buffer[ref.offset : ref.offset + h * w * c]
+        weakref.finalize(array, self._done, owner, ref.slot)
+        # from_numpy keeps `array` alive exactly as long as the tensor's storage
+        return torch.from_numpy(array).view(h, w, c)
+
+    def _done(self, owner: bytes, slot: int) -> None:
+        """The storage is gone (any thread): release now, or once queued copies finish."""
+        if self.device.type != "cuda":
+            self._release(owner, slot)
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._pending.append((event, owner, slot))
+
+    def poll(self) -> None:
+        """Release the slots whose uploads have finished (the engine's loop calls this)."""
+        if not self._pending:
+            return
+        waiting = []
+        for event, owner, slot in self._pending:
+            if event.query():
+                self._release(owner, slot)
+            else:
+                waiting.append((event, owner, slot))
+        self._pending = waiting
+
+    def forget(self, path: str) -> None:
+        """Unmap a frontend's file (the frontend is gone)."""
+        mapping = self._maps.pop(path, None)
+        if mapping is None:
+            return
+        if mapping.registered:
+            address = mapping.buffer.__array_interface__["data"][0]
+            torch.cuda.cudart().cudaHostUnregister(address)
+        del mapping.buffer
+        try:
+            mapping.map.close()
+        except BufferError:  # tensors still view it: leave it to the garbage collector
+            pass

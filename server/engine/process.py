@@ -1,0 +1,327 @@
+"""The engine process: the models, their batchers and caches, behind one zmq socket.
+
+It does nothing but batching and GPU work. Frontends send calls (`server.messages`) over a
+DEALER socket to this ROUTER; each call becomes a task on this process's event loop that
+awaits the engine (`server.engine.services`) and answers when done, so a click from any
+frontend finds the one embedding cache. Pixels arrive as references to the frontends'
+shared memory (`server.engine.pixels`) and go back to them by a release message once
+nothing here reads them.
+
+Start-up (load, warm-up, the optional fidelity check) runs here, reported in every status
+answer; the frontends turn that into `/readyz`. A start-up failure ends the process with
+status 1, which ends the service (the supervisor exits non-zero and the pod restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from models.sam import SAM_CONFIGS
+from models.swin import SWIN_CONFIGS
+from server.domain import Image
+from server.engine.fidelity import FidelityError
+from server.engine.pixels import PixelMaps
+from server.engine.services import Engine
+from server.errors import ServiceError
+from server.messages import (
+    RELEASE,
+    CancelCall,
+    ClassifyCall,
+    EmbedCall,
+    EmbeddingNpyCall,
+    EverythingCall,
+    Failure,
+    ImageMsg,
+    LookupCall,
+    Reply,
+    SegmentCall,
+    Status,
+    StatusCall,
+    call_id_bytes,
+    call_id_of,
+    dump,
+    load,
+)
+from server.metrics import Metrics
+from server.progress import StartupProgress
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FIDELITY_STEP = "checking fidelity against the fp32 model"
+
+
+class EngineServer:
+    """Serves calls from every frontend; `run` until `stop` is set (then drains)."""
+
+    def __init__(self, settings: Settings, address: str, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.address = address
+        self.metrics = metrics or Metrics()
+        self.engine: Engine | None = None
+        self.ready = False
+        self.failure: str | None = None
+        self.stuck: str | None = None
+        self.progress: StartupProgress | None = None
+        self.stop = asyncio.Event()
+        self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
+        self._socket: zmq.asyncio.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.pixels: PixelMaps | None = None
+        self.bound = threading.Event()  # set once the socket listens (embedded mode waits)
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        context = zmq.asyncio.Context()
+        sock = self._socket = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.address)
+        self.bound.set()
+        starting = asyncio.create_task(self._start(), name="engine-start")
+        guard = asyncio.create_task(self._watchdog(), name="watchdog")
+        receiving = asyncio.create_task(self._receive(sock), name="engine-receive")
+        try:
+            await self.stop.wait()
+            await self._drain()
+        finally:
+            for task in (starting, guard, receiving):
+                task.cancel()
+            await asyncio.gather(starting, guard, receiving, return_exceptions=True)
+            if self.engine is not None:
+                await self.engine.close()
+            sock.close(linger=0)
+            context.term()
+
+    async def _drain(self) -> None:
+        """Finish every call in hand (the frontends stopped sending before this), within
+        the drain timeout."""
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._tasks:
+            log.warning("engine stopping with %d calls unfinished", len(self._tasks))
+
+    async def _start(self) -> None:
+        """Load, warm up, then flip ready; a failure is kept for status and stops the
+        process."""
+        started = time.perf_counter()
+        settings, metrics = self.settings, self.metrics
+        try:
+            engine = Engine(settings, metrics)
+            self.engine = engine
+            self.pixels = PixelMaps(engine.device, self._release_soon)
+            plan = engine.load_steps() + (engine.warm_steps() if settings.warmup else [])
+            labels = [label for label, _ in plan]
+            if settings.fidelity_check:
+                labels.append(FIDELITY_STEP)
+            progress = self.progress = StartupProgress(labels)
+            await engine.load(progress)
+            metrics.set_models(engine.models())
+            engine.start()
+            if settings.warmup:
+                metrics.warmup_seconds.set(await engine.warmup(progress))
+                for event, count in engine.compile_cache_events.items():
+                    metrics.compile_cache.labels(event).set(count)
+            if settings.fidelity_check:
+                progress.begin(FIDELITY_STEP)
+                report = await engine.check_fidelity()
+                for model, measures in report.measures.items():
+                    for measure, value in measures.items():
+                        metrics.fidelity.labels(model, measure).set(value)
+                if report.shortfalls:
+                    raise FidelityError(
+                        "the served variant is below the fidelity floor: "
+                        + "; ".join(report.shortfalls)
+                    )
+            self.ready = True
+            metrics.ready.set(1)
+            log.info("ready after %.1fs (%.1fs since process start)",
+                     time.perf_counter() - started, progress.elapsed())  # fmt: skip
+        except Exception as exc:
+            self.failure = f"start-up failed: {type(exc).__name__}: {exc}"
+            log.exception("start-up failed")
+
+    async def _watchdog(self) -> None:
+        """Report a batch that has computed for longer than the watchdog's timeout.
+
+        A hung GPU call never returns; requests behind it fail at their deadlines, and
+        /healthz turning 503 (from this, in every frontend) lets Kubernetes restart the pod.
+        """
+        timeout_s = self.settings.watchdog_timeout_s
+        period = min(1.0, timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if self.pixels is not None:
+                self.pixels.poll()
+            engine = self.engine
+            if engine is None:
+                continue
+            stuck = []
+            for batcher in engine.batchers():
+                over = batcher.busy_for() > timeout_s
+                self.metrics.worker_stuck.labels(batcher.stage).set(int(over))
+                if over:
+                    stuck.append(f"{batcher.stage} ({batcher.busy_for():.0f}s)")
+            if stuck and not self.stuck:
+                log.error("worker stuck: %s has computed one batch for over %.0fs",
+                          stuck, timeout_s)  # fmt: skip
+            self.stuck = ", ".join(stuck) or None
+
+    # -- the socket ---------------------------------------------------------------------
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            identity, call_frame, *payload = frames
+            owner = identity.bytes
+            call_id = call_id_of(call_frame)
+            try:
+                call = load(payload)
+            except Exception:
+                log.exception("an unreadable call from a frontend")
+                continue
+            if isinstance(call, CancelCall):
+                task = self._tasks.get((owner, call.call_id))
+                if task is not None:
+                    task.cancel()
+                continue
+            if isinstance(call, StatusCall):
+                self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
+                continue
+            key = (owner, call_id)
+            self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call))
+
+    def _send(self, frames: list[Any]) -> None:
+        assert self._socket is not None
+        try:
+            self._socket.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:  # the frontend is gone; nothing to tell
+            log.warning("could not answer a frontend: %s", exc)
+
+    def _release_soon(self, owner: bytes, slot: int) -> None:
+        """Give a pixel slot back to its frontend (from any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._send, [RELEASE, owner, *dump([slot])])
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    async def _serve(self, owner: bytes, call_id: int, call: object) -> None:
+        try:
+            reply = Reply(await self._dispatch(owner, call))
+        except ServiceError as exc:
+            reply = Reply(failure=Failure.of(exc))
+        except asyncio.CancelledError:
+            reply = Reply(failure=Failure(499, "client_closed", "the call was cancelled"))
+        except Exception as exc:
+            log.exception("a %s call failed", type(call).__name__)
+            reply = Reply(failure=Failure(500, "internal", f"internal error: {type(exc).__name__}"))
+        finally:
+            self._tasks.pop((owner, call_id), None)
+        self._send([owner, call_id_bytes(call_id), *dump(reply)])
+        if self.pixels is not None:
+            self.pixels.poll()
+
+    # -- calls --------------------------------------------------------------------------
+
+    def status(self) -> Status:
+        engine = self.engine
+        sam = SAM_CONFIGS.get(self.settings.sam_model) if self.settings.enable_sam else None
+        swin = SWIN_CONFIGS.get(self.settings.swin_model) if self.settings.enable_swin else None
+        return Status(
+            ready=self.ready and self.failure is None,
+            failure=self.failure,
+            stuck=self.stuck,
+            progress=self.progress.snapshot() if self.progress is not None else None,
+            models=tuple(engine.models()) if engine is not None else (),
+            sam_image_size=sam.image_size if sam is not None else None,
+            swin_resize=swin.resize_size if swin is not None else None,
+            pid=os.getpid(),
+        )
+
+    def _require(self) -> Engine:
+        if not self.ready or self.engine is None:
+            raise ServiceError(503, "not_ready", "the service is still loading or warming up")
+        return self.engine
+
+    def _image(self, message: ImageMsg, owner: bytes) -> Image:
+        pixels = message.pixels
+        if isinstance(pixels, np.ndarray):  # inline (the frontend's shared memory was full)
+            tensor = torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
+        else:
+            assert self.pixels is not None
+            tensor = self.pixels.tensor(pixels, owner)
+        return Image(message.image_id, tensor, message.width, message.height)
+
+    async def _dispatch(self, owner: bytes, call: object) -> object:
+        engine = self._require()
+        if isinstance(call, SegmentCall):
+            request = call.request
+            if request.image is not None:
+                assert isinstance(request.image, ImageMsg)
+                image = self._image(request.image, owner)
+                request = replace(request, image=image)
+            return await engine.segment(request)
+        if isinstance(call, EmbedCall):
+            return await engine.embed(self._image(call.image, owner), call.deadline)
+        if isinstance(call, ClassifyCall):
+            return await engine.classify(self._image(call.image, owner), call.top_k, call.deadline)
+        if isinstance(call, LookupCall):
+            return engine.lookup(call.image_id)
+        if isinstance(call, EverythingCall):
+            image = self._image(call.image, owner) if call.image is not None else None
+            entry, masks, timing = await engine.everything(
+                image, call.image_id, call.fields, call.output, call.deadline
+            )
+            height, width = entry.original_size
+            return entry.image_id, width, height, masks, timing
+        if isinstance(call, EmbeddingNpyCall):
+            entry, data = await engine.embedding_npy(call.image_id)
+            return entry.original_size, entry.input_size, data
+        raise ServiceError(500, "internal", f"unknown call {type(call).__name__}")
+
+
+def engine_main(settings: Settings, address: str) -> None:
+    """The engine process's entry point (spawned by the supervisor)."""
+    from server.logs import configure_logging
+
+    configure_logging(settings.log_level, "engine")
+    if settings.switch_interval_ms is not None:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
+    server = EngineServer(settings, address, Metrics())
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, server.stop.set)
+
+        async def fail_fast() -> None:
+            while server.failure is None:
+                await asyncio.sleep(0.05)
+            server.stop.set()
+
+        watcher = asyncio.create_task(fail_fast())
+        try:
+            await server.run()
+        finally:
+            watcher.cancel()
+
+    asyncio.run(main())
+    raise SystemExit(1 if server.failure is not None else 0)

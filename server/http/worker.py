@@ -1,0 +1,70 @@
+"""A frontend process: uvicorn serving `build_app` on the socket the supervisor listens on.
+
+SIGTERM drains before uvicorn stops listening: readiness turns 503 at once and new requests
+get 503, while every request already accepted runs to completion (bounded by
+`SERVE_DRAIN_TIMEOUT_S`; a body must arrive within the request deadline, 408 otherwise);
+then uvicorn shuts down, giving what is still running `SHUTDOWN_GRACE_S` more, and the
+process exits 0. A second SIGTERM, or SIGINT, stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from server.http.app import build_app, drain
+from server.http.state import ServeState, serve_state
+from server.logs import configure_logging
+from server.settings import Settings
+
+log = logging.getLogger("server")
+
+# uvicorn's graceful shutdown, after the drain has already waited for accepted requests:
+# what still runs then gets this long before it is cancelled. Not the drain timeout again,
+# which once doubled the wait past Kubernetes' grace period (SIGKILL).
+SHUTDOWN_GRACE_S = 5
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains the service before the server stops."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._drain is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        log.info("SIGTERM: draining (readiness off, new requests 503)")
+        self.state.begin_drain()  # takes effect before the next request is read
+        loop = asyncio.get_running_loop()  # signal handlers run on the loop's thread
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await drain(self.state)
+        self.should_exit = True
+
+
+def frontend_main(settings: Settings, sock: socket.socket, engine_address: str, role: str) -> None:
+    """A frontend process's entry point (spawned by the supervisor)."""
+    configure_logging(settings.log_level, role)
+    app = build_app(settings, engine_address=engine_address, role=role)
+    state = serve_state(app.state)
+    config = uvicorn.Config(
+        app, log_config=None, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, backlog=2048
+    )
+    server = DrainingServer(config, state)
+    # After a second signal uvicorn restores the handler it found and raises the signal
+    # again once it has shut down; with this no-op handler found, that ends in status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run(sockets=[sock])

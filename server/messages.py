@@ -1,0 +1,160 @@
+"""The messages between the frontends and the engine, and how they cross the socket.
+
+A frontend's DEALER socket sends `[call id, payload, *buffers]` to the engine's ROUTER; the
+engine answers `[call id, payload, *buffers]` when the call is done, and `[RELEASE,
+payload]` when pixels a frontend lent it in shared memory are no longer read. Payloads are
+pickles of the dataclasses below (protocol 5: numpy arrays, such as mask runs or inline
+pixels, travel as separate frames without a copy). Both ends are this package at one
+version, started together by the supervisor, so pickle's lack of a schema costs nothing,
+and nothing untrusted is ever unpickled: clients' bytes are parsed by the frontend and
+only its own messages cross.
+
+Deadlines are `time.monotonic()` instants: Linux's monotonic clock is one clock for every
+process on the host.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.domain import ModelInfo, SegmentRequest
+from server.errors import ServiceError
+
+RELEASE = b"release"  # the first frame of an engine -> frontend release of pixel slots
+
+
+@dataclass(frozen=True)
+class PixelRef:
+    """Where a decoded image's `uint8 [h, w, 3]` pixels lie in a frontend's shared memory."""
+
+    path: str  # the frontend's shared-memory file (under /dev/shm)
+    offset: int
+    shape: tuple[int, int, int]
+    slot: int  # the frontend's id for the region, sent back in a release
+
+
+@dataclass(frozen=True)
+class ImageMsg:
+    """A decoded image: its id, its size in the file, and its pixels (maybe decoded smaller:
+    the model's resize needs no more), in shared memory or inline when that was full."""
+
+    image_id: str
+    width: int
+    height: int
+    pixels: PixelRef | np.ndarray
+
+
+@dataclass(frozen=True)
+class StatusCall:
+    """Readiness, progress and what is loaded; every frontend asks a few times a second."""
+
+
+@dataclass(frozen=True)
+class LookupCall:
+    """Is this image's embedding cached? (`/v1/embed` with only an id)."""
+
+    image_id: str
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    image: ImageMsg
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class SegmentCall:
+    request: SegmentRequest  # its `image`, when sent, is an ImageMsg
+
+
+@dataclass(frozen=True)
+class EverythingCall:
+    image: ImageMsg | None
+    image_id: str | None
+    fields: dict[str, float | int]
+    output: str
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class ClassifyCall:
+    image: ImageMsg
+    top_k: int
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class EmbeddingNpyCall:
+    image_id: str
+
+
+@dataclass(frozen=True)
+class CancelCall:
+    """The client left (or its deadline passed in the frontend): drop the call's work."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """The engine's state as a frontend serves `/readyz`, `/healthz` and `/v1/models`."""
+
+    ready: bool
+    failure: str | None  # why start-up failed
+    stuck: str | None  # stages whose batch outlived the watchdog
+    progress: dict[str, Any] | None  # the start-up's steps (server.progress)
+    models: tuple[ModelInfo, ...]
+    # the input sizes the models resize to, for decoding no larger than needed
+    sam_image_size: int | None = None
+    swin_resize: int | None = None
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A call that ended in a `ServiceError`: the frontend raises it again as is."""
+
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str] | None = None
+
+    @classmethod
+    def of(cls, exc: ServiceError) -> Failure:
+        return cls(exc.status, exc.code, exc.message, dict(exc.headers or {}) or None)
+
+    def error(self) -> ServiceError:
+        return ServiceError(self.status, self.code, self.message, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class Reply:
+    value: Any = None
+    failure: Failure | None = None
+    timing_ms: dict[str, float] = field(default_factory=dict)
+
+
+def dump(obj: object) -> list[Any]:
+    """`obj` as frames: the pickle, then its out-of-band buffers (no copy of arrays)."""
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return [payload, *(b.raw() for b in buffers)]
+
+
+def load(frames: list[Any]) -> Any:
+    """The object `dump` made; `frames` may be bytes or zmq frames (buffers, no copy)."""
+    payload, *buffers = (memoryview(f.buffer) if hasattr(f, "buffer") else f for f in frames)
+    return pickle.loads(payload, buffers=buffers)
+
+
+def call_id_bytes(call_id: int) -> bytes:
+    return call_id.to_bytes(8, "little")
+
+
+def call_id_of(frame: Any) -> int:
+    data = frame.bytes if hasattr(frame, "bytes") else frame
+    return int.from_bytes(data, "little")

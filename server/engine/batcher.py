@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 import torch
 
 from server.errors import ServiceError
+from server.observers import BatchObserver
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +39,6 @@ DEADLINE_CANCEL = "deadline"
 
 # Weight of the newest batch in the running mean of a batch's duration (admission control).
 _RATE_WEIGHT = 0.3
-
-
-class BatchObserver:
-    """Hooks the batcher calls so metrics stay out of the batching logic."""
-
-    def declare(self, stage: str) -> None:
-        """Called once per stage when its batcher is made, before any item arrives."""
-
-    def queue_depth(self, stage: str, depth: int) -> None:
-        """Called whenever the number of waiting items changes."""
-
-    def batch_started(self, stage: str, size: int, cost: int, waits_s: Sequence[float]) -> None:
-        """Called as a batch leaves the queue, with each item's time in the queue."""
-
-    def batch_finished(self, stage: str, size: int, seconds: float, failed: bool) -> None:
-        """Called when a batch's computation ends."""
-
-    def rejected(self, stage: str, reason: str) -> None:
-        """Called when an item is refused or dropped (queue_full, deadline, cancelled)."""
-
-    def out_of_memory(self, stage: str, size: int) -> None:
-        """Called when a batch of `size` items ran out of device memory (then split)."""
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ import torch
 
 from server.engine.batcher import DEADLINE_CANCEL
 from server.errors import ServiceError
+from server.observers import CacheObserver
 
 __all__ = ["CacheObserver", "EmbeddingCache", "ImageEmbedding", "LowResStore"]
 
@@ -41,16 +42,6 @@ class ImageEmbedding:
     @property
     def nbytes(self) -> int:
         return self.embedding.numel() * self.embedding.element_size()
-
-
-class CacheObserver:
-    """Hooks for metrics; the defaults do nothing."""
-
-    def cache_event(self, event: str) -> None:
-        """hit, host_hit, miss, eviction (device -> host or gone), host_eviction."""
-
-    def cache_size(self, tier: str, entries: int, nbytes: int) -> None:
-        """Called after every change of a tier ("device" or "host")."""
 
 
 class _Tier:

@@ -45,9 +45,17 @@ def _nvml_memory() -> list[tuple[int, float, float]]:
         import pynvml  # nvidia-ml-py: optional, present in CUDA images
     except ImportError:
         return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
+    # Initialised once per process and left so (the driver's handle costs milliseconds to
+    # open, and the sampler asks every few seconds); a failed start is not retried.
+    if _nvml_state.get("module") is not pynvml:
+        try:
+            pynvml.nvmlInit()
+            _nvml_state["module"] = pynvml
+            _nvml_state["ok"] = True
+        except pynvml.NVMLError:
+            _nvml_state["module"] = pynvml
+            _nvml_state["ok"] = False
+    if not _nvml_state["ok"]:
         return []
     try:
         found = []
@@ -57,5 +65,6 @@ def _nvml_memory() -> list[tuple[int, float, float]]:
         return found
     except pynvml.NVMLError:
         return []
-    finally:
-        pynvml.nvmlShutdown()
+
+
+_nvml_state: dict[str, object] = {}

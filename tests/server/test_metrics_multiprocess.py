@@ -356,3 +356,16 @@ def test_a_role_is_a_plain_name(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0 and "role '../engine'" in done.stderr
     assert not list(tmp_path.glob("pid-*")), "no pid file outside the naming rule"
+
+
+def test_gpu_series_are_named_by_the_machine_s_device_index(monkeypatch):
+    """Two engines, each pinned to its GPU by CUDA_VISIBLE_DEVICES, both see `cuda:0`: their
+    GPU memory series must still differ (livemax would otherwise show only the larger)."""
+    from server.engine.gpu_memory import device_label  # torch: the engine's side
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert device_label(0) == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")
+    assert [device_label(0), device_label(1)] == ["2", "5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [device_label(0), device_label(1)] == ["0", "1"]

@@ -1,16 +1,31 @@
-"""Prometheus metrics: one registry per app, fed by middleware, the batchers and the engine.
+"""Prometheus metrics: fed by the HTTP middleware, the batchers, the cache and the engine.
+
+Two modes, chosen by the environment the process starts in:
+
+- single process (PROMETHEUS_MULTIPROC_DIR unset: tests, `LiveServer`): one in-memory
+  registry, rendered as it is, with the standard `process_*`, `python_info` and
+  `python_gc_*` families of this process, as the default registry would have them.
+- multiprocess (the supervisor sets PROMETHEUS_MULTIPROC_DIR): every process (the engine,
+  each frontend) writes its values to files in that folder, and any frontend's `render()`
+  merges them all (server/metrics_multiprocess.py), with `process_*` per live process.
+
+Each gauge's `multiprocess_mode` says how the processes' values combine; all are `live*`,
+so that a process the supervisor has forgotten stops counting. Nothing is read at scrape
+time from another object (`Gauge.set_function` has no multiprocess form): values that no
+event sets (pinned image bytes, GPU memory) are pushed by samplers (`add_sampler`).
 
 Histogram buckets resolve 1 ms to 30 s so both a 3 ms decoder call and a cold 20 s request
-land in a real bucket rather than +Inf. The registry also carries the standard `process_*`
-(resident memory, CPU seconds, open fds), `python_info` and `python_gc_*` families that the
-default registry would have, so the usual dashboards and alerts work on this one.
+land in a real bucket rather than +Inf. This module never imports torch: the frontends
+build a `Metrics` too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -21,12 +36,19 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from server.domain import ModelInfo
-from server.engine.batcher import BatchObserver
-from server.engine.cache import CacheObserver
+from server.metrics_multiprocess import (
+    GcCounters,
+    multiprocess_folder,
+    register_process,
+    render_folder,
+)
+from server.observers import BatchObserver, CacheObserver
+
+if TYPE_CHECKING:
+    from server.domain import ModelInfo
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
@@ -34,6 +56,9 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
+# How often a multiprocess process copies what no event sets (GC counts, pinned bytes,
+# GPU memory) into its files: a scrape sees them at most this stale.
+SAMPLE_PERIOD_S = 2.0
 
 # The `reason` label of serve_rejections_total: what docs/OBSERVABILITY.md lists.
 REJECTION_REASONS = (
@@ -41,11 +66,23 @@ REJECTION_REASONS = (
     "bad_input", "internal",
 )  # fmt: skip
 
+# The role of the single process that does everything (no PROMETHEUS_MULTIPROC_DIR).
+SINGLE = "server"
+
 
 class Metrics(BatchObserver, CacheObserver):
-    """Every metric family the service exports; also the batchers' observer."""
+    """Every metric family the service exports; also the batchers' and cache's observer.
 
-    def __init__(self) -> None:
+    `role` names the process in multiprocess mode (`engine`, `frontend-0`, ...): the
+    `process` label of its `process_*` series. Roles starting with `engine` own
+    `serve_ready`; see `ready`.
+    """
+
+    def __init__(self, role: str = SINGLE) -> None:
+        self.role = role
+        self.folder = multiprocess_folder()
+        if self.folder is not None:  # first: a bad role writes nothing
+            register_process(self.folder, role)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.request_seconds = Histogram(
@@ -61,16 +98,18 @@ class Metrics(BatchObserver, CacheObserver):
         )
         for reason in REJECTION_REASONS:  # every series from the start, at 0
             self.rejections.labels(reason)
+        # Each frontend counts its own requests: the service's are the sum.
         self.in_flight = Gauge(
             "serve_in_flight_requests", "Requests being served (probes and scrapes excluded)",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        # Each engine's own pinned buffers (0 in the frontends).
         self.pinned_image_bytes = Gauge(
             "serve_pinned_image_bytes",
             "Page-locked host memory held by decoded images waiting for the GPU "
             "(at most SERVE_PINNED_IMAGE_BYTES; 0 without CUDA)",
-            registry=r,
-        )
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
         self.queue_wait = Histogram(
             "serve_queue_wait_seconds", "Time an item waited in a stage's queue",
             ["stage"], buckets=LATENCY_BUCKETS, registry=r,
@@ -93,51 +132,88 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_oom_events", "Batches that ran out of device memory (then split)",
             ["stage"], registry=r,
         )  # fmt: skip
+        # 1 if any engine's stage is stuck.
         self.worker_stuck = Gauge(
             "serve_worker_stuck", "1 while a stage's batch has run past the watchdog timeout",
-            ["stage"], registry=r,
+            ["stage"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
+        # Items waiting in the stage's queues of every engine.
         self.queue_depth_gauge = Gauge(
-            "serve_queue_depth", "Items waiting in a stage's queue", ["stage"], registry=r
-        )
+            "serve_queue_depth", "Items waiting in a stage's queue", ["stage"], registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.phase_seconds = Histogram(
             "serve_phase_duration_seconds",
             "Time per request phase (image_decode, encode, decode, mask_encode)",
             ["phase"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        # The slowest engine's warm-up (the frontends' 0 never wins).
         self.warmup_seconds = Gauge(
-            "serve_warmup_seconds", "Seconds the start-up warm-up took", registry=r
-        )
+            "serve_warmup_seconds", "Seconds the start-up warm-up took", registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        # Every engine's hits and misses.
         self.compile_cache = Gauge(
             "serve_compile_cache_events", "Inductor FX-graph cache hits and misses at warm-up",
-            ["event"], registry=r,
+            ["event"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        # Measures go both ways (an error, an IoU): neither min nor max is the worst one,
+        # so the latest measured, from engines on the same kind of GPU.
         self.fidelity = Gauge(
             "serve_fidelity",
             "The served variant against the fp32 model at start-up (SERVE_FIDELITY_CHECK)",
-            ["model", "measure"], registry=r,
+            ["model", "measure"], registry=r, multiprocess_mode="livemostrecent",
         )  # fmt: skip
-        self.ready = Gauge("serve_ready", "1 when every model is loaded and warm", registry=r)
+        # 1 per model per engine; the `device` label tells engines apart.
         self.model_info = Gauge(
             "serve_model_info", "Loaded models (value 1)",
             ["name", "weights", "precision", "device", "compile_mode"], registry=r,
+            multiprocess_mode="livemax",
         )  # fmt: skip
         self.cache_events = Counter(
             "serve_embedding_cache_events",
             "Embedding cache hit, host_hit, miss, eviction, host_eviction",
             ["event"], registry=r,
         )  # fmt: skip
+        # Each engine holds its own cache: the service holds the sum.
         self.cache_bytes = Gauge(
             "serve_embedding_cache_bytes", "Bytes of embeddings held, by tier", ["tier"],
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.cache_entries = Gauge(
-            "serve_embedding_cache_entries", "Embeddings held, by tier", ["tier"], registry=r
-        )
-        r.register(_TorchMemoryCollector())
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
+            "serve_embedding_cache_entries", "Embeddings held, by tier", ["tier"], registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._ready: Gauge | None = None
+        self._gpu: dict[str, Gauge] = {}
+        self._samplers: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        if self.folder is None:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+            self.ready.set(0)
+            return
+        if role.startswith("engine"):
+            self.ready.set(0)
+        self._samplers.append(GcCounters(r, role))
+        threading.Thread(target=self._sample_forever, name="metrics-sampler", daemon=True).start()
+
+    @property
+    def ready(self) -> Gauge:
+        """`serve_ready`: the least of the processes that set it (`livemin`).
+
+        In multiprocess mode only engines make it at start (at 0, then 1 once warm); a
+        frontend makes it only by setting it, when it drains (0). So the service reads 1
+        once every engine is warm, and 0 while any loads or any process drains."""
+        with self._lock:
+            if self._ready is None:
+                self._ready = Gauge(
+                    "serve_ready", "1 when every model is loaded and warm",
+                    registry=self.registry, multiprocess_mode="livemin",
+                )  # fmt: skip
+            return self._ready
 
     # -- BatchObserver ----------------------------------------------------------------
 
@@ -184,63 +260,84 @@ class Metrics(BatchObserver, CacheObserver):
         for m in models:
             self.model_info.labels(m.name, m.weights, m.precision, m.device, m.compile_mode).set(1)
 
+    def track_engine(self, pinned_image_bytes: Callable[[], int]) -> None:
+        """For the engine, once it exists: keep `serve_pinned_image_bytes` and the GPU
+        memory families (CUDA only) current, by a sampler (see `add_sampler`)."""
+        from server.engine.gpu_memory import sample_gpu_memory  # torch: engine side only
+
+        self.add_sampler(lambda: self.pinned_image_bytes.set(pinned_image_bytes()))
+        self.add_sampler(lambda: sample_gpu_memory(self))
+
+    def set_gpu_memory(self, device: str, allocated: float, reserved: float, peak: float) -> None:
+        """torch's allocator on `device`: made on first use, so a CPU machine has none."""
+        for name, value in (
+            ("serve_gpu_memory_allocated_bytes", allocated),
+            ("serve_gpu_memory_reserved_bytes", reserved),
+            ("serve_gpu_memory_peak_allocated_bytes", peak),
+        ):
+            self._gpu_gauge(name).labels(device).set(value)
+
+    def set_gpu_device_memory(self, device: str, used: float, total: float) -> None:
+        """The driver's view of `device` (NVML, every process on it)."""
+        self._gpu_gauge("serve_gpu_device_used_bytes").labels(device).set(used)
+        self._gpu_gauge("serve_gpu_device_total_bytes").labels(device).set(total)
+
+    def _gpu_gauge(self, name: str) -> Gauge:
+        with self._lock:
+            if name not in self._gpu:
+                # One engine per device; NVML reports every device to every engine alike.
+                self._gpu[name] = Gauge(
+                    name, _GPU_HELP[name], ["device"], registry=self.registry,
+                    multiprocess_mode="livemax",
+                )  # fmt: skip
+            return self._gpu[name]
+
+    # -- rendering and samplers -------------------------------------------------------
+
+    def add_sampler(self, sample: Callable[[], None]) -> None:
+        """Run `sample` (which sets gauges) now, then before every single-process render,
+        or every SAMPLE_PERIOD_S in multiprocess mode (where the render may happen in
+        another process). A sampler that raises is logged and dropped."""
+        with self._lock:
+            self._samplers.append(sample)
+        self._run_samplers([sample])
+
     def render(self) -> bytes:
+        """What GET /metrics answers: this process's registry, or every process's files."""
+        if self.folder is not None:
+            return render_folder(self.folder)
+        with self._lock:
+            samplers = list(self._samplers)
+        self._run_samplers(samplers)
         return generate_latest(self.registry)
 
+    def close(self) -> None:
+        """Stop the multiprocess sampler thread (it is a daemon: exiting stops it too)."""
+        self._stop.set()
 
-class _TorchMemoryCollector(Collector):
-    """GPU memory as torch's allocator sees it, read at scrape time."""
+    def _sample_forever(self) -> None:
+        while True:
+            with self._lock:
+                samplers = list(self._samplers)
+            self._run_samplers(samplers)
+            if self._stop.wait(SAMPLE_PERIOD_S):
+                return
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        if not torch.cuda.is_available():
-            return
-        families = {
-            "allocated": GaugeMetricFamily(
-                "serve_gpu_memory_allocated_bytes", "Bytes held by tensors", labels=["device"]
-            ),
-            "reserved": GaugeMetricFamily(
-                "serve_gpu_memory_reserved_bytes", "Bytes reserved by the caching allocator",
-                labels=["device"],
-            ),
-            "peak": GaugeMetricFamily(
-                "serve_gpu_memory_peak_allocated_bytes", "Peak bytes held by tensors",
-                labels=["device"],
-            ),
-        }  # fmt: skip
-        for index in range(torch.cuda.device_count()):
-            label = [str(index)]
-            families["allocated"].add_metric(label, torch.cuda.memory_allocated(index))
-            families["reserved"].add_metric(label, torch.cuda.memory_reserved(index))
-            families["peak"].add_metric(label, torch.cuda.max_memory_allocated(index))
-        yield from families.values()
-        yield from _nvml_families()
+    def _run_samplers(self, samplers: list[Callable[[], None]]) -> None:
+        for sample in samplers:
+            try:
+                sample()
+            except Exception:
+                log.exception("metrics sampler %r failed; dropped", sample)
+                with self._lock:
+                    if sample in self._samplers:
+                        self._samplers.remove(sample)
 
 
-def _nvml_families() -> Iterator[GaugeMetricFamily]:
-    """Device memory as the driver sees it (all processes), when nvidia-ml-py is installed."""
-    try:
-        import pynvml  # nvidia-ml-py: optional, present in CUDA images
-    except ImportError:
-        return
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return
-    used = GaugeMetricFamily(
-        "serve_gpu_device_used_bytes", "Device memory in use (NVML, all processes)",
-        labels=["device"],
-    )  # fmt: skip
-    total = GaugeMetricFamily(
-        "serve_gpu_device_total_bytes", "Device memory (NVML)", labels=["device"]
-    )
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-            used.add_metric([str(index)], float(info.used))
-            total.add_metric([str(index)], float(info.total))
-    except pynvml.NVMLError:
-        return
-    finally:
-        pynvml.nvmlShutdown()
-    yield used
-    yield total
+_GPU_HELP = {
+    "serve_gpu_memory_allocated_bytes": "Bytes held by tensors",
+    "serve_gpu_memory_reserved_bytes": "Bytes reserved by the caching allocator",
+    "serve_gpu_memory_peak_allocated_bytes": "Peak bytes held by tensors",
+    "serve_gpu_device_used_bytes": "Device memory in use (NVML, all processes)",
+    "serve_gpu_device_total_bytes": "Device memory (NVML)",
+}

@@ -1,14 +1,13 @@
-"""The hooks the engine's batchers and cache call, so metrics stay out of their logic.
+"""The hooks the engine's batchers and embedding cache call, so that metrics stay out of
+their logic.
 
-Here, not beside them, because `server.metrics` implements them and every frontend
-imports that, without the engine's torch.
+Kept apart from server/engine/ (which imports torch) because `server.metrics.Metrics`
+implements them and the HTTP frontends, which never import torch, build a `Metrics` too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-__all__ = ["BatchObserver", "CacheObserver"]
 
 
 class BatchObserver:

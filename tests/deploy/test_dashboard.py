@@ -4,8 +4,9 @@ Grafana's dashboard sidecar, rendered by kustomize and validated like the other 
 
 Metric names are taken from every PromQL expression with a regex and compared with a real
 `/metrics` scrape of a LiveServer. GPU memory families cannot appear on a CPU machine; they
-are the ones server/metrics.py's CUDA collector yields when run here with a pretend GPU and a
-pretend nvidia-ml-py, so the exception list comes from the code, not from this file.
+are the ones the engine's GPU sampler (server/engine/gpu_memory.py) sets when run here with
+a pretend GPU and a pretend nvidia-ml-py, so the exception list comes from the code, not
+from this file.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.engine.gpu_memory import sample_gpu_memory
 from server.metrics import Metrics
 from tests.deploy.conftest import K8S, REPO, TARGETS
 from tests.deploy.test_k8s import KUBERNETES_VERSIONS
@@ -142,7 +144,7 @@ def scraped(scraped_all: dict[str, str]) -> dict[str, str]:
 
 
 class _FakeNvml(types.ModuleType):
-    """Enough of nvidia-ml-py for the collector: one device, 1 of 2 bytes used."""
+    """Enough of nvidia-ml-py for the sampler: one device, 1 of 2 bytes used."""
 
     class NVMLError(Exception):
         pass
@@ -166,10 +168,12 @@ class _FakeNvml(types.ModuleType):
 
 @pytest.fixture(scope="module")
 def cuda_families() -> dict[str, str]:
-    """{family: type} that server.metrics exports only on CUDA: its registry collected with a
-    pretend GPU (torch.cuda answering as one device would) and a pretend nvidia-ml-py, minus
-    what it exports here."""
-    plain = {f.name: f.type for f in Metrics().registry.collect()}
+    """{family: type} that server.metrics exports only on CUDA: its registry collected after
+    the engine's GPU sampler ran with a pretend GPU (torch.cuda answering as one device
+    would) and a pretend nvidia-ml-py, minus what it exports here after the same sampler."""
+    plain_metrics = Metrics()
+    sample_gpu_memory(plain_metrics)
+    plain = {f.name: f.type for f in plain_metrics.registry.collect()}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "is_available", lambda: True)
         patch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -178,7 +182,9 @@ def cuda_families() -> dict[str, str]:
             patch.setattr(torch.cuda, name, lambda device=None: 1, raising=False)
         patch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 2), raising=False)
         patch.setitem(sys.modules, "pynvml", _FakeNvml())
-        with_gpu = {f.name: f.type for f in Metrics().registry.collect()}
+        gpu_metrics = Metrics()
+        sample_gpu_memory(gpu_metrics)
+        with_gpu = {f.name: f.type for f in gpu_metrics.registry.collect()}
     return {name: kind for name, kind in with_gpu.items() if name not in plain}
 
 
@@ -263,9 +269,9 @@ def test_promql_parses(dashboard):
 # -- the metrics it queries -------------------------------------------------------------
 
 
-def test_cuda_families_come_from_the_collector(cuda_families):
+def test_cuda_families_come_from_the_sampler(cuda_families):
     # The pretend GPU reached both the torch allocator's families and NVML's.
-    assert cuda_families, "the CUDA collector yielded nothing with a pretend GPU"
+    assert cuda_families, "the GPU sampler set nothing with a pretend GPU"
     assert set(cuda_families.values()) == {"gauge"}
     assert all(name.startswith("serve_gpu_") for name in cuda_families)
     source = (REPO / "server" / "metrics.py").read_text()
@@ -282,7 +288,7 @@ def test_every_queried_metric_is_exported(dashboard, scraped_all, cuda_families)
     if torch.cuda.is_available():  # NVML's two are missing there without nvidia-ml-py
         assert absent <= set(cuda_families), absent
     else:
-        # the families missing from a CPU scrape are exactly the CUDA collector's, and the
+        # the families missing from a CPU scrape are exactly the GPU sampler's, and the
         # GPU memory panel shows every one of them
         assert absent == set(cuda_families)
 

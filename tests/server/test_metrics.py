@@ -22,6 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from server.engine.gpu_memory import sample_gpu_memory
 from server.metrics import Metrics
 from tests.server.conftest import LiveServer, encode, photo_like, small_settings
 
@@ -158,8 +159,10 @@ def test_every_family_is_exported_with_its_type_and_labels(scrape):
         if not name.startswith(("serve_gpu_", *STANDARD_PREFIXES))
     }  # GPU memory: CUDA only, see below; the standard families: their own test
     assert exported == {name: kind for name, (kind, _) in FAMILIES.items()}
-    # the same set server.metrics declares (with the CUDA collector's where there is CUDA)
-    assert set(after.families) == {f.name for f in Metrics().registry.collect()}
+    # the same set server.metrics declares (with the GPU sampler's where there is CUDA)
+    declared = Metrics()
+    sample_gpu_memory(declared)
+    assert set(after.families) == {f.name for f in declared.registry.collect()}
     for name, (_, labels) in FAMILIES.items():
         for sample in after.families[name].samples:
             assert set(sample.labels) - {"le"} == labels, sample
@@ -210,7 +213,8 @@ def test_models_ready_and_warm_up(scrape):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine exports GPU memory")
 def test_no_gpu_memory_families_on_a_cpu_machine(scrape):
     # serve_gpu_memory_{allocated,reserved,peak_allocated}_bytes and (with nvidia-ml-py)
-    # serve_gpu_device_{used,total}_bytes come from a collector that yields only on CUDA.
+    # serve_gpu_device_{used,total}_bytes come from the engine's sampler, which sets them only
+    # on CUDA.
     assert not [name for name in scrape().families if name.startswith("serve_gpu_")]
 
 

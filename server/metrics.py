@@ -106,8 +106,8 @@ class Metrics(BatchObserver, CacheObserver):
         # Each engine's own pinned buffers (0 in the frontends).
         self.pinned_image_bytes = Gauge(
             "serve_pinned_image_bytes",
-            "Page-locked host memory held by decoded images waiting for the GPU "
-            "(at most SERVE_PINNED_IMAGE_BYTES; 0 without CUDA)",
+            "Page-locked host memory: the frontends' shared pixel files the engine maps "
+            "(SERVE_SHM_BYTES_PER_WORKER each; 0 without CUDA)",
             registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.queue_wait = Histogram(

@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
+from server.metrics_multiprocess import forget_process
 from server.settings import Settings
 
 log = logging.getLogger("server.supervisor")
@@ -59,7 +60,8 @@ class Supervisor:
     def __init__(self, settings: Settings, host: str, port: int) -> None:
         self.settings = settings
         self.sock = listen(host, port)
-        self.folder = Path(tempfile.mkdtemp(prefix="serve-"))
+        shm = Path("/dev/shm")
+        self.folder = Path(tempfile.mkdtemp(prefix="serve-", dir=shm if shm.is_dir() else None))
         self.metrics_folder = self.folder / "metrics"
         self.metrics_folder.mkdir()
         # read by prometheus_client in every child at import: one /metrics for all
@@ -167,10 +169,6 @@ class Supervisor:
     def _forget(self, process: BaseProcess) -> None:
         """A dead process's live gauges leave /metrics (its counters stay)."""
         if process.pid is None:
-            return
-        try:
-            from server.metrics import forget_process
-        except ImportError:  # pragma: no cover - older metrics module
             return
         forget_process(self.metrics_folder, process.pid)
 

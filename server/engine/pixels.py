@@ -10,9 +10,11 @@ encodings all count) and, on CUDA, once the stream has passed every copy queued 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class PixelMaps:
         self._release = release
         self._maps: dict[str, _Mapping] = {}
         self._pending: list[tuple[torch.cuda.Event, bytes, int]] = []
+        self._lock = threading.Lock()  # finalizers run on whichever thread drops a tensor
 
     def _mapping(self, path: str) -> _Mapping:
         mapping = self._maps.get(path)
@@ -82,19 +85,29 @@ class PixelMaps:
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._pending.append((event, owner, slot))
+        with self._lock:
+            self._pending.append((event, owner, slot))
+
+    def held_bytes(self) -> int:
+        """Page-locked bytes: the frontends' pixel files mapped and registered here."""
+        return sum(m.buffer.nbytes for m in self._maps.values() if m.registered)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
     def poll(self) -> None:
         """Release the slots whose uploads have finished (the engine's loop calls this)."""
         if not self._pending:
             return
-        waiting = []
-        for event, owner, slot in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for event, owner, slot in pending:
             if event.query():
                 self._release(owner, slot)
             else:
-                waiting.append((event, owner, slot))
-        self._pending = waiting
+                with self._lock:
+                    self._pending.append((event, owner, slot))
 
     def forget(self, path: str) -> None:
         """Unmap a frontend's file (the frontend is gone)."""
@@ -105,7 +118,5 @@ class PixelMaps:
             address = mapping.buffer.__array_interface__["data"][0]
             torch.cuda.cudart().cudaHostUnregister(address)
         del mapping.buffer
-        try:
+        with contextlib.suppress(BufferError):  # tensors still view it: the GC unmaps it
             mapping.map.close()
-        except BufferError:  # tensors still view it: leave it to the garbage collector
-            pass

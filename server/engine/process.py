@@ -15,6 +15,7 @@ status 1, which ends the service (the supervisor exits non-zero and the pod rest
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -92,16 +93,19 @@ class EngineServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
         self.bound.set()
-        starting = asyncio.create_task(self._start(), name="engine-start")
-        guard = asyncio.create_task(self._watchdog(), name="watchdog")
-        receiving = asyncio.create_task(self._receive(sock), name="engine-receive")
+        background = [
+            asyncio.create_task(self._start(), name="engine-start"),
+            asyncio.create_task(self._watchdog(), name="watchdog"),
+            asyncio.create_task(self._receive(sock), name="engine-receive"),
+            asyncio.create_task(self._give_back(), name="pixel-releases"),
+        ]
         try:
             await self.stop.wait()
             await self._drain()
         finally:
-            for task in (starting, guard, receiving):
+            for task in background:
                 task.cancel()
-            await asyncio.gather(starting, guard, receiving, return_exceptions=True)
+            await asyncio.gather(*background, return_exceptions=True)
             if self.engine is not None:
                 await self.engine.close()
             sock.close(linger=0)
@@ -125,6 +129,7 @@ class EngineServer:
             engine = Engine(settings, metrics)
             self.engine = engine
             self.pixels = PixelMaps(engine.device, self._release_soon)
+            metrics.track_engine(self.pixels.held_bytes)
             plan = engine.load_steps() + (engine.warm_steps() if settings.warmup else [])
             labels = [label for label, _ in plan]
             if settings.fidelity_check:
@@ -156,6 +161,15 @@ class EngineServer:
             self.failure = f"start-up failed: {type(exc).__name__}: {exc}"
             log.exception("start-up failed")
 
+    async def _give_back(self) -> None:
+        """Release pixel slots as soon as their uploads finish (CUDA events, polled)."""
+        while True:
+            pixels = self.pixels
+            busy = pixels is not None and pixels.pending
+            await asyncio.sleep(0.002 if busy else 0.02)
+            if pixels is not None:
+                pixels.poll()
+
     async def _watchdog(self) -> None:
         """Report a batch that has computed for longer than the watchdog's timeout.
 
@@ -166,8 +180,6 @@ class EngineServer:
         period = min(1.0, timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            if self.pixels is not None:
-                self.pixels.poll()
             engine = self.engine
             if engine is None:
                 continue
@@ -218,10 +230,8 @@ class EngineServer:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._send, [RELEASE, owner, *dump([slot])])
-        except RuntimeError:  # the loop closed meanwhile
-            pass
 
     async def _serve(self, owner: bytes, call_id: int, call: object) -> None:
         try:
@@ -286,9 +296,9 @@ class EngineServer:
         if isinstance(call, LookupCall):
             return engine.lookup(call.image_id)
         if isinstance(call, EverythingCall):
-            image = self._image(call.image, owner) if call.image is not None else None
+            sent = self._image(call.image, owner) if call.image is not None else None
             entry, masks, timing = await engine.everything(
-                image, call.image_id, call.fields, call.output, call.deadline
+                sent, call.image_id, call.fields, call.output, call.deadline
             )
             height, width = entry.original_size
             return entry.image_id, width, height, masks, timing
@@ -306,7 +316,7 @@ def engine_main(settings: Settings, address: str) -> None:
     if settings.switch_interval_ms is not None:
         sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
-    server = EngineServer(settings, address, Metrics())
+    server = EngineServer(settings, address, Metrics("engine"))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ a few times a second and kept here, so probes and `require_engine` never wait on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -162,10 +163,8 @@ class EngineClient:
         self._waiting.pop(call_id, None)
         if self._socket is not None:
             frames = [call_id_bytes(0), *dump(CancelCall(call_id))]
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._socket.send_multipart(frames, copy=False)  # queued; no await needed
-            except zmq.ZMQError:
-                pass
 
     async def _value(self, call: object, deadline: float | None) -> Any:
         reply = await self._call(call, deadline)

@@ -20,6 +20,7 @@ import uvicorn
 from server.http.app import build_app, drain
 from server.http.state import ServeState, serve_state
 from server.logs import configure_logging
+from server.metrics import Metrics
 from server.settings import Settings
 
 log = logging.getLogger("server")
@@ -58,7 +59,7 @@ class DrainingServer(uvicorn.Server):
 def frontend_main(settings: Settings, sock: socket.socket, engine_address: str, role: str) -> None:
     """A frontend process's entry point (spawned by the supervisor)."""
     configure_logging(settings.log_level, role)
-    app = build_app(settings, engine_address=engine_address, role=role)
+    app = build_app(settings, Metrics(role), engine_address=engine_address, role=role)
     state = serve_state(app.state)
     config = uvicorn.Config(
         app, log_config=None, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, backlog=2048

@@ -52,7 +52,8 @@ def test_sigterm_drains_accepted_requests_then_exits_zero(tmp_path):
            "SERVE_BATCH_BUCKETS": "[1,2]", "SERVE_DECODER_MAX_BATCH_PROMPTS": "4",
            # every encoder batch takes 0.4 s: the burst is still in flight at SIGTERM
            "SERVE_FAULT_HANG_STAGE": "sam_encoder", "SERVE_FAULT_HANG_S": "0.4",
-           "SERVE_DRAIN_TIMEOUT_S": "60", "SERVE_LOG_LEVEL": "INFO"}  # fmt: skip
+           "SERVE_DRAIN_TIMEOUT_S": "60", "SERVE_LOG_LEVEL": "INFO",
+           "SERVE_HTTP_WORKERS": "2"}  # fmt: skip
     log = (tmp_path / "server.log").open("w")
     proc = spawn_server(env, port, log)
     try:

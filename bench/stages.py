@@ -113,7 +113,6 @@ def main() -> None:
             path.read_bytes(),
             max_pixels=40_000_000,
             max_bytes=50 << 20,
-            memory=host_pixels,
         )
 
     decoded = [decode(path) for path in photos]

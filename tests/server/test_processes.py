@@ -107,8 +107,9 @@ def test_a_click_through_one_frontend_finds_the_image_sent_through_another(servi
 
 
 def test_every_frontend_answers_for_every_process_in_metrics(service):
+    photo = {"image": ("dog.jpg", (PHOTOS / "dog.jpg").read_bytes(), "image/jpeg")}
     with fresh(service.url) as c:
-        assert c.post("/v1/classify", files={"image": ("dog.jpg", (PHOTOS / "dog.jpg").read_bytes(), "image/jpeg")}).status_code == 200  # fmt: skip
+        assert c.post("/v1/classify", files=photo).status_code == 200
     answers = {}
     for _ in range(60):
         with fresh(service.url) as c:
@@ -161,5 +162,5 @@ def test_kill_9_of_the_engine_stops_the_service_non_zero(tmp_path):
     log = service.log_path.read_text()
     assert "the engine process died" in log
     for role in ("frontend-0", "frontend-1"):  # nothing left behind
-        pid = service.pid_of(role)
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()  # fmt: skip
+        status = Path(f"/proc/{service.pid_of(role)}/status")
+        assert not status.exists() or "zombie" in status.read_text().lower()

@@ -31,5 +31,13 @@ grep -E "^serve_pinned_image_bytes|^process_resident_memory_bytes" "$OUT/metrics
 if [ -f bench/openloop.py ] && [ -n "${LOAD:-}" ]; then
   python3 -m bench.openloop --url http://127.0.0.1:$PORT --images .benchdata/images $LOAD --json "$OUT/openloop.json" 2>&1 | tail -40
 fi
+if [ -n "${CLOSED:-}" ]; then  # the closed-loop tool, for a first rough figure
+  for route in /v1/segment /v1/classify; do
+    python3 -m bench.service_load --url http://127.0.0.1:$PORT --clients 96 --procs 6 \
+      --seconds 10 --warmup-seconds 2 --unique --route $route --images .benchdata/images 2>&1 | tail -6
+  done
+  python3 -m bench.service_load --url http://127.0.0.1:$PORT --clients 64 --procs 6 \
+    --seconds 10 --warmup-seconds 2 --clicks 1 --images .benchdata/images 2>&1 | tail -6
+fi
 kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
 grep -E '"level": "(warning|error)"' "$OUT/server.log" | cut -c1-300 | head -20

@@ -42,7 +42,7 @@ from server.domain import (
     SegmentRequest,
     SegmentResult,
 )
-from server.engine.batcher import Batcher, BatchObserver
+from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
 from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.engine.faults import Faults
@@ -312,6 +312,7 @@ class Engine:
         s = self.settings
         return {
             "executor": self.worker,
+            "load": WorkerLoad.of(self.worker),  # every stage's batches share the one worker
             "max_delay_s": s.max_queue_delay_ms / 1000.0,
             "max_queue_size": s.max_queue_size,
             "observer": self.observer,

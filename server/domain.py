@@ -16,10 +16,14 @@ from server.rle import MaskRuns
 
 @dataclass(frozen=True)
 class Image:
-    """A decoded, validated image and its content id."""
+    """A decoded, validated image and its content id.
+
+    The pixels may be a scaled decode, smaller than the image (for a model that shrinks it
+    anyway, `server.http.imaging.decode_image`'s `min_size`); width and height are always
+    the image's own, which prompts, masks and responses are in."""
 
     image_id: str  # SHA-256 of the file bytes
-    pixels: torch.Tensor  # uint8 [H, W, 3], CPU
+    pixels: np.ndarray | torch.Tensor  # uint8 [h, w, 3], host memory (the engine wraps it)
     width: int
     height: int
 

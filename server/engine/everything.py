@@ -29,6 +29,7 @@ from models.sam.automatic import (
     CropJob,
     MaskCandidates,
 )
+from server.engine.batcher import WorkerLoad
 from server.engine.cache import ImageEmbedding
 from server.errors import ServiceError
 from server.rle import MaskRuns, mask_runs
@@ -124,7 +125,13 @@ class EverythingRunner:
             with torch.inference_mode():
                 return fn()
 
-        result = await loop.run_in_executor(self.worker, run)
+        # a step holds the worker as a batch does: the batchers sharing it collect meanwhile
+        load = WorkerLoad.of(self.worker)
+        load.started()
+        try:
+            result = await loop.run_in_executor(self.worker, run)
+        finally:
+            load.finished()
         self.steps_run += 1
         return result
 

@@ -111,18 +111,23 @@ class SamOutputs(NamedTuple):
 SamRunner = Callable[[Tensor, Sequence[FidelityPrompt]], SamOutputs]
 
 
-def eager_sam_runner(model: Sam, device: torch.device) -> SamRunner:
+def eager_sam_runner(
+    model: Sam, device: torch.device, pixels_for: Callable[[Tensor], Tensor] | None = None
+) -> SamRunner:
     """`model` run eagerly, one photo at a time, in the dtype it holds (fp32: the reference).
 
     Prompts are scaled as the service scales them (`scale_coords`); they lie inside the
-    photo, so the service's clipping changes nothing.
+    photo, so the service's clipping changes nothing. `pixels_for(photo)`: what the encoder
+    sees instead of the photo (a scaled decode of its file); prompts and masks stay in the
+    photo's frame, as the service keeps them in the image's.
     """
     config = model.config
 
     @torch.inference_mode()
     def run(photo: Tensor, prompts: Sequence[FidelityPrompt]) -> SamOutputs:
         size = (int(photo.shape[0]), int(photo.shape[1]))
-        batch, (input_size,) = preprocess_images([photo], config, device)
+        pixels = photo if pixels_for is None else pixels_for(photo)
+        batch, (input_size,) = preprocess_images([pixels], config, device)
         embedding = model.encode(batch)
 
         def scaled(xy: object) -> np.ndarray:

@@ -1,9 +1,11 @@
 """Batches of decoded images on tensors, shared by every model's pre-processing.
 
-Decoded images are `uint8 [H, W, 3]` tensors, held until upload in `HostPixels` memory
-(pinned, `PinnedPixels`, when serving on CUDA). A batch of different sizes travels as one
-jagged nested tensor of flattened pixels (`[B, j, 3]`, j = H*W) whose values are one
-device buffer (`nested_pixels`); `split_images` cuts it back into per-image views.
+Decoded images are `uint8 [H, W, 3]` arrays (numpy in the decode threads, which need no
+torch; tensors from `as_pixel_tensor` on the engine's side), held until upload in
+`HostPixels` memory (pinned, `PinnedPixels`, when serving on CUDA). A batch of different
+sizes travels as one jagged nested tensor of flattened pixels (`[B, j, 3]`, j = H*W)
+whose values are one device buffer (`nested_pixels`); `split_images` cuts it back into
+per-image views.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "HostPixels",
     "PinnedPixels",
     "Size",
+    "as_pixel_tensor",
     "host_pixels",
     "jagged_on",
     "nested_pixels",
@@ -83,8 +86,11 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
 class HostPixels:
     """Where decoded images live until the worker uploads them: ordinary host memory.
 
-    `empty` gives a decoder a tensor to decode straight into; calling it copies an array
-    that is already decoded (and perhaps read-only) into a tensor that owns its memory.
+    `empty` gives a decoder a numpy buffer to decode straight into and `copy_in` copies an
+    array that is already decoded (and perhaps read-only) into one; both are views of a
+    tensor this object allocated (the array's `base`), which `as_pixel_tensor` gets back,
+    so a pinned block keeps its allocator's bookkeeping through the upload. Calling it
+    gives the tensor itself.
     """
 
     @property
@@ -92,13 +98,43 @@ class HostPixels:
         """Pinned bytes held by images; ordinary memory is not counted here."""
         return 0
 
-    def empty(self, shape: tuple[int, ...]) -> Tensor:
+    def tensor(self, shape: tuple[int, ...]) -> Tensor:
         return torch.empty(shape, dtype=torch.uint8)
 
-    def __call__(self, pixels: np.ndarray) -> Tensor:
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        return self.tensor(shape).numpy()
+
+    def copy_in(self, pixels: np.ndarray) -> np.ndarray:
         out = self.empty(tuple(pixels.shape))
+        out[...] = pixels
+        return out
+
+    def __call__(self, pixels: np.ndarray) -> Tensor:
+        out = self.tensor(tuple(pixels.shape))
         out.numpy()[...] = pixels
         return out
+
+
+def as_pixel_tensor(pixels: np.ndarray | Tensor) -> Tensor:
+    """Decoded pixels as the tensor that holds them, without a copy.
+
+    An array that views a whole tensor (what `HostPixels` hands out) gives that tensor
+    back: a pinned one then keeps its allocator's context, which an asynchronous upload
+    records its event on. Any other array is wrapped as it is (`torch.from_numpy`).
+    """
+    if isinstance(pixels, Tensor):
+        return pixels
+    base = pixels.base
+    if (
+        isinstance(base, Tensor)
+        and base.dtype == torch.uint8
+        and tuple(base.shape) == pixels.shape
+        and base.data_ptr() == pixels.__array_interface__["data"][0]
+        and base.is_contiguous()
+        and pixels.flags.c_contiguous
+    ):
+        return base
+    return torch.from_numpy(pixels)
 
 
 host_pixels = HostPixels()
@@ -126,21 +162,33 @@ class PinnedPixels(HostPixels):
     def held_bytes(self) -> int:
         return self._held
 
-    def empty(self, shape: tuple[int, ...]) -> Tensor:
+    def tensor(self, shape: tuple[int, ...]) -> Tensor:
+        out, counted = self._allocate(shape)
+        if counted:
+            weakref.finalize(out, self._release, counted)
+        return out
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        out, counted = self._allocate(shape)
+        array = out.numpy()
+        if counted:  # the tensor object the array holds lives as long as either user
+            weakref.finalize(array.base, self._release, counted)
+        return array
+
+    def _allocate(self, shape: tuple[int, ...]) -> tuple[Tensor, int]:
+        """A tensor, pinned while the budget allows, and the bytes it counts (0: unpinned)."""
         size = math.prod(shape)
         with self._lock:
             fits = size > 0 and self._held + size <= self.max_bytes
             if fits:
                 self._held += size
         if not fits:
-            return super().empty(shape)
+            return super().tensor(shape), 0
         try:
-            out = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory), size
         except BaseException:
             self._release(size)
             raise
-        weakref.finalize(out, self._release, size)
-        return out
 
     def _release(self, size: int) -> None:
         with self._lock:

@@ -19,7 +19,11 @@ if TYPE_CHECKING:  # the frontends never import torch; the engine's tensors are 
 
 @dataclass(frozen=True)
 class Image:
-    """A decoded, validated image and its content id."""
+    """A decoded, validated image and its content id.
+
+    The pixels may be a scaled decode, smaller than the image (for a model that shrinks it
+    anyway, `server.http.imaging.decode_image`'s `min_size`); width and height are always
+    the image's own, which prompts, masks and responses are in."""
 
     image_id: str  # SHA-256 of the file bytes
     pixels: Any  # uint8 [H, W, 3]: np.ndarray in a frontend, torch.Tensor in the engine

@@ -1,10 +1,16 @@
 """An asyncio dynamic batcher: one per model stage.
 
-Handlers only enqueue and await; a collector task groups what is waiting into a batch
-(up to a cost limit, or until the oldest item has waited `max_delay_s`), hands the batch to
-the one GPU worker thread, and resolves each item's future with its own result. Items whose
-caller has gone (deadline passed, client disconnected) are dropped before the batch runs,
-so abandoned work is never computed.
+Handlers only enqueue and await; a collector task groups what is waiting into a batch,
+hands the batch to the one GPU worker thread, and resolves each item's future with its own
+result. Items whose caller has gone (deadline passed, client disconnected) are dropped
+before the batch runs, so abandoned work is never computed.
+
+When a batch goes: at once when the worker is idle (waiting then would only add latency:
+nothing else could use the GPU meanwhile), else when the worker's running batch ends, the
+batch is full (cost or memory), or the oldest item has waited `max_delay_s`. So a lone
+request never waits for company, and under load the items that arrive while one batch
+computes ride together in the next. Every stage sharing the worker shares one `WorkerLoad`,
+so a running encoder batch also makes the decoder's queue collect.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import collections
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -41,6 +48,49 @@ DEADLINE_CANCEL = "deadline"
 _RATE_WEIGHT = 0.3
 
 
+class WorkerLoad:
+    """The batches running (or queued) on one worker executor, shared by its batchers.
+
+    Lives on the event loop: only the batchers' collectors touch it, between awaits. When
+    the last batch ends, every batcher waiting for the worker to go idle is woken (its own
+    wake-up event), so its queue is dispatched with no further delay.
+    """
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._listeners: list[asyncio.Event] = []
+
+    @classmethod
+    def of(cls, executor: Executor) -> WorkerLoad:
+        """The one load of `executor`: what its batchers share, made on first asking."""
+        load = _LOADS.get(executor)
+        if load is None:
+            load = _LOADS[executor] = cls()
+        return load
+
+    @property
+    def busy(self) -> bool:
+        """True while any batch of any stage sharing the worker is submitted and unfinished."""
+        return self.running > 0
+
+    def listen(self, wakeup: asyncio.Event) -> None:
+        """Set `wakeup` whenever the worker goes idle."""
+        self._listeners.append(wakeup)
+
+    def started(self) -> None:
+        self.running += 1
+
+    def finished(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            for wakeup in self._listeners:
+                wakeup.set()
+
+
+# one load per executor, gone with it
+_LOADS: weakref.WeakKeyDictionary[Executor, WorkerLoad] = weakref.WeakKeyDictionary()
+
+
 @dataclass(eq=False)
 class _Entry(Generic[Item, Result]):
     item: Item
@@ -65,7 +115,10 @@ class Batcher(Generic[Item, Result]):
         max_queue_size: int,
         max_batch_memory: int | None = None,
         observer: BatchObserver | None = None,
+        load: WorkerLoad | None = None,
     ) -> None:
+        """`load`: shared by every batcher whose batches run on `executor` (default: this
+        batcher's own, right when it alone uses the executor)."""
         self.stage = stage
         self._run_batch = run_batch
         self._executor = executor
@@ -77,6 +130,8 @@ class Batcher(Generic[Item, Result]):
         self._observer.declare(stage)
         self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
         self._wakeup = asyncio.Event()
+        self._load = load or WorkerLoad()
+        self._load.listen(self._wakeup)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._busy = False
@@ -137,14 +192,19 @@ class Batcher(Generic[Item, Result]):
         """Seconds until an item of `cost` queued now would be answered, or None when
         nothing is ahead of it (or no batch has been measured yet).
 
-        Batches run one after another, so the wait is what the running batch has left, one
-        measured batch per `max_batch_cost` of queued work ahead, and the item's own batch.
-        Measured batches shrink or grow with load, so this follows the service's real rate.
+        Batches run one after another, so the wait is what the running batch has left (or,
+        while another stage's batch holds the worker, at most the queue delay; nothing on an
+        idle worker), one measured batch per `max_batch_cost` of queued work ahead, and the
+        item's own batch. Measured batches shrink or grow with load, so this follows the
+        service's real rate.
         """
         per_batch = self.batch_seconds
         if per_batch is None or (not self._queue and not self._busy):
             return None
-        running = max(0.0, per_batch - self.busy_for()) if self._busy else self._max_delay_s
+        if self._busy:
+            running = max(0.0, per_batch - self.busy_for())
+        else:
+            running = self._max_delay_s if self._load.busy else 0.0
         ahead = math.ceil((self._queued_cost() + cost) / self._max_cost)
         return running + ahead * per_batch
 
@@ -310,9 +370,10 @@ class Batcher(Generic[Item, Result]):
             self._prune()
             if not self._queue:
                 continue
-            # Wait for a full batch or for the oldest item's delay to run out.
+            # While the worker computes, collect: until it is idle, the batch is full or the
+            # oldest item's delay runs out. An idle worker takes what is here at once.
             until = self._queue[0].enqueued + self._max_delay_s
-            while not self._batch_full():
+            while self._load.busy and not self._batch_full():
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     break
@@ -340,6 +401,7 @@ class Batcher(Generic[Item, Result]):
         )
         self._busy = True
         self._busy_since = time.monotonic()
+        self._load.started()
         started = time.perf_counter()
         failed = False
         try:
@@ -358,6 +420,7 @@ class Batcher(Generic[Item, Result]):
         finally:
             self._busy = False
             self._busy_since = None
+            self._load.finished()
         if not failed:
             took = time.perf_counter() - started
             mean = self.batch_seconds

@@ -17,8 +17,10 @@ from concurrent.futures import Executor
 from functools import partial
 from typing import TypeVar
 
+import numpy as np
 import torch
 
+from models.images import as_pixel_tensor
 from models.sam import Sam
 from models.sam.automatic import (
     AutomaticMaskGenerator,
@@ -27,6 +29,7 @@ from models.sam.automatic import (
     MaskCandidates,
 )
 from server.domain import EverythingMasks
+from server.engine.batcher import WorkerLoad
 from server.engine.cache import ImageEmbedding
 from server.engine.runs import mask_runs
 from server.errors import ServiceError
@@ -109,7 +112,13 @@ class EverythingRunner:
             with torch.inference_mode():
                 return fn()
 
-        result = await loop.run_in_executor(self.worker, run)
+        # a step holds the worker as a batch does: the batchers sharing it collect meanwhile
+        load = WorkerLoad.of(self.worker)
+        load.started()
+        try:
+            result = await loop.run_in_executor(self.worker, run)
+        finally:
+            load.finished()
         self.steps_run += 1
         return result
 
@@ -117,17 +126,25 @@ class EverythingRunner:
         self,
         generator: AutomaticMaskGenerator,
         entry: ImageEmbedding,
-        pixels: torch.Tensor | None,
+        pixels: np.ndarray | torch.Tensor | None,
         output: str,
         deadline: float | None,
     ) -> EverythingMasks:
-        """All steps for one image; `pixels` (uint8 [H, W, 3]) are needed for crop layers."""
+        """All steps for one image; `pixels` (uint8 [H, W, 3], host memory) are needed for
+        crop layers, at the image's full size: crops are cut in its pixels (so its callers
+        decode it whole, never scaled)."""
         size = entry.original_size
         jobs = generator.plan(size)
         if pixels is None and any(not job.is_full_image for job in jobs):
             raise ServiceError(
                 422, "invalid_request", "crop_n_layers > 0 needs the image itself, not an image_id"
             )
+        if pixels is not None and tuple(pixels.shape[:2]) != size:
+            raise ValueError(
+                f"segment everything needs the image's full-size pixels {size}, "
+                f"got {tuple(pixels.shape[:2])} (a scaled decode)"
+            )
+        tensor = None if pixels is None else as_pixel_tensor(pixels)
         if self._slots.locked() and self._waiting >= self._max_waiting:
             raise ServiceError(
                 429,
@@ -141,7 +158,7 @@ class EverythingRunner:
         finally:
             self._waiting -= 1
         try:
-            return await self._run(generator, jobs, entry, pixels, output, deadline)
+            return await self._run(generator, jobs, entry, tensor, output, deadline)
         finally:
             self._slots.release()
 

@@ -41,7 +41,7 @@ from server.domain import (
     SegmentRequest,
     SegmentResult,
 )
-from server.engine.batcher import Batcher, BatchObserver
+from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
 from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.engine.faults import Faults
@@ -307,6 +307,7 @@ class Engine:
         s = self.settings
         return {
             "executor": self.worker,
+            "load": WorkerLoad.of(self.worker),  # every stage's batches share the one worker
             "max_delay_s": s.max_queue_delay_ms / 1000.0,
             "max_queue_size": s.max_queue_size,
             "observer": self.observer,
@@ -493,7 +494,10 @@ class Engine:
         async def compute() -> ImageEmbedding:
             # shared by every request waiting for this image: each keeps its own deadline
             # (get_or_compute), so the queue admits by this first one but never expires it
-            item = EncodeItem(image.image_id, image.pixels)
+            # the pixels may be a scaled decode: masks and sizes are the image's own
+            item = EncodeItem(
+                image.image_id, image.pixels, original_size=(image.height, image.width)
+            )
             return await sam.encoder.submit(item, admit_by=deadline)
 
         return await self.cache.get_or_compute(image.image_id, compute, deadline)

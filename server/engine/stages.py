@@ -21,7 +21,7 @@ import torch.fx.experimental._config as fx_config
 
 from models.aot import AotBuckets, AotStore
 from models.fidelity import FidelityPrompt, SamOutputs
-from models.images import nested_pixels
+from models.images import as_pixel_tensor, nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
 from models.sam import transforms as sam_tf
@@ -53,8 +53,19 @@ def pad_batch(batch: torch.Tensor, size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncodeItem:
+    """One image to encode. The pixels may be a scaled decode, smaller than the image
+    (`server.http.imaging.sam_min_size`: the model input is the same size either way);
+    prompts and masks are in the image's own frame, `original_size`."""
+
     image_id: str
-    pixels: torch.Tensor  # uint8 [H, W, 3]
+    pixels: np.ndarray | torch.Tensor  # uint8 [h, w, 3], host memory
+    original_size: tuple[int, int] | None = None  # (H, W) of the image; None: the pixels'
+
+    def size(self) -> tuple[int, int]:
+        """(H, W) of the image the masks and prompts are in."""
+        if self.original_size is not None:
+            return self.original_size
+        return int(self.pixels.shape[0]), int(self.pixels.shape[1])
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class DecodeItem:
 
 @dataclass(frozen=True)
 class ClassifyItem:
-    pixels: torch.Tensor  # uint8 [H, W, 3]
+    pixels: np.ndarray | torch.Tensor  # uint8 [H, W, 3], host memory; maybe a scaled decode
     top_k: int
 
 
@@ -154,14 +165,16 @@ class SamStages:
 
     @torch.inference_mode()
     def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
-        sizes = [(int(i.pixels.shape[0]), int(i.pixels.shape[1])) for i in items]
-        nested = nested_pixels([i.pixels for i in items], self.device)
+        pixels = [as_pixel_tensor(i.pixels) for i in items]
+        sizes = [(int(p.shape[0]), int(p.shape[1])) for p in pixels]
+        nested = nested_pixels(pixels, self.device)
         batch, input_sizes = sam_tf.preprocess_images(nested, self.config, self.device, sizes)
         bucket = bucket_for(len(items), self.encoder_buckets)
         # batch: [bucket, 3, S, S] -> embeddings [bucket, C, S/16, S/16]
         embeddings = self._encode(pad_batch(batch, bucket).to(self.dtype))
+        # input sizes from the pixels, which a scaled decode keeps equal to the image's
         return [
-            ImageEmbedding(item.image_id, embeddings[k].clone(), input_sizes[k], sizes[k])
+            ImageEmbedding(item.image_id, embeddings[k].clone(), input_sizes[k], item.size())
             for k, item in enumerate(items)
         ]
 
@@ -415,7 +428,7 @@ class SwinStage:
 
     @torch.inference_mode()
     def classify(self, items: list[ClassifyItem]) -> list[TopK]:
-        probs = self.logits([i.pixels for i in items]).softmax(dim=-1)
+        probs = self.logits([as_pixel_tensor(i.pixels) for i in items]).softmax(dim=-1)
         k = max(item.top_k for item in items)
         top = probs.topk(min(k, probs.shape[-1]), dim=-1)
         scores, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()

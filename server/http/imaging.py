@@ -1,4 +1,4 @@
-"""Image bytes -> a validated `uint8 [H, W, 3]` tensor (runs in the decode thread pool).
+"""Image bytes -> validated `uint8 [H, W, 3]` numpy pixels (runs in the decode thread pool).
 
 Everything a client can send wrong about an image is caught here, with the status the
 contract gives it: unreadable, truncated or corrupt bytes are 400; images whose header
@@ -9,6 +9,13 @@ bombs); the EXIF orientation is applied, and every colour mode the formats carry
 Pillow's own bomb guard (`Image.MAX_IMAGE_PIXELS`, a process-wide warning) is not our
 policy: `max_pixels` is. Its warning is silenced while a header is read, and its hard
 error (past twice its limit) is one more 413.
+
+A JPEG can be decoded at 1/2, 1/4 or 1/8 of its size by libjpeg-turbo's DCT scaling, far
+cheaper than decoding it whole, when the model would shrink it anyway (`min_size`;
+`sam_min_size` and `swin_min_size` choose it so that the model's input keeps its exact
+size). The pixels are then smaller than the image, whose own size the result still
+reports: responses and masks are in the image's pixels. No torch here: the frontend
+processes never import it.
 """
 
 from __future__ import annotations
@@ -19,17 +26,28 @@ import io
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import simplejpeg
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from models.images import HostPixels, host_pixels
 from server.errors import ServiceError
 
-__all__ = ["DecodedImage", "decode_base64_image", "decode_image", "sha256_hex"]
+__all__ = [
+    "DecodedImage",
+    "HeapPixels",
+    "MinSize",
+    "PixelMemory",
+    "decode_base64_image",
+    "decode_image",
+    "heap_pixels",
+    "sam_min_size",
+    "sha256_hex",
+    "swin_min_size",
+]
 
 # Formats a camera, a browser or an annotation tool produces. MPO is what many phones
 # write for JPEG (a JPEG with extra frames); its first frame is the photo.
@@ -41,11 +59,55 @@ _OPEN_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")
 MAX_ASPECT_RATIO = 64
 
 
+class PixelMemory(Protocol):
+    """Where decoded pixels are written: plain memory, or memory the engine reads directly
+    (shared, page-locked). Both give uint8, C-contiguous, writable arrays."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A buffer to decode into."""
+        ...
+
+    def copy_in(self, pixels: np.ndarray) -> np.ndarray:
+        """A copy (or the array itself, when it is already such a buffer of this memory)."""
+        ...
+
+
+class HeapPixels:
+    """Ordinary numpy memory: the default, and all a process without an engine needs."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.empty(shape, dtype=np.uint8)
+
+    def copy_in(self, pixels: np.ndarray) -> np.ndarray:
+        flags = pixels.flags
+        if pixels.dtype == np.uint8 and flags.c_contiguous and flags.writeable and flags.owndata:
+            return pixels  # made for this image alone (a conversion's output)
+        return np.array(pixels, dtype=np.uint8, order="C")
+
+
+heap_pixels = HeapPixels()
+
+# The smallest pixels a caller accepts, as (width, height), or a rule giving it from the
+# image's (upright) size; None: the whole image.
+MinSize = tuple[int, int] | Callable[[int, int], tuple[int, int] | None] | None
+
+
 @dataclass(frozen=True)
 class DecodedImage:
-    pixels: torch.Tensor  # uint8 [H, W, 3], CPU (pinned when serving on CUDA), contiguous
-    width: int
+    """The pixels, and the size of the image they show (larger when decoded scaled)."""
+
+    pixels: np.ndarray  # uint8 [h, w, 3], C-contiguous, writable; h <= height, w <= width
+    width: int  # of the image, upright: what responses say and masks are sized to
     height: int
+
+    @property
+    def pixel_size(self) -> tuple[int, int]:
+        """(width, height) of the pixels."""
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+
+    @property
+    def scaled(self) -> bool:
+        return self.pixel_size != (self.width, self.height)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -141,37 +203,113 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
         return np.repeat(gray[:, :, None], 3, axis=2)
     if mode != "RGB":
         image = image.convert("RGB")
-    return np.asarray(image)  # read-only; `memory` makes the one copy the tensor owns
+    return np.asarray(image)  # read-only; `memory` makes the one copy the pixels own
 
 
 _EXIF_ORIENTATION = 0x0112
+_TRANSPOSED = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height
+_JPEG_FORMATS = ("JPEG", "MPO")
+# libjpeg-turbo's DCT scalings kept here: 1/8, 1/4, 1/2 (the cheapest; Pillow's draft
+# offers these alone). Each side becomes ceil(side / d), in both decoders.
+_SCALES = (8, 4, 2)
 
 
-def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> torch.Tensor | None:
+def _scaled(width: int, height: int, d: int) -> tuple[int, int]:
+    return -(-width // d), -(-height // d)
+
+
+# The models' resize rules, in plain integers (the frontend has no torch): each matches
+# its counterpart in models/ (tests/server/test_imaging.py checks them against it).
+def _longest_side_size(width: int, height: int, target: int) -> tuple[int, int]:
+    """(w, h) with the longest side at `target`: `models.sam.transforms`' rounding."""
+    scale = target * 1.0 / max(width, height)
+    return int(width * scale + 0.5), int(height * scale + 0.5)
+
+
+def _shorter_side_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """(w, h) with the shorter side at `size`: `models.swin.transforms`' (torchvision's)."""
+    if height <= width:
+        return int(size * width / height), size
+    return size, int(size * height / width)
+
+
+def sam_min_size(width: int, height: int, image_size: int) -> tuple[int, int] | None:
+    """The smallest scaled decode SAM can take for an image of `width` x `height` (its
+    upright size): the long side still at least `image_size` (the resize only shrinks)
+    and the resized image exactly the size the whole image resizes to, so the model input
+    and the prompts' and masks' frames are unchanged. None: decode it whole (it is small,
+    or no scale keeps the resize's rounding)."""
+    if max(width, height) <= image_size:
+        return None
+    target = _longest_side_size(width, height, image_size)
+    for d in _SCALES:
+        w, h = _scaled(width, height, d)
+        if max(w, h) >= image_size and _longest_side_size(w, h, image_size) == target:
+            return w, h
+    return None
+
+
+def swin_min_size(width: int, height: int, resize_size: int) -> tuple[int, int] | None:
+    """As `sam_min_size` for Swin's eval transform: the shorter side still at least
+    `resize_size` (`int(input_size / crop_pct)`, `SwinConfig.resize_size`) and the resized
+    image (hence its centre crop) exactly as the whole image's."""
+    if min(width, height) <= resize_size:
+        return None
+    target = _shorter_side_size(width, height, resize_size)
+    for d in _SCALES:
+        w, h = _scaled(width, height, d)
+        if min(w, h) >= resize_size and _shorter_side_size(w, h, resize_size) == target:
+            return w, h
+    return None
+
+
+def _scale_for(width: int, height: int, min_size: MinSize) -> int:
+    """The largest reduction d (8, 4, 2; 1: none) keeping the pixels at least `min_size`."""
+    wanted = min_size(width, height) if callable(min_size) else min_size
+    if wanted is None:
+        return 1
+    for d in _SCALES:
+        w, h = _scaled(width, height, d)
+        if w >= wanted[0] and h >= wanted[1]:
+            return d
+    return 1
+
+
+def _orientation(image: Image.Image) -> int | None:
+    """The EXIF orientation (1: upright), None when the EXIF block is damaged."""
+    try:
+        return int(image.getexif().get(_EXIF_ORIENTATION, 1))
+    except Exception:  # a damaged EXIF block: Pillow's path reports or ignores it
+        return None
+
+
+def _decode_plain_jpeg(
+    data: bytes, image: Image.Image, memory: PixelMemory, scale: int
+) -> np.ndarray | None:
     """An upright 8-bit RGB or grayscale JPEG decoded by libjpeg-turbo straight into
-    `memory`'s tensor (simplejpeg), or None when anything else should decode it.
+    `memory` (simplejpeg), at 1/`scale` of its size, or None when anything else should
+    decode it.
 
     Pillow's path holds the GIL while it copies the decoded image out (`tobytes`, about
     3 ms for a 2.8 MP photo on the 2-core CPU, `python -m bench.host_costs`) and then
-    once more into the tensor; this path decodes with the GIL released and writes the
+    once more into memory; this path decodes with the GIL released and writes the
     pixels once. The pixels are the same: on the test photos they are equal to Pillow's,
     byte for byte (tests/server/test_imaging.py). Rotated (EXIF), CMYK or damaged
     files, which simplejpeg refuses strictly, go the Pillow way with its error messages.
     """
     # MPO: a JPEG whose primary image comes first (phones' portrait shots); libjpeg-turbo
     # stops at its end, which is the frame Pillow's path serves
-    if image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L"):
+    if image.format not in _JPEG_FORMATS or image.mode not in ("RGB", "L"):
         return None
+    width, height = _scaled(*image.size, scale)
+    # at a scale, both sides as asked (each is a minimum; the scale that meets both
+    # exactly is the one chosen), checked against simplejpeg's own answer first
+    wanted = {"min_width": width, "min_height": height} if scale > 1 else {}
     try:
-        if image.getexif().get(_EXIF_ORIENTATION, 1) != 1:
+        if scale > 1 and simplejpeg.decode_jpeg_header(data, **wanted)[:2] != (height, width):
             return None
-    except Exception:  # a damaged EXIF block: Pillow's path reports or ignores it
-        return None
-    width, height = image.size
-    out = memory.empty((height, width, 3))
-    try:
-        buffer = out if isinstance(out, np.ndarray) else out.numpy()
-        decoded = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=buffer, strict=True)
+        out = memory.empty((height, width, 3))
+        decoded = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out, strict=True, **wanted)
     except Exception:  # ValueError for damaged data; whatever it is, Pillow's path decides
         return None
     if decoded.shape != (height, width, 3):  # the header Pillow read disagrees: let it decide
@@ -179,17 +317,33 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, memory: HostPixels) -> t
     return out
 
 
+def _draft(image: Image.Image, scale: int) -> bool:
+    """Ask Pillow's JPEG decoder for 1/`scale` of the stored image; True when it will.
+
+    Pillow picks d from `size // requested` (floored to 8, 4, 2, 1), so asking for
+    `size // scale` gets exactly `scale` on any image large enough to be scaled.
+    """
+    width, height = image.size
+    image.draft(None, (width // scale, height // scale))
+    return image.size == _scaled(width, height, scale)
+
+
 def decode_image(
     data: bytes,
     *,
     max_pixels: int,
     max_bytes: int,
-    memory: HostPixels = host_pixels,
+    memory: PixelMemory = heap_pixels,
+    min_size: MinSize = None,
 ) -> DecodedImage:
     """Decode, orient and convert one image file; raise `ServiceError` for bad input.
 
-    `memory` gives the tensor the pixels land in: the engine's `image_memory`, which on CUDA
-    is pinned memory (`models.images.PinnedPixels`), filled here in the decode thread.
+    `memory` gives the buffer the pixels land in (the engine's image memory, pinned or
+    shared, filled here in the decode thread). `min_size`, for a JPEG: the pixels may be
+    smaller than the image, by 1/2, 1/4 or 1/8, as long as they stay at least this wide
+    and high; a callable gets the upright image's (width, height) and answers the same
+    (`sam_min_size`, `swin_min_size`). Other formats, and images already small, decode
+    whole. The result's width and height are always the image's own.
     """
     if not data:
         raise _bad("the image is empty (0 bytes)")
@@ -198,10 +352,23 @@ def decode_image(
             413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
         )
     image = _open(data, max_pixels)
-    pixels = _decode_plain_jpeg(data, image, memory)
+    # a JPEG's EXIF is in its header; other formats' getexif may read (and fail on) the
+    # pixel data, whose errors must surface from `load` below
+    orientation = _orientation(image) if image.format in _JPEG_FORMATS else None
+    width, height = image.size
+    if orientation in _TRANSPOSED:
+        width, height = height, width
+    scale = 1
+    if min_size is not None and orientation is not None:
+        scale = _scale_for(width, height, min_size)
+    pixels = None
+    if orientation == 1:
+        pixels = _decode_plain_jpeg(data, image, memory, scale)
     if pixels is not None:
-        return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))
+        return DecodedImage(pixels=pixels, width=width, height=height)
     try:
+        if scale > 1 and not _draft(image, scale):
+            image, scale = _open(data, max_pixels), 1  # a scale it would not take: whole
         image.load()
         image = ImageOps.exif_transpose(image) or image
         rgb = _to_rgb(image)
@@ -209,5 +376,6 @@ def decode_image(
         raise _bomb(exc) from None
     except Exception as exc:  # truncated or corrupt pixel data
         raise _bad(f"corrupt or truncated image: {type(exc).__name__}: {exc}") from None
-    pixels = memory.copy_in(rgb) if hasattr(memory, "copy_in") else memory(rgb)
-    return DecodedImage(pixels=pixels, width=int(pixels.shape[1]), height=int(pixels.shape[0]))
+    if scale == 1:  # whole: the pixels are the image (as oriented, whatever its EXIF said)
+        height, width = int(rgb.shape[0]), int(rgb.shape[1])
+    return DecodedImage(pixels=memory.copy_in(rgb), width=width, height=height)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from models.images import host_pixels
 from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
 from server.http import imaging
@@ -75,17 +74,21 @@ def _state(request: Request) -> ServeState:
     return serve_state(request.app.state)
 
 
-async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | None:
+async def _load_image(
+    state: ServeState, parsed: ParsedRequest[Any], model: str | None = None
+) -> Image | None:
     """Decode and validate the image in the thread pool; None when only an id was sent.
 
     The pixels land in this frontend's shared memory for the engine; the request holds
-    them until it ends (`_release`), the engine until it has read them.
+    them until it ends (`_release`), the engine until it has read them. For `model`
+    ("sam", "swin") a JPEG is decoded no larger than that model's resize needs.
     """
     if parsed.image_bytes is None and parsed.image_b64 is None:
         return None
     s = state.settings
     started = time.perf_counter()
-    memory: Any = state.pixels if state.pixels is not None else host_pixels
+    memory: imaging.PixelMemory = state.pixels if state.pixels is not None else imaging.HeapPixels()
+    min_size = _min_size(state, model)
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -93,12 +96,13 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         decoded = imaging.decode_image(
-            data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, memory=memory
+            data,
+            max_pixels=s.max_image_pixels,
+            max_bytes=s.max_body_bytes,
+            memory=memory,
+            min_size=min_size,
         )
-        pixels: Any = decoded.pixels
-        if not isinstance(pixels, np.ndarray):
-            pixels = pixels.numpy()
-        return Image(imaging.sha256_hex(data), pixels, decoded.width, decoded.height)
+        return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
 
     future = asyncio.get_running_loop().run_in_executor(state.decode_pool, work)
     try:
@@ -110,6 +114,19 @@ async def _load_image(state: ServeState, parsed: ParsedRequest[Any]) -> Image | 
         raise
     state.metrics.phase_seconds.labels("image_decode").observe(time.perf_counter() - started)
     return image
+
+
+def _min_size(state: ServeState, model: str | None) -> imaging.MinSize:
+    """How small a JPEG may be decoded for `model`: the sizes its resize goes to come
+    from the engine's status (the frontend does not load the model configs)."""
+    status = state.engine.status if state.engine is not None else None
+    if status is None or model is None:
+        return None
+    if model == "sam" and status.sam_image_size is not None:
+        return partial(imaging.sam_min_size, image_size=status.sam_image_size)
+    if model == "swin" and status.swin_resize is not None:
+        return partial(imaging.swin_min_size, resize_size=status.swin_resize)
+    return None
 
 
 def _release(state: ServeState, image: Image | None) -> None:
@@ -193,7 +210,7 @@ async def segment(request: Request) -> Response:
     )
     fields = parsed.fields
     prompts = _prompts(fields, state)
-    image = await _load_image(state, parsed)
+    image = await _load_image(state, parsed, "sam")
     parsed_at = time.perf_counter()
     seg = SegmentRequest(
         prompts=prompts,
@@ -301,7 +318,7 @@ async def embed(request: Request) -> Response:
         max_body_bytes=state.settings.max_body_bytes,
         in_thread=state.in_thread,
     )
-    image = await _load_image(state, parsed)
+    image = await _load_image(state, parsed, "sam")
     if image is None:
         assert parsed.image_id is not None
         result = await engine.lookup(parsed.image_id)
@@ -367,7 +384,7 @@ async def classify(request: Request) -> Response:
         raise ServiceError(422, "invalid_request", "classify needs the image itself, not an id")
     if parsed.fields.top_k > state.settings.max_top_k:
         raise ServiceError(422, "invalid_request", f"top_k is at most {state.settings.max_top_k}")
-    image = await _load_image(state, parsed)
+    image = await _load_image(state, parsed, "swin")
     assert image is not None
     try:
         result = await watch_disconnect(

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.engine.batcher import Batcher, BatchObserver
+from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
 from server.errors import ServiceError
 
 
@@ -233,3 +233,118 @@ def test_close_fails_waiting_items_with_503(executor):
     running, waiting = run(main())
     assert running == 1
     assert isinstance(waiting, ServiceError) and waiting.status == 503
+
+
+def test_lone_request_on_an_idle_worker_goes_at_once(executor):
+    # the queue delay is for collecting while the worker computes; idle, it is only latency
+    async def main():
+        batcher, rec = make(Worker(), executor, max_delay_s=0.5)
+        batcher.start()
+        took = []
+        for i in range(3):
+            start = time.perf_counter()
+            assert await batcher.submit(i) == i * i
+            took.append(time.perf_counter() - start)
+        await batcher.close()
+        return took, rec
+
+    took, rec = run(main())
+    assert rec.sizes == [1, 1, 1]
+    assert max(took) < 0.25, took  # 500 ms if it had waited for the delay
+
+
+def test_items_arriving_while_a_batch_runs_ride_together_in_the_next(executor):
+    worker = Worker()
+    worker.gate.clear()
+
+    async def main():
+        batcher, rec = make(worker, executor, max_delay_s=5.0)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(1))
+        while not worker.started.is_set():  # item 1 runs alone, held at the gate
+            await asyncio.sleep(0.005)
+        later = [asyncio.create_task(batcher.submit(i)) for i in range(2, 6)]
+        await asyncio.sleep(0.05)
+        assert batcher.depth == 4  # collected, not dispatched, while the worker computes
+        start = time.perf_counter()
+        worker.gate.set()
+        results = await asyncio.gather(first, *later)
+        took = time.perf_counter() - start
+        await batcher.close()
+        return results, took, rec
+
+    results, took, rec = run(main())
+    assert results == [1, 4, 9, 16, 25]
+    assert rec.sizes == [1, 4]
+    assert took < 1.0, took  # the batch ended: the next went without waiting out 5 s
+
+
+def test_queue_delay_still_bounds_the_wait_behind_a_long_batch(executor):
+    other, mine = Worker(), Worker()
+    other.gate.clear()
+
+    async def main():
+        load = WorkerLoad()
+        pool = ThreadPoolExecutor(1)  # a second thread, so "mine" can run while "other" holds
+        slow, _ = make(other, pool, max_delay_s=0.0, load=load)
+        fast, rec = make(mine, executor, max_delay_s=0.05, load=load)
+        slow.start()
+        fast.start()
+        held = asyncio.create_task(slow.submit(1))
+        while not other.started.is_set():
+            await asyncio.sleep(0.005)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(fast.submit(i) for i in range(3)))
+        took = time.perf_counter() - start
+        other.gate.set()
+        await held
+        await slow.close()
+        await fast.close()
+        pool.shutdown(wait=True)
+        return results, took, rec
+
+    results, took, rec = run(main())
+    assert results == [0, 1, 4]
+    assert rec.sizes == [3]
+    assert 0.04 <= took < 1.0, took  # waited out its 50 ms delay, no longer
+
+
+def test_batchers_sharing_a_worker_collect_while_the_other_computes(executor):
+    enc, dec = Worker(), Worker()
+    enc.gate.clear()
+
+    async def main():
+        load = WorkerLoad()
+        encoder, enc_rec = make(enc, executor, max_delay_s=5.0, load=load)
+        decoder, dec_rec = make(dec, executor, max_delay_s=5.0, load=load)
+        encoder.start()
+        decoder.start()
+        encoding = asyncio.create_task(encoder.submit(1))
+        while not enc.started.is_set():
+            await asyncio.sleep(0.005)
+        decoding = [asyncio.create_task(decoder.submit(i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        waiting = decoder.depth  # the encoder's batch holds the worker: the decoder collects
+        enc.gate.set()
+        start = time.perf_counter()
+        results = await asyncio.gather(encoding, *decoding)
+        took = time.perf_counter() - start
+        await encoder.close()
+        await decoder.close()
+        return waiting, results, took, enc_rec, dec_rec, load
+
+    waiting, results, took, enc_rec, dec_rec, load = run(main())
+    assert waiting == 3
+    assert results == [1, 0, 1, 4]
+    assert enc_rec.sizes == [1] and dec_rec.sizes == [3]
+    assert took < 1.0, took  # the worker went idle: the decoder's batch went at once
+    assert not load.busy
+
+
+def test_worker_load_is_one_per_executor(executor):
+    assert WorkerLoad.of(executor) is WorkerLoad.of(executor)
+    other = ThreadPoolExecutor(1)
+    try:
+        assert WorkerLoad.of(other) is not WorkerLoad.of(executor)
+    finally:
+        other.shutdown()

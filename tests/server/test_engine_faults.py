@@ -91,19 +91,24 @@ def test_masks_too_large_are_refused_up_front_and_clicks_beside_them_succeed(mak
 def test_an_allocation_failure_is_split_until_it_fails_alone(make_server):
     """A decoder batch holding the 8-box request fails to allocate on the CPU (a plain
     RuntimeError, as the CPU allocator raises it): the batch is split and retried, the
-    8-box request alone gets 507, the six clicks batched with it get 200."""
+    8-box request alone gets 507, the six clicks batched with it get 200. An idle worker
+    takes a lone request at once, so an encoding holds it (1.5 s) while the seven queue."""
     server = make_server(
         enable_swin=False, fault_alloc_min_cost=8, fault_oom_stage="sam_decoder",
-        max_queue_delay_ms=300,
+        fault_hang_stage="sam_encoder", fault_hang_s=1.5, max_queue_delay_ms=5000,
     )  # fmt: skip
     with httpx.Client(base_url=server.url, timeout=120) as c:
         image_id = embed_id(c, b64_photo(2))
     boxes = {"image_id": image_id, "boxes": [[5, 5, 60, 60]] * 8}
-    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        other = b64_photo(3)
+        busy = pool.submit(httpx.post, server.url + "/v1/embed", json={"image": other}, timeout=120)
+        time.sleep(0.3)  # the encoder now holds the worker; the decoder's queue collects
         big = pool.submit(httpx.post, server.url + "/v1/segment", json=boxes, timeout=120)
         clicks = [pool.submit(click, server.url, image_id, k) for k in range(6)]
         answers = [f.result() for f in clicks]
         failed = big.result()
+        assert busy.result().status_code == 200
     assert_error(failed, 507, "out_of_memory")
     for r in answers:
         assert r.status_code == 200, r.text

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import PHOTOS
-from tests.server.conftest import free_port, spawn_server, wait_until_ready
+from tests.server.conftest import ROOT, free_port, spawn_server, wait_until_ready
 
 ENV = {
     "SERVE_DEVICE": "cpu",
@@ -164,3 +165,13 @@ def test_kill_9_of_the_engine_stops_the_service_non_zero(tmp_path):
     for role in ("frontend-0", "frontend-1"):  # nothing left behind
         status = Path(f"/proc/{service.pid_of(role)}/status")
         assert not status.exists() or "zombie" in status.read_text().lower()
+
+
+def test_a_frontend_never_imports_torch():
+    """HTTP, decoding and mask strings need no torch: eight frontends would otherwise each
+    hold its few hundred MB and its import time."""
+    code = (
+        "import sys, server.http.worker, server.supervisor, server.__main__; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -85,8 +85,10 @@ def test_sigterm_drains_accepted_requests_then_exits_zero(tmp_path):
 
 
 def test_out_of_memory_batches_split_and_succeed(make_server):
-    # encoder batches of 2 or more run out of memory; singles fit
+    # encoder batches of 2 or more run out of memory; singles fit. Each batch lasts 0.5 s, so
+    # what arrives while the first (alone, on an idle worker) runs is batched behind it.
     server = make_server(enable_swin=False, fault_oom_min_batch=2, fault_oom_stage="sam_encoder",
+                         fault_hang_stage="sam_encoder", fault_hang_s=0.5,
                          max_queue_delay_ms=300)  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda seed: segment(server.url, seed), range(4)))

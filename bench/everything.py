@@ -31,7 +31,7 @@ from bench.common import (
 )
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
-from server.rle import mask_runs
+from server.engine.runs import mask_runs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 
-from server.rle import counts_string, mask_runs
+from server.engine.runs import mask_runs
+from server.rle import counts_string
 
 
 def reference(mask: np.ndarray) -> dict:

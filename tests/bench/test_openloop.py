@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,14 @@ import pytest
 
 from bench.openloop import report
 from bench.openloop.kinds import RequestMaker, random_box, random_points, unique_jpeg
-from bench.openloop.schedule import Sample, arrivals, poisson_schedule, run_open_loop
+from bench.openloop.pools import SHARD, ShardedPools
+from bench.openloop.schedule import (
+    Outcome,
+    Sample,
+    arrivals,
+    poisson_schedule,
+    run_open_loop,
+)
 from bench.openloop.worker import StepSpec, run_step
 from bench.service_load import load_images
 from tests.server.conftest import ROOT, LiveServer, free_port
@@ -61,10 +69,11 @@ def test_latency_counts_from_the_scheduled_time_when_the_client_stalls() -> None
     meanwhile go out late, and their latency includes the wait, down to their schedule."""
     schedule = [(k * 0.05, "segment") for k in range(10)]  # 0.00, 0.05, ... 0.45
 
-    async def stalling(kind: str, seq: int) -> tuple[str, int]:
+    async def stalling(kind: str, seq: int) -> Outcome:
+        sent = asyncio.get_running_loop().time()
         if seq == 0:
             time.sleep(0.3)  # blocks the whole loop, as a busy client process would
-        return "200", 10
+        return Outcome("200", 10, sent)
 
     async def go() -> list[Sample]:
         return await run_open_loop(schedule, stalling, asyncio.get_running_loop().time())
@@ -85,13 +94,14 @@ def test_requests_go_out_on_schedule_while_earlier_ones_are_still_waiting() -> N
     schedule = [(k * 0.02, "click") for k in range(10)]
     in_flight, most = 0, 0
 
-    async def slow(kind: str, seq: int) -> tuple[str, int]:
+    async def slow(kind: str, seq: int) -> Outcome:
         nonlocal in_flight, most
+        sent = asyncio.get_running_loop().time()
         in_flight += 1
         most = max(most, in_flight)
         await asyncio.sleep(0.2)
         in_flight -= 1
-        return "200", 1
+        return Outcome("200", 1, sent)
 
     async def go() -> tuple[list[Sample], float]:
         start = asyncio.get_running_loop().time()
@@ -106,13 +116,48 @@ def test_requests_go_out_on_schedule_while_earlier_ones_are_still_waiting() -> N
 
 
 def test_a_sender_that_raises_is_counted_by_its_exception() -> None:
-    async def broken(kind: str, seq: int) -> tuple[str, int]:
+    async def broken(kind: str, seq: int) -> Outcome:
+        await asyncio.sleep(0.05)
         raise RuntimeError("a bug in a sender")
 
     async def go() -> list[Sample]:
         return await run_open_loop([(0.0, "classify")], broken, asyncio.get_running_loop().time())
 
-    assert [s.status for s in asyncio.run(go())] == ["error:RuntimeError"]
+    [failed] = asyncio.run(go())
+    assert failed.status == "error:RuntimeError" and failed.nbytes == 0
+    assert failed.lag_s == failed.latency_s >= 0.05  # never went out: waited all along
+
+
+def test_the_pools_cap_requests_in_flight_and_spread_them_over_small_pools() -> None:
+    """70 slots in pools of at most 32 connections: 70 requests get a connection at once,
+    spread over every pool to its size; the 71st waits for one to be handed back."""
+
+    async def go() -> None:
+        pools = ShardedPools("http://127.0.0.1:9", 70, 1.0, {})
+        assert pools.sizes == [SHARD, SHARD, 70 - 2 * SHARD]
+        held: list[int] = []
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with pools.slot() as client:
+                held.append(pools.clients.index(client))
+                await release.wait()
+
+        tasks = [asyncio.create_task(hold()) for _ in range(71)]
+        await asyncio.sleep(0.05)
+        assert len(held) == 70
+        assert sorted(Counter(held).values()) == sorted(pools.sizes)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert len(held) == 71
+        one = []
+        for _ in range(5):  # a light load keeps to the connection on top
+            async with pools.slot() as client:
+                one.append(client)
+        assert len(set(map(id, one))) == 1
+        await pools.aclose()
+
+    asyncio.run(go())
 
 
 # -- the report ------------------------------------------------------------------------

@@ -8,8 +8,9 @@ Per (step, kind), over the measured window [warm-up, warm-up + seconds) of sched
   (nearest-rank percentiles, each an observed latency); errors do not dilute them;
 - errors: the window's other outcomes by status ("429", "503", "timeout", "conn_error");
 - mean_bytes: mean response body of the 200s;
-- lag_p99_ms: how late the client began sending (p99): above a few ms, the load generator
-  was the limit, and the latencies say so too.
+- lag_p99_ms: how long requests waited in the client before going out on a connection
+  (p99): a busy event loop, or every connection busy. Above a few ms the client, not only
+  the service, held requests back; the latencies include that wait either way.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from bench.openloop import report
 from bench.openloop.kinds import KINDS, Photo
 from bench.openloop.worker import StepSpec, run_step
 from bench.service_load import DEFAULT_IMAGES, load_images
-from server.client import Client
+from server.client import Client, ServiceError
 
 log = logging.getLogger("bench.openloop")
 
@@ -65,8 +65,11 @@ def build_steps(kind: str | None, rates: list[float] | None, mixes: list[Any]) -
 
 def embed_photos(url: str, images: tuple[Photo, ...], api_key: str | None) -> tuple[str, ...]:
     """Encode each photo once, before any click is timed (the annotation tool's first call)."""
-    with Client(url, api_key=api_key, timeout=120) as client:
-        return tuple(client.embed(data).image_id for _, data, _, _ in images)
+    try:
+        with Client(url, api_key=api_key, timeout=120) as client:
+            return tuple(client.embed(data).image_id for _, data, _, _ in images)
+    except (ServiceError, httpx.HTTPError) as exc:
+        raise SystemExit(f"embedding the photos for the clicks failed: {exc!r}") from None
 
 
 def served_models(url: str, api_key: str | None) -> Any:
@@ -80,7 +83,11 @@ def served_models(url: str, api_key: str | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.openloop",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--kind", choices=KINDS, help="one kind at each of --rates")
     p.add_argument("--rates", type=parse_rates, help="req/s, with commas: 50,100,200")

@@ -35,9 +35,10 @@ MIX=${MIX-segment=150,click=1000,classify=500}
 # thousands of connections at the overloaded rates: server and clients need descriptors
 ulimit -n "$(ulimit -Hn)" 2> /dev/null || ulimit -n 65536 2> /dev/null || true
 
-# its own process group, so whatever the server starts goes with it at the end
-# shellcheck disable=SC2086  # EXTRA_ENV is a list of settings
-setsid env SERVE_DEVICE=cuda SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache ${EXTRA_ENV:-} \
+# its own process group (setsid), so whatever the server starts goes with it at the end
+SETSID=$(command -v setsid || true)
+# shellcheck disable=SC2086  # EXTRA_ENV is a list of settings; SETSID may be empty
+$SETSID env SERVE_DEVICE=cuda SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache ${EXTRA_ENV:-} \
   python3 -m server --host 127.0.0.1 --port "$PORT" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 stop_server() {
@@ -47,7 +48,7 @@ stop_server() {
     kill -0 "$SERVER" 2> /dev/null || break
     sleep 1
   done
-  kill -KILL -- "-$SERVER" 2> /dev/null
+  kill -KILL -- "-$SERVER" 2> /dev/null || kill -KILL "$SERVER" 2> /dev/null
   wait "$SERVER" 2> /dev/null
 }
 trap stop_server EXIT
@@ -71,8 +72,10 @@ while time.monotonic() < deadline:
 sys.exit(f"not ready in {timeout_s:.0f} s")
 PY
 echo "ready after $(($(date +%s) - started)) s" | tee "$OUT/openloop.txt"
-python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" \
-  >> "$OUT/openloop.txt" 2>&1
+{
+  python3 -c "import torch; print('torch', torch.__version__)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+} >> "$OUT/openloop.txt" 2>&1
 
 COMMON=(--url "$URL" --images "$IMAGES" --seconds "$SECONDS_PER_RATE" --warmup-seconds "$WARMUP"
   --pause-seconds 1 --timeout 5)

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": args.seconds,
         "warmup_seconds": args.warmup_seconds,
         "timeout_s": args.timeout,
+        "inflight_seconds": args.inflight_seconds,
         "images": [name for name, _, _, _ in images],
         "client_host": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "models": served_models(url, args.api_key),
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = replace(base, rates=rates, seed=args.seed * 1000 + n)
             log.info("%s: %s for %g s after %g s warm-up", label, dict(rates), args.seconds,
                      args.warmup_seconds)  # fmt: skip
-            samples = run_step(spec, pool, lead_in_s=3.0 if n == 0 else 1.0)
+            # client processes start (spawn, imports) during the first step's lead-in
+            lead_in_s = 0.5 if pool is None else 3.0 if n == 0 else 1.0
+            samples = run_step(spec, pool, lead_in_s)
             for kind, rate in rates:
                 row = report.summarize(samples, label, kind, rate, args.warmup_seconds,
                                        args.seconds)  # fmt: skip

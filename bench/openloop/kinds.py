@@ -57,9 +57,9 @@ def random_points(
 
 
 class RequestMaker:
-    """Builds the next request of a kind for one client process. `nonce` (one per tool run)
-    and `process` go into every segment photo's tail, so no two requests of any run, step or
-    process share bytes, while boxes and points stay seeded."""
+    """Builds the next request of a kind for one client process. `nonce` (one per tool run
+    and step) and `process` go into every segment photo's tail, so no two requests of any
+    run, step or process share bytes, while boxes and points stay seeded."""
 
     def __init__(
         self,

@@ -69,10 +69,9 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
     total_s = spec.warmup_s + spec.seconds
     rates = {kind: rate / spec.processes for kind, rate in spec.rates}
     schedule = arrivals(rates, total_s, rng_for)
-    maker = RequestMaker(
-        spec.images, spec.image_ids, random.Random(f"prompts:{spec.seed}:{index}"), spec.nonce,
-        index,
-    )  # fmt: skip
+    # the step's seed joins the run's nonce: photo tails never repeat across steps either
+    prompts = random.Random(f"prompts:{spec.seed}:{index}")
+    maker = RequestMaker(spec.images, spec.image_ids, prompts, f"{spec.nonce}.{spec.seed}", index)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
     loop = asyncio.get_running_loop()

@@ -20,8 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.openloop import report
+from bench.openloop.__main__ import main as openloop_main
 from bench.openloop.kinds import RequestMaker, random_box, random_points, unique_jpeg
 from bench.openloop.pools import SHARD, ShardedPools
 from bench.openloop.schedule import (
@@ -227,8 +229,9 @@ def test_segment_bytes_never_repeat_and_click_names_the_embedding(small_jpeg_dir
     images = load_images(small_jpeg_dir)
     ids = tuple(f"id{k}" for k in range(len(images)))
     seen = set()
-    for process in (0, 1):
-        maker = RequestMaker(images, ids, random.Random(process), "nonce", process)
+    for step, process in itertools.product(("run.0", "run.1"), (0, 1)):
+        # the same prompts' seed in both steps: only the tail tells their photos apart
+        maker = RequestMaker(images, ids, random.Random(process), step, process)
         for seq in range(50):
             r = maker.make("segment", seq)
             data = r.kwargs["files"]["image"][1]
@@ -236,7 +239,7 @@ def test_segment_bytes_never_repeat_and_click_names_the_embedding(small_jpeg_dir
             assert json.loads(r.kwargs["data"]["request"]).keys() == {"box"}
             click = maker.make("click", seq)
             assert click.path == "/v1/segment" and click.kwargs["json"]["image_id"] in ids
-    assert len(seen) == 100
+    assert len(seen) == 200
     with pytest.raises(ValueError, match="EOI"):
         unique_jpeg(b"\x89PNG\r\n\x1a\n", "x")
 
@@ -300,6 +303,38 @@ def test_the_tool_runs_a_mix_against_the_service(
     assert rows["segment"]["mean_bytes"] > rows["classify"]["mean_bytes"]  # masks vs labels
     table = done.stdout.splitlines()
     assert table[0].startswith("| step | kind | offered/s |") and len(table) == 2 + 3
+
+
+def cache_events(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        sample.labels["event"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "serve_embedding_cache_events"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_segment_photos_never_hit_the_embedding_cache_across_steps(
+    live_server: LiveServer, small_jpeg_dir: Path, tmp_path: Path
+) -> None:
+    """Two steps in one process, the same rate and kind: every segment request is a cache
+    miss (its photo's bytes are new), none a hit."""
+    before = cache_events(live_server.url)
+    out = tmp_path / "rows.json"
+    argv = [
+        "--url", live_server.url, "--kind", "segment", "--rates", "4,4", "--seconds", "1.5",
+        "--warmup-seconds", "0", "--pause-seconds", "0", "--processes", "1",
+        "--images", str(small_jpeg_dir), "--json", str(out),
+    ]  # fmt: skip
+    assert openloop_main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == ["segment@4", "segment@4"]
+    assert all(r["errors"] == {} and r["sent"] >= 1 for r in rows), rows
+    after = cache_events(live_server.url)
+    assert after.get("hit", 0) == before.get("hit", 0)
+    assert after["miss"] - before.get("miss", 0) == sum(r["sent"] for r in rows)
 
 
 def test_refusals_are_counted_by_status(

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Issue 19's open-loop figures on the GPU machine: `python3 -m server` with the README's
+# defaults (both models), then `python -m bench.openloop` at fixed Poisson rates, latency
+# from each request's scheduled time (docs/BENCHMARKS.md):
+#   segment   50, 150, 300 req/s     (a new photo each, one box: encoder + decoder)
+#   click     100, 1000, 3000 req/s  (1-2 points on cached embeddings: decoder only)
+#   classify  500, 1000, 2000 req/s  (Swin)
+#   mix       segment=150, click=1000, classify=500 at once
+# SECONDS_PER_RATE (10) measured after WARMUP (2) per rate. Rows go to
+# $OUT/openloop_<kind>.json and, as tables, to $OUT/openloop.txt; the server's log, its
+# /metrics after the run and nvidia-smi beside them. About 3 minutes of load after start-up
+# (a cold start compiles: the whole run stays under 8 minutes while start-up takes < 5).
+#
+#   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_openloop.sh
+#
+# The clients' own cost, measured against a trivial server on the 2-core dev machine: 0.9 ms
+# CPU per click, 1.4 per classify, 2 per segment (these photos): 3000 clicks/s take ~3 cores,
+# hence 8 client processes; the lag column of each row says whether they kept up.
+#
+# EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
+# MIX replace the targets ("" skips one); PROCS_<KIND> the client processes. Needs the wheels
+# of bench/gpu_wheels.txt on PYTHONPATH and the photos in IMAGES (.benchdata/images).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source bench/weights.sh && use_weights || exit 1  # WEIGHTS=synthetic: shapes, not noise
+export PYTHONUNBUFFERED=1
+IMAGES=${IMAGES:-.benchdata/images}
+[ -d "$IMAGES" ] || { echo "no photos in $IMAGES (set IMAGES)" >&2; exit 1; }
+PORT=${PORT:-8000}
+URL=http://127.0.0.1:$PORT
+SECONDS_PER_RATE=${SECONDS_PER_RATE:-10}
+WARMUP=${WARMUP:-2}
+READY_TIMEOUT=${READY_TIMEOUT:-280}
+SEGMENT_RATES=${SEGMENT_RATES-50,150,300}
+CLICK_RATES=${CLICK_RATES-100,1000,3000}
+CLASSIFY_RATES=${CLASSIFY_RATES-500,1000,2000}
+MIX=${MIX-segment=150,click=1000,classify=500}
+# thousands of connections at the overloaded rates: server and clients need descriptors
+ulimit -n "$(ulimit -Hn)" 2> /dev/null || ulimit -n 65536 2> /dev/null || true
+
+# its own process group (setsid), so whatever the server starts goes with it at the end
+SETSID=$(command -v setsid || true)
+# shellcheck disable=SC2086  # EXTRA_ENV is a list of settings; SETSID may be empty
+$SETSID env SERVE_DEVICE=cuda SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache ${EXTRA_ENV:-} \
+  python3 -m server --host 127.0.0.1 --port "$PORT" > "$OUT/server.log" 2>&1 &
+SERVER=$!
+stop_server() {
+  kill -0 "$SERVER" 2> /dev/null || return 0
+  kill -TERM "$SERVER"  # drains: nothing is in flight by now
+  for _ in $(seq 45); do
+    kill -0 "$SERVER" 2> /dev/null || break
+    sleep 1
+  done
+  kill -KILL -- "-$SERVER" 2> /dev/null || kill -KILL "$SERVER" 2> /dev/null
+  wait "$SERVER" 2> /dev/null
+}
+trap stop_server EXIT
+
+started=$(date +%s)
+python3 - "$URL" "$READY_TIMEOUT" "$SERVER" <<'PY' || { tail -40 "$OUT/server.log"; exit 1; }
+import os, sys, time, httpx
+url, timeout_s, pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+deadline = time.monotonic() + timeout_s
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit("the server exited before it was ready")
+    try:
+        if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(f"not ready in {timeout_s:.0f} s")
+PY
+echo "ready after $(($(date +%s) - started)) s" | tee "$OUT/openloop.txt"
+{
+  python3 -c "import torch; print('torch', torch.__version__)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+} >> "$OUT/openloop.txt" 2>&1
+
+COMMON=(--url "$URL" --images "$IMAGES" --seconds "$SECONDS_PER_RATE" --warmup-seconds "$WARMUP"
+  --pause-seconds 1 --timeout 5)
+load() {  # name, cut-off in seconds, then the tool's own arguments
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$OUT/openloop.txt"
+  timeout "$limit" python3 -m bench.openloop "${COMMON[@]}" "$@" --json "$OUT/openloop_$name.json" \
+    2> "$OUT/openloop_$name.log" | tee -a "$OUT/openloop.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { echo "$name: rc=$rc (124: cut at $limit s)"; tail -5 "$OUT/openloop_$name.log"; } \
+    | tee -a "$OUT/openloop.txt"
+}
+# a step takes WARMUP + SECONDS_PER_RATE + up to the 5 s timeout + 2 s; the cut-offs leave
+# room for 3 steps plus start-up and, for clicks, embedding the photos
+per_step=$((WARMUP + SECONDS_PER_RATE + 7))
+[ -n "$SEGMENT_RATES" ] && load segment $((3 * per_step + 20)) --kind segment \
+  --rates "$SEGMENT_RATES" --processes "${PROCS_SEGMENT:-4}"
+[ -n "$CLICK_RATES" ] && load click $((3 * per_step + 30)) --kind click \
+  --rates "$CLICK_RATES" --processes "${PROCS_CLICK:-8}"
+[ -n "$CLASSIFY_RATES" ] && load classify $((3 * per_step + 20)) --kind classify \
+  --rates "$CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
+[ -n "$MIX" ] && load mix $((per_step + 30)) --mix "$MIX" --processes "${PROCS_MIX:-8}"
+
+python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \
+  "$URL" > "$OUT/metrics.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpu.csv" 2>&1
+stop_server
+echo "total $(($(date +%s) - started)) s" | tee -a "$OUT/openloop.txt"

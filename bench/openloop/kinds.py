@@ -1,0 +1,99 @@
+"""The request each kind sends, built at send time from seeded random prompts.
+
+segment   a photo never seen before (the JPEG with a unique tail after its EOI marker: the
+          decoder stops at EOI, the image_id, a hash of the bytes, changes, so the embedding
+          cache never hits) with one box: decode, encoder, mask decoder, masks
+click     1-2 points on an embedding cached beforehand (POST /v1/embed), by image_id, as
+          JSON: the interactive-annotation path, mask decoder only
+classify  a photo (multipart) with top_k 5: Swin
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("segment", "click", "classify")
+
+# file name, JPEG bytes, width, height: bench.service_load.Photo, not imported from there so
+# that client processes start without server.client's imports
+Photo = tuple[str, bytes, int, int]
+JPEG_EOI = b"\xff\xd9"
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    kwargs: dict[str, Any]  # httpx's post(): files and data, or json
+
+
+def unique_jpeg(data: bytes, tag: str) -> bytes:
+    """The same picture in new bytes: `tag` appended after the EOI marker, where decoders
+    stop reading. Not JPEG bytes ending at EOI is refused, since other formats might read
+    the tail as data."""
+    if not data.startswith(b"\xff\xd8") or not data.rstrip(b"\x00\r\n ").endswith(JPEG_EOI):
+        raise ValueError("not a JPEG ending with its EOI marker")
+    return data + b"openloop:" + tag.encode()
+
+
+def random_box(rng: random.Random, width: int, height: int) -> list[float]:
+    """[x0, y0, x1, y1] inside the image, 10-50% of each side."""
+    bw, bh = rng.uniform(0.1, 0.5) * width, rng.uniform(0.1, 0.5) * height
+    x0, y0 = rng.uniform(0, width - bw), rng.uniform(0, height - bh)
+    return [round(x0, 1), round(y0, 1), round(x0 + bw, 1), round(y0 + bh, 1)]
+
+
+def random_points(
+    rng: random.Random, width: int, height: int
+) -> tuple[list[list[float]], list[int]]:
+    """1 or 2 clicks inside the image: a positive one, maybe followed by either label."""
+    n = rng.randint(1, 2)
+    coords = [[round(rng.uniform(0, width - 1), 1), round(rng.uniform(0, height - 1), 1)]
+              for _ in range(n)]  # fmt: skip
+    labels = [1] + [rng.randint(0, 1) for _ in range(n - 1)]
+    return coords, labels
+
+
+class RequestMaker:
+    """Builds the next request of a kind for one client process. `nonce` (one per tool run
+    and step) and `process` go into every segment photo's tail, so no two requests of any
+    run, step or process share bytes, while boxes and points stay seeded."""
+
+    def __init__(
+        self,
+        images: tuple[Photo, ...],
+        image_ids: tuple[str, ...],
+        rng: random.Random,
+        nonce: str,
+        process: int,
+    ) -> None:
+        if not images:
+            raise ValueError("no photos")
+        if image_ids and len(image_ids) != len(images):
+            raise ValueError("one image_id per photo, or none")
+        self.images, self.image_ids, self.rng = images, image_ids, rng
+        self.nonce, self.process = nonce, process
+
+    def make(self, kind: str, seq: int) -> Request:
+        k = self.rng.randrange(len(self.images))
+        name, data, width, height = self.images[k]
+        if kind == "segment":
+            data = unique_jpeg(data, f"{self.nonce}:{self.process}:{seq}")
+            fields: dict[str, Any] = {"box": random_box(self.rng, width, height)}
+            return self._multipart("/v1/segment", name, data, fields)
+        if kind == "click":
+            if not self.image_ids:
+                raise ValueError("click needs the photos embedded first")
+            coords, labels = random_points(self.rng, width, height)
+            body = {"image_id": self.image_ids[k], "point_coords": coords, "point_labels": labels}
+            return Request("/v1/segment", {"json": body})
+        if kind == "classify":
+            return self._multipart("/v1/classify", name, data, {"top_k": 5})
+        raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
+
+    @staticmethod
+    def _multipart(path: str, name: str, data: bytes, fields: dict[str, Any]) -> Request:
+        files = {"image": (name, data, "image/jpeg")}
+        return Request(path, {"files": files, "data": {"request": json.dumps(fields)}})

@@ -1,0 +1,126 @@
+"""One client process of a step (asyncio, httpx), and the step spread over processes.
+
+Every process takes rate/N of each kind on its own seeded Poisson schedule; all start at
+one wall-clock instant set by the parent. Each sends over HTTP/1.1 keep-alive connections,
+about rate/N x `inflight_s` of them (`ShardedPools`): a request that finds none free waits for
+one, and that wait is part of its latency, as every wait is (and shows as client lag). No
+retries: whatever the service answers is counted by its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import multiprocessing.pool
+import random
+import resource
+import time
+from dataclasses import dataclass, replace
+
+import httpx
+
+from bench.openloop.kinds import Photo, RequestMaker
+from bench.openloop.pools import ShardedPools
+from bench.openloop.schedule import Outcome, Sample, arrivals, run_open_loop
+
+MAX_POOL = 1000  # connections per process (in pools of 32: see pools.py)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step (one rate, or one mix) as every process gets it, pickled whole."""
+
+    url: str
+    rates: tuple[tuple[str, float], ...]  # (kind, req/s over all processes)
+    seconds: float  # measured, after the warm-up
+    warmup_s: float
+    timeout_s: float  # per request, from the moment it is sent
+    processes: int
+    seed: int
+    nonce: str  # one per tool run: segment photos never repeat across runs
+    images: tuple[Photo, ...]
+    image_ids: tuple[str, ...] = ()  # of `images`, embedded beforehand (click)
+    api_key: str | None = None
+    inflight_s: float = 2.0  # pool size: this many seconds of arrivals may be in flight
+    start_wall: float = 0.0  # time.time() at which every process starts its schedule
+
+
+def pool_size(spec: StepSpec) -> int:
+    per_process = sum(rate for _, rate in spec.rates) / spec.processes
+    return max(4, min(MAX_POOL, math.ceil(per_process * spec.inflight_s) + 4))
+
+
+def classify_error(exc: BaseException) -> str:
+    """The status of a request that got no response."""
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.TransportError):
+        return "conn_error"
+    return f"error:{type(exc).__name__}"
+
+
+async def run_process(spec: StepSpec, index: int) -> list[Sample]:
+    """Process `index`'s share of the step, on this event loop."""
+
+    def rng_for(kind: str) -> random.Random:
+        return random.Random(f"schedule:{spec.seed}:{index}:{kind}")
+
+    total_s = spec.warmup_s + spec.seconds
+    rates = {kind: rate / spec.processes for kind, rate in spec.rates}
+    schedule = arrivals(rates, total_s, rng_for)
+    # the step's seed joins the run's nonce: photo tails never repeat across steps either
+    prompts = random.Random(f"prompts:{spec.seed}:{index}")
+    maker = RequestMaker(spec.images, spec.image_ids, prompts, f"{spec.nonce}.{spec.seed}", index)
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
+    loop = asyncio.get_running_loop()
+
+    async def send(kind: str, seq: int) -> Outcome:
+        request = maker.make(kind, seq)
+        sent = math.nan
+        try:
+            async with asyncio.timeout(spec.timeout_s), pools.slot() as http:
+                sent = loop.time()
+                response = await http.post(request.path, **request.kwargs)
+        except (TimeoutError, httpx.TransportError) as exc:
+            return Outcome(classify_error(exc), 0, sent)
+        return Outcome(str(response.status_code), len(response.content), sent)
+
+    try:
+        # the parent's start instant on this process's loop clock (monotonic)
+        start = loop.time() + (spec.start_wall - time.time())
+        return await run_open_loop(schedule, send, start)
+    finally:
+        await pools.aclose()
+
+
+def _raise_open_files_limit() -> None:
+    """A pool of hundreds of connections needs that many descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        # a container may refuse: then the pool can run out of descriptors, counted as
+        # conn_error
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def process_main(job: tuple[StepSpec, int]) -> list[Sample]:
+    spec, index = job
+    _raise_open_files_limit()
+    return asyncio.run(run_process(spec, index))
+
+
+def run_step(
+    spec: StepSpec, pool: multiprocessing.pool.Pool | None, lead_in_s: float = 1.0
+) -> list[Sample]:
+    """Every process's samples, raw, for exact percentiles over all of them. Without a pool
+    (one process) the step runs here, on a new event loop."""
+    spec = replace(spec, start_wall=time.time() + lead_in_s)
+    jobs = [(spec, i) for i in range(spec.processes)]
+    if pool is None:
+        if spec.processes != 1:
+            raise ValueError("several processes need a pool")
+        return process_main(jobs[0])
+    return [s for samples in pool.map(process_main, jobs, chunksize=1) for s in samples]

@@ -14,8 +14,10 @@ use_weights() {
     random) ;;
     synthetic)
       local model=${SAM_MODEL:-vit_b} dest=${WEIGHTS_DIR:-/tmp/weights}
-      python3 -m models.weights synthesize "$model" --dest "$dest" --images .benchdata/images \
-        --device cuda || { echo "synthesizing $model weights failed" >&2; return 1; }
+      # trained once per machine: a later script on the same (still held) machine reuses it
+      [ -f "$dest/sam_${model}_synthetic.pth" ] ||
+        python3 -m models.weights synthesize "$model" --dest "$dest" --images .benchdata/images \
+          --device cuda || { echo "synthesizing $model weights failed" >&2; return 1; }
       export SERVE_SAM_CHECKPOINT="$dest/sam_${model}_synthetic.pth"
       ;;
     *) echo "WEIGHTS must be random or synthetic, not ${WEIGHTS}" >&2; return 1 ;;

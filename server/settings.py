@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # the setting was not given (`Settings.for_device`); --help names them with each field.
 CPU_DEFAULTS: dict[str, int] = {
     "max_batch_size": 2,
+    "classify_max_batch_size": 2,
     "decoder_max_batch_prompts": 64,
     "embedding_cache_bytes": 512 * 1024**2,
 }
@@ -88,7 +89,12 @@ class Settings(BaseSettings):
 
     # Batching.
     max_batch_size: int = Field(8, ge=1, le=256)
-    """images per encoder / classifier batch (CPU default: 2)"""
+    """images per SAM encoder batch (CPU default: 2)"""
+    # Swin-T computes a batch of 32 in about the time SAM's encoder takes for one image;
+    # with 8 per batch, 2,000 classifications a second would be 250 batches a second
+    # (docs/BENCHMARKS.md, issue 19).
+    classify_max_batch_size: int = Field(32, ge=1, le=256)
+    """images per classifier (Swin) batch (CPU default: 2)"""
     max_queue_delay_ms: float = Field(5.0, ge=0.0, le=10_000.0)
     """how long a batch waits to fill, in ms"""
     max_queue_size: int = Field(256, ge=1)

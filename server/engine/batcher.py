@@ -388,6 +388,9 @@ class Batcher(Generic[Item, Result]):
                 self._queue.extendleft(reversed(batch))
                 continue
             await self._run(loop, batch)
+            # not kept while the collector waits: the items hold their inputs (an image's
+            # pixels, lent by a frontend until nothing here references them)
+            del batch
             if self._queue:
                 self._wakeup.set()
         self._fail_waiting()

@@ -231,7 +231,7 @@ class EngineServer:
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._send, [RELEASE, owner, *dump([slot])])
+            loop.call_soon_threadsafe(self._send, [owner, RELEASE, *dump([slot])])
 
     async def _serve(self, owner: bytes, call_id: int, call: object) -> None:
         try:

@@ -260,7 +260,7 @@ class Engine:
                 steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
                               partial(self._warm, "sam_decoder", b)))  # fmt: skip
         if s.enable_swin:
-            for b in warmed(s.buckets_up_to(s.max_batch_size)):
+            for b in warmed(s.buckets_up_to(s.classify_max_batch_size)):
                 steps.append((f"{doing} Swin, batch {b}", partial(self._warm, "swin", b)))
         return steps
 
@@ -395,14 +395,14 @@ class Engine:
                 s.swin_model,
                 s.seed,
             )
-        buckets = s.buckets_up_to(s.max_batch_size)
+        buckets = s.buckets_up_to(s.classify_max_batch_size)
         aot = self._aot_store(s.swin_model, model)
         stage = SwinStage(model, config, self.device, opts, buckets, aot=aot)
         info = self._info(s.swin_model, s.swin_checkpoint, buckets)
         batcher: Batcher[ClassifyItem, TopK] = Batcher(
             "swin",
             self._stage_fn("swin", stage.classify),
-            max_batch_cost=s.max_batch_size,
+            max_batch_cost=s.classify_max_batch_size,
             **self._batcher_args(),  # type: ignore[arg-type]
         )
         return _SwinParts(stage, info, batcher)

@@ -61,6 +61,7 @@ def small_settings(**overrides: object) -> Settings:
         "sam_model": "vit_tiny",
         "swin_model": "swin_test",
         "max_batch_size": 4,
+        "classify_max_batch_size": 4,
         "batch_buckets": [1, 2, 4],
         "max_queue_delay_ms": 5.0,
         "decoder_max_batch_prompts": 32,

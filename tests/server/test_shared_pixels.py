@@ -1,0 +1,75 @@
+"""Decoded pixels in shared memory: slots handed out, lent to the engine, and given back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import numpy as np
+
+from server.http.pixels import ALIGN, SharedPixels
+from server.messages import PixelRef
+from tests.conftest import PHOTOS
+
+
+def test_slots_are_first_fit_and_a_full_file_spills_to_the_heap(tmp_path):
+    pixels = SharedPixels(3 * ALIGN, folder=tmp_path)
+    try:
+        a = pixels.empty((ALIGN // 3, 1, 3))  # one page
+        b = pixels.empty((2 * ALIGN // 3, 1, 3))  # two pages: the file is full
+        assert pixels.offset_of(a) == 0 and pixels.offset_of(b) == ALIGN
+        spilled = pixels.empty((10, 10, 3))
+        assert pixels.offset_of(spilled) is None and pixels.spilled == 1
+        pixels.release_array(a)
+        again = pixels.empty((5, 5, 3))  # the freed first page is reused
+        assert pixels.offset_of(again) == 0
+        assert pixels.held_bytes == 3 * ALIGN
+    finally:
+        pixels.close()
+    assert not pixels.path.exists()
+
+
+def test_a_slot_lent_to_the_engine_is_freed_by_its_last_holder(tmp_path):
+    pixels = SharedPixels(4 * ALIGN, folder=tmp_path)
+    try:
+        image = pixels.empty((8, 8, 3))
+        image[:] = 7
+        ref = pixels.ref(image)
+        assert isinstance(ref, PixelRef) and ref.shape == (8, 8, 3)
+        # what the engine maps sees what the frontend wrote
+        mapped = np.memmap(ref.path, dtype=np.uint8, mode="r", offset=ref.offset, shape=ref.shape)
+        assert (mapped == 7).all()
+        pixels.release_array(image)  # the request is done; the engine still reads
+        assert pixels.slots == 1
+        pixels.release(ref.slot)  # the engine's release
+        assert pixels.slots == 0 and pixels.held_bytes == 0
+        heap = np.zeros((2, 2, 3), dtype=np.uint8)
+        assert pixels.ref(heap) is heap  # heap pixels travel inline
+    finally:
+        pixels.close()
+
+
+def test_the_engine_gives_every_slot_back_after_the_requests(make_server):
+    """Through the engine's socket: a release for each image, so the file never fills."""
+    server = make_server(shm_bytes_per_worker=32 * 1024**2)
+    photo = (PHOTOS / "dog.jpg").read_bytes()
+
+    def two_requests(i: int) -> tuple[int, int]:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            tail = bytes([i % 256, i // 256])  # after the JPEG's end: new bytes, new id
+            files = {"image": ("d.jpg", photo + tail, "image/jpeg")}
+            classified = c.post("/v1/classify", files=files)
+            segmented = c.post(
+                "/v1/segment", files=files, data={"request": '{"box": [10, 10, 300, 200]}'}
+            )
+            return classified.status_code, segmented.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert set(pool.map(two_requests, range(30))) == {(200, 200)}
+    pixels = server.app.state.serve.pixels
+    deadline = time.monotonic() + 10
+    while pixels.slots > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pixels.slots == 0, f"{pixels.slots} slots never given back"
+    assert pixels.spilled == 0

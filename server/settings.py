@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     # does not fit travels inline with its call instead (one copy more); none is refused.
     shm_bytes_per_worker: int = Field(128 * 1024**2, ge=0)
     """bytes of shared memory per frontend for decoded images (0: send pixels inline)"""
+    # libjpeg-turbo's DCT scaling: a 4000x3000 photo for SAM (1024) decodes at 1/2 and for
+    # Swin at 1/8, for less work and fewer pixels to move; the model's input keeps its size
+    # but its pixels differ slightly (mask IoU 0.98-0.99 against a whole decode,
+    # docs/BENCHMARKS.md). False: every image decoded whole, as Meta's predictor sees it.
+    scaled_decode: bool = True
+    """decode JPEGs at 1/2, 1/4 or 1/8 when the model's resize needs no more pixels"""
     decode_threads: int = Field(4, ge=1)
     """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA

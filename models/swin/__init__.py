@@ -8,11 +8,22 @@ are; the forward pass is free of host-device synchronisation and friendly to
 
 from __future__ import annotations
 
-from importlib import resources
+from importlib import import_module, resources
+from typing import TYPE_CHECKING, Any
 
-from models.swin.checkpoint import CheckpointError, load_swin
 from models.swin.config import SWIN_CONFIGS, SwinConfig
-from models.swin.model import SwinTransformer, WindowAttention
+
+if TYPE_CHECKING:
+    from models.swin.checkpoint import CheckpointError, load_swin
+    from models.swin.model import SwinTransformer, WindowAttention
+
+# Imported on first use (PEP 562), as in models.sam: the configs need no torch.
+_LAZY = {
+    "CheckpointError": "models.swin.checkpoint",
+    "load_swin": "models.swin.checkpoint",
+    "SwinTransformer": "models.swin.model",
+    "WindowAttention": "models.swin.model",
+}
 
 __all__ = [
     "IMAGENET_CLASSES",
@@ -35,10 +46,16 @@ def imagenet_classes() -> list[str]:
     return names
 
 
-def __getattr__(name: str) -> list[str]:
-    """Read `IMAGENET_CLASSES` on first access (PEP 562), then keep it as a module global."""
+def __getattr__(name: str) -> Any:
+    """Read `IMAGENET_CLASSES` on first access (PEP 562), then keep it as a module global;
+    import the torch modules' names on first use."""
     if name == "IMAGENET_CLASSES":
         names = imagenet_classes()
         globals()[name] = names
         return names
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -120,7 +120,7 @@ def _min_size(state: ServeState, model: str | None) -> imaging.MinSize:
     """How small a JPEG may be decoded for `model`: the sizes its resize goes to come
     from the engine's status (the frontend does not load the model configs)."""
     status = state.engine.status if state.engine is not None else None
-    if status is None or model is None:
+    if status is None or model is None or not state.settings.scaled_decode:
         return None
     if model == "sam" and status.sam_image_size is not None:
         return partial(imaging.sam_min_size, image_size=status.sam_image_size)

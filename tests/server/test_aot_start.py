@@ -15,7 +15,12 @@ import httpx
 
 from .conftest import ROOT, encode, photo_like
 
-AOT = {"max_batch_size": 1, "batch_buckets": [1], "decoder_max_batch_prompts": 4}
+AOT = {
+    "max_batch_size": 1,
+    "classify_max_batch_size": 1,
+    "batch_buckets": [1],
+    "decoder_max_batch_prompts": 4,
+}
 
 
 def test_compile_then_a_start_loads_the_packages(make_server, tmp_path, caplog):
@@ -24,7 +29,7 @@ def test_compile_then_a_start_loads_the_packages(make_server, tmp_path, caplog):
         "SERVE_DEVICE": "cpu", "SERVE_SAM_MODEL": "vit_tiny", "SERVE_SWIN_MODEL": "swin_test",
         "SERVE_COMPILE_MODE": "aot", "SERVE_COMPILE_CACHE_DIR": str(tmp_path),
         "SERVE_MAX_BATCH_SIZE": "1", "SERVE_BATCH_BUCKETS": "[1]",
-        "SERVE_DECODER_MAX_BATCH_PROMPTS": "4",
+        "SERVE_DECODER_MAX_BATCH_PROMPTS": "4", "SERVE_CLASSIFY_MAX_BATCH_SIZE": "1",
     })  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "server", "compile"],

@@ -39,7 +39,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
 @pytest.fixture(scope="module")
 def server(reference: tuple[object, Path]) -> Iterator[LiveServer]:
     live = LiveServer(
-        small_settings(enable_swin=False, sam_checkpoint=reference[1], low_res_cache_bytes=2**20)
+        small_settings(
+            enable_swin=False,
+            sam_checkpoint=reference[1],
+            low_res_cache_bytes=2**20,
+            scaled_decode=False,
+        )  # parity with the predictor: whole decodes
     ).start()
     yield live
     live.stop()

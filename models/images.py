@@ -36,6 +36,23 @@ __all__ = [
 Size = tuple[int, int]
 
 
+def upload(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """`tensor` on `device` without making the host wait for the GPU.
+
+    A copy from ordinary (pageable) host memory is staged by the driver and returns only
+    once it has run, that is after everything queued on the stream before it: the worker
+    preparing the next batch would wait for the previous one to finish on the GPU. Small
+    host tensors (offsets, prompts) are first put in page-locked memory (PyTorch's caching
+    host allocator, reused once the copy has run), and the copy is then truly asynchronous.
+    """
+    target = torch.device(device)
+    if target.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(target, non_blocking=True)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(target, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=16)
 def normalizer(
     device: str, mean: tuple[float, ...], std: tuple[float, ...]
@@ -77,7 +94,7 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
     return torch.nested.nested_tensor_from_jagged(
         values,
-        offsets.to(device, non_blocking=True),
+        upload(offsets, device),
         min_seqlen=min(lengths),
         max_seqlen=max(lengths),
     )

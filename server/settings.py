@@ -224,9 +224,13 @@ class Settings(BaseSettings):
     # encoder call took 7.6 s at Python's 5 ms and 0.96 s at 0.5 ms (31 ms alone; CPU,
     # bench/gil_contention.py, docs/BENCHMARKS.md). But the GPU service at 0.5 ms served
     # 57.9 req/s, against 57.9 to 75.8 in four runs at Python's 5 ms (H100, batch 16, 5 ms
-    # delay): no gain shown where it matters, so None (Python's default) stays the default.
-    switch_interval_ms: float | None = Field(None, gt=0.0)
-    """Python's GIL hand-over interval in ms (unset: Python's 5 ms)"""
+    # delay), no gain, in the one-process service. The engine process has two busy threads,
+    # its event loop (every call's messages) and the worker: on an H100 (2026-11-24) at
+    # 0.2 ms its Swin batches took 9.9 ms (5 images) against 17.8 ms (6.5) at 5 ms, and
+    # clicks at 100/s had p99 85 ms against 445, one run each (docs/BENCHMARKS.md). Applied
+    # in the engine process only; frontends keep Python's 5 ms.
+    switch_interval_ms: float = Field(0.2, gt=0.0)
+    """the engine process's GIL hand-over interval in ms (Python's own is 5)"""
     log_level: str = "INFO"
     """log level of the JSON logs (DEBUG shows the probes' access lines)"""
 

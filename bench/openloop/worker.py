@@ -73,6 +73,9 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
     prompts = random.Random(f"prompts:{spec.seed}:{index}")
     maker = RequestMaker(spec.images, spec.image_ids, prompts, f"{spec.nonce}.{spec.seed}", index)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    # the server learns when this client gives up, so it refuses (429) or drops work it
+    # could not finish by then, as a real client with a timeout should ask it to
+    headers["X-Request-Timeout-Ms"] = str(int(spec.timeout_s * 1000))
     pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
     loop = asyncio.get_running_loop()
 

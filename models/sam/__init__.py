@@ -37,6 +37,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "SAM_CONFIGS",
     "CheckpointError",

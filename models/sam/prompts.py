@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from models.images import upload
 from models.sam.prompt_encoder import LABEL_BOX_BR, LABEL_BOX_TL, LABEL_NOT_A_POINT, LABEL_PAD
 
 __all__ = ["PromptBatch", "PromptSet", "pack_prompts"]
@@ -71,13 +72,13 @@ class PromptBatch:
         """The same batch on another device (tensors copied, shapes unchanged)."""
 
         def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else upload(t, device)
 
         return PromptBatch(
             move(self.image_index),
-            self.points.to(device, non_blocking=True),
-            self.point_labels.to(device, non_blocking=True),
-            self.token_valid.to(device, non_blocking=True),
+            upload(self.points, device),
+            upload(self.point_labels, device),
+            upload(self.token_valid, device),
             move(self.mask_input),
             move(self.has_mask_input),
         )

@@ -313,8 +313,7 @@ def engine_main(settings: Settings, address: str) -> None:
     from server.logs import configure_logging
 
     configure_logging(settings.log_level, "engine")
-    if settings.switch_interval_ms is not None:
-        sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
+    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
     server = EngineServer(settings, address, Metrics("engine"))
 

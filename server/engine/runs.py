@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from models.images import upload
 from server.rle import MaskRuns
 
 __all__ = ["mask_runs"]
@@ -46,7 +47,7 @@ def mask_runs(stacks: list[Tensor]) -> list[MaskRuns]:
     per_mask = np.repeat(np.asarray(lengths, dtype=np.int64), counts_per)
     starts = np.concatenate([[0], np.cumsum(per_mask)])[:-1].astype(np.int64)
     change = (flat[1:] != flat[:-1]).nonzero().squeeze(1)  # positions before a change
-    first = flat[torch.from_numpy(starts).to(device, non_blocking=True)]  # no sync
+    first = flat[upload(torch.from_numpy(starts), device)]  # no sync
     areas = torch.cat([m.flatten(1).sum(dim=1) for m in stacks])
     boxes = torch.cat([_boxes(m) for m in stacks])
     # one copy back for the whole batch

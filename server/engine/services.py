@@ -1,51 +1,51 @@
-"""The engine: loaded models, their batchers and the one GPU worker thread.
+"""The engine: builds the models, their stages and batchers, and the one GPU worker thread.
 
-The lifespan builds it (`Engine.create`), warms it, then serves; routes reach it through
-`await engine.segment(...)`, `engine.embed(...)` and `engine.classify(...)`. GPU work runs
-only on the worker thread, so the event loop never blocks and CUDA streams stay simple.
+The engine process (`server.engine.process`) creates it, loads and warms it step by step,
+then hands each call to a model's service (`SamService`, `SwinService`), which is what a
+request does with the parts built here. GPU work runs only on the worker thread, so the
+event loop never blocks and CUDA streams stay simple.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from models.aot import AotStore, PackageKey, device_name, weights_hash
-from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
+from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
-from models.quantize import torchao_unsupported
 from models.sam import SAM_CONFIGS, load_sam
-from models.sam.automatic import AutomaticMaskGenerator
-from models.sam.fused_attention import triton_available
-from models.swin import IMAGENET_CLASSES, SWIN_CONFIGS, load_swin
+from models.swin import SWIN_CONFIGS, load_swin
 from server.domain import (
     ClassifyResult,
     EmbedResult,
     Image,
     ModelInfo,
-    Prediction,
     PromptMasks,
     SegmentRequest,
     SegmentResult,
 )
 from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
+from server.engine.build import (
+    compile_cache_hits,
+    optimize_options,
+    resolve_device,
+    use_compile_cache,
+)
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
-from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
+from server.engine.everything import EverythingMasks, EverythingRunner
 from server.engine.faults import Faults
 from server.engine.fidelity import FidelityReport, measure_served
+from server.engine.sam_service import SamParts, SamService
 from server.engine.stages import (
     ClassifyItem,
     DecodeItem,
@@ -54,6 +54,7 @@ from server.engine.stages import (
     SwinStage,
     TopK,
 )
+from server.engine.swin_service import SwinParts, SwinService
 from server.errors import ServiceError
 from server.progress import StartupProgress
 from server.settings import Settings
@@ -63,87 +64,6 @@ log = logging.getLogger(__name__)
 Step = tuple[str, Callable[[], None]]  # a start-up step: its label and the worker's call
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` means CUDA when a GPU is visible, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("SERVE_DEVICE=cuda but no CUDA device is visible")
-    return torch.device(name)
-
-
-def optimize_options(settings: Settings, device: torch.device) -> OptimizeOptions:
-    """Resolve the `auto` settings for the device: bf16, compiled, flex, graphed on CUDA."""
-    cuda = device.type == "cuda"
-    compile_mode = settings.compile_mode
-    if compile_mode == "auto":
-        compile_mode = "default" if cuda else "none"
-    attention = settings.attention
-    if attention == "auto":
-        # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
-        # an H100 with torch 2.11; our Triton kernel avoids it without that cost
-        # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
-        # AOT packages cannot call our kernel (a Python custom op): SDPA there.
-        aot = compile_mode == "aot"
-        attention = "triton" if cuda and triton_available() and not aot else "sdpa"
-    precision = settings.precision
-    if precision == "auto":
-        precision = "bf16" if cuda else "fp32"
-    backend = settings.quantization_backend
-    if backend == "torchao" and settings.quantization != "none":
-        why_not = torchao_unsupported(settings.quantization, device)
-        if why_not is not None:
-            log.warning("SERVE_QUANTIZATION_BACKEND=torchao: %s; core torch's %s layers "
-                        "instead", why_not, settings.quantization)  # fmt: skip
-            backend = "core"
-    return OptimizeOptions(
-        precision=precision,
-        quantization=settings.quantization,
-        quantization_backend=backend,
-        sparsity=settings.sparsity,
-        attention=attention,
-        # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)
-        window_attention="triton" if attention == "triton" else "sdpa",
-        compile_mode=compile_mode,
-        cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
-    )
-
-
-def use_compile_cache(folder: Path) -> None:
-    """Keep inductor's and Triton's caches (FX graphs, kernels, autotuning) in `folder`.
-
-    Both read these variables when they first compile, which happens after this, on the
-    worker thread; a restart with the same folder skips code generation and autotuning.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
-    torch._inductor.config.fx_graph_cache = True
-    torch._inductor.config.autotune_local_cache = True
-
-
-def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:
-    """Inductor's FX-graph cache hits and misses in this process (since a snapshot).
-
-    The counters are process-wide: an engine reports the difference over its own warm-up.
-    """
-    counters = torch._dynamo.utils.counters["inductor"]
-    now = {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
-    base = since or {}
-    return {event: count - base.get(event, 0) for event, count in now.items()}
-
-
-def _check_everything(
-    runner: EverythingRunner, generator: AutomaticMaskGenerator, size: tuple[int, int]
-) -> None:
-    """A job that cannot run on this image is the client's 422 (or 413 for memory)."""
-    try:
-        generator.check_size(size)
-    except ValueError as exc:
-        raise ServiceError(422, "invalid_request", str(exc)) from None
-    runner.check_memory(generator, size)
-
-
 def _item_cost(item: object) -> int:
     """A batch item's cost as its batcher counts it: prompts for the decoder, else one."""
     return len(item.prompts) if isinstance(item, DecodeItem) else 1
@@ -151,22 +71,6 @@ def _item_cost(item: object) -> int:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
-
-
-@dataclass
-class _SamParts:
-    stages: SamStages
-    info: ModelInfo
-    encoder: Batcher[EncodeItem, ImageEmbedding]
-    decoder: Batcher[DecodeItem, list[PromptMasks]]
-    everything: EverythingRunner
-
-
-@dataclass
-class _SwinParts:
-    stage: SwinStage
-    info: ModelInfo
-    batcher: Batcher[ClassifyItem, TopK]
 
 
 class Engine:
@@ -191,8 +95,8 @@ class Engine:
             observer=observer if isinstance(observer, CacheObserver) else None,
         )
         self.low_res = LowResStore(settings.low_res_cache_bytes)
-        self.sam: _SamParts | None = None
-        self.swin: _SwinParts | None = None
+        self.sam: SamParts | None = None
+        self.swin: SwinParts | None = None
         self.warmup_seconds: float | None = None
         self.no_recompile = False  # set by a compiled warm-up; see _stage_fn
         self.compile_cache_events: dict[str, int] = {"hit": 0, "miss": 0}
@@ -331,7 +235,7 @@ class Engine:
             batch_buckets=tuple(buckets),
         )
 
-    def _load_sam(self) -> _SamParts:
+    def _load_sam(self) -> SamParts:
         s = self.settings
         if s.sam_model not in SAM_CONFIGS:
             raise ValueError(f"unknown SERVE_SAM_MODEL {s.sam_model!r}; one of {list(SAM_CONFIGS)}")
@@ -377,9 +281,9 @@ class Engine:
             max_work_bytes=s.everything_work_bytes,
             rle_on_device=self.rle_on_device,
         )
-        return _SamParts(stages, info, encoder, decoder, everything)
+        return SamParts(stages, info, encoder, decoder, everything)
 
-    def _load_swin(self) -> _SwinParts:
+    def _load_swin(self) -> SwinParts:
         s = self.settings
         if s.swin_model not in SWIN_CONFIGS:
             raise ValueError(
@@ -405,7 +309,7 @@ class Engine:
             max_batch_cost=s.classify_max_batch_size,
             **self._batcher_args(),  # type: ignore[arg-type]
         )
-        return _SwinParts(stage, info, batcher)
+        return SwinParts(stage, info, batcher)
 
     def _aot_store(self, name: str, module: torch.nn.Module) -> AotStore | None:
         """Where this model's AOT packages live, keyed by its weights and variant here."""
@@ -468,137 +372,29 @@ class Engine:
     def models(self) -> list[ModelInfo]:
         return [p.info for p in (self.sam, self.swin) if p is not None]
 
-    # -- requests ---------------------------------------------------------------------
+    # -- requests: handed to the model's service ----------------------------------------
 
-    def _require_sam(self) -> _SamParts:
+    def sam_service(self) -> SamService:
         if self.sam is None:
             raise ServiceError(503, "not_ready", "SAM is not enabled on this server")
-        return self.sam
+        return SamService(self.sam, self.cache, self.low_res, self.settings, self.worker)
 
-    async def _embedding(
-        self, image: Image | None, image_id: str | None, deadline: float | None
-    ) -> tuple[ImageEmbedding, bool]:
-        sam = self._require_sam()
-        if image is None:
-            assert image_id is not None
-            entry = self.cache.get(image_id)
-            if entry is None:
-                raise ServiceError(
-                    404,
-                    "unknown_image_id",
-                    f"image_id {image_id} is not cached (never sent, or evicted); "
-                    "send the image again",
-                )
-            return entry, True
-
-        async def compute() -> ImageEmbedding:
-            # shared by every request waiting for this image: each keeps its own deadline
-            # (get_or_compute), so the queue admits by this first one but never expires it
-            # the pixels may be a scaled decode: masks and sizes are the image's own
-            item = EncodeItem(
-                image.image_id, image.pixels, original_size=(image.height, image.width)
-            )
-            return await sam.encoder.submit(item, admit_by=deadline)
-
-        return await self.cache.get_or_compute(image.image_id, compute, deadline)
+    def swin_service(self) -> SwinService:
+        if self.swin is None:
+            raise ServiceError(503, "not_ready", "Swin is not enabled on this server")
+        return SwinService(self.swin)
 
     async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
-        started = time.perf_counter()
-        entry, cached = await self._embedding(image, None, deadline)
-        return EmbedResult(
-            image_id=entry.image_id,
-            width=entry.original_size[1],
-            height=entry.original_size[0],
-            cached=cached,
-            timing_ms={"encode": _ms(time.perf_counter() - started)},
-        )
+        return await self.sam_service().embed(image, deadline)
 
     def lookup(self, image_id: str) -> EmbedResult:
-        """A cached embedding's image, as `/v1/embed` with only an id answers it."""
-        entry = self.cache.get(image_id)
-        if entry is None:
-            raise ServiceError(404, "unknown_image_id", f"image_id {image_id} is not cached")
-        height, width = entry.original_size
-        return EmbedResult(image_id=image_id, width=width, height=height, cached=True)
+        return self.sam_service().lookup(image_id)
 
     async def segment(self, request: SegmentRequest) -> SegmentResult:
-        sam = self._require_sam()
-        started = time.perf_counter()
-        mask_input = None
-        if request.mask_input is not None:  # checked before any encoder work is spent
-            image_id = request.image.image_id if request.image else request.image_id
-            assert image_id is not None
-            mask_input = self.low_res.get(request.mask_input, image_id)
-        image = request.image
-        if image is not None:  # refused before any encoder work is spent
-            self._mask_memory(request, (image.height, image.width))
-        entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
-        held = self._mask_memory(request, entry.original_size)
-        encoded = time.perf_counter()
-        item = DecodeItem(
-            entry,
-            request.prompts,
-            request.multimask,
-            mask_input,
-            request.return_low_res,
-            request.output,
-        )
-        results = await sam.decoder.submit(
-            item, cost=len(request.prompts), memory=held, deadline=request.deadline
-        )
-        for result in results:
-            if result.low_res is not None:
-                logits = result.low_res  # [K, m, m]; the store keeps a copy of each mask's
-                result.handles = [
-                    self.low_res.put(entry.image_id, logits[k : k + 1])
-                    for k in range(logits.shape[0])
-                ]
-                result.low_res = None
-        done = time.perf_counter()
-        return SegmentResult(
-            image_id=entry.image_id,
-            width=entry.original_size[1],
-            height=entry.original_size[0],
-            cached=cached,
-            results=results,
-            timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
-        )
-
-    def _mask_memory(self, request: SegmentRequest, size: tuple[int, int]) -> int:
-        """The bytes the request's masks hold in a decoder batch; 413 when over the budget.
-
-        Estimated before the request joins a batch, so one request too large for memory
-        is refused alone instead of failing the batch it would have joined.
-        """
-        sam = self._require_sam()
-        prompts = len(request.prompts)
-        held, working = sam.stages.mask_memory(prompts, request.multimask, size)
-        masks = sam.stages.config.num_multimask_outputs if request.multimask else 1
-        refuse_over_budget(
-            held + working,
-            self.settings.segment_max_bytes,
-            "masks_too_large",
-            f"{prompts} prompt(s) x {masks} mask(s) at the image's full size ({size[1]}x{size[0]})",
-            "send fewer boxes, set multimask_output to false, or send a smaller image",
-        )
-        return held
+        return await self.sam_service().segment(request)
 
     async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
-        """The cached embedding as a float16 `.npy` `[1, C, h, w]` (for browser decoders)."""
-        entry = self.cache.get(image_id)
-        if entry is None:
-            raise ServiceError(
-                404, "unknown_image_id", f"image_id {image_id} is not cached; embed it first"
-            )
-        loop = asyncio.get_running_loop()
-
-        def to_npy() -> bytes:
-            array = entry.embedding[None].to(torch.float16).cpu().numpy()
-            buf = io.BytesIO()
-            np.save(buf, array, allow_pickle=False)
-            return buf.getvalue()
-
-        return entry, await loop.run_in_executor(self.worker, to_npy)
+        return await self.sam_service().embedding_npy(image_id)
 
     async def everything(
         self,
@@ -608,33 +404,9 @@ class Engine:
         output: str = "rle",
         deadline: float | None = None,
     ) -> tuple[ImageEmbedding, EverythingMasks, dict[str, float]]:
-        """Every object in the image: SAM's automatic mask generation on the worker."""
-        sam = self._require_sam()
-        generator = sam.everything.generator(fields)
-        size = (image.height, image.width) if image is not None else None
-        if size is not None:  # refuse before encoding what could not be finished
-            _check_everything(sam.everything, generator, size)
-        started = time.perf_counter()
-        entry, _ = await self._embedding(image, image_id, deadline)
-        encoded = time.perf_counter()
-        _check_everything(sam.everything, generator, entry.original_size)
-        pixels = image.pixels if image is not None else None
-        masks = await sam.everything.run(generator, entry, pixels, output, deadline)
-        timing = {"encode": _ms(encoded - started), "generate": _ms(time.perf_counter() - encoded)}
-        return entry, masks, timing
+        return await self.sam_service().everything(image, image_id, fields, output, deadline)
 
     async def classify(
         self, image: Image, top_k: int, deadline: float | None = None
     ) -> ClassifyResult:
-        if self.swin is None:
-            raise ServiceError(503, "not_ready", "Swin is not enabled on this server")
-        started = time.perf_counter()
-        top = await self.swin.batcher.submit(ClassifyItem(image.pixels, top_k), deadline=deadline)
-        names = IMAGENET_CLASSES
-        predictions = [
-            Prediction(label=names[i] if i < len(names) else str(i), index=i, score=s)
-            for s, i in zip(top.scores, top.indices, strict=True)
-        ]
-        return ClassifyResult(
-            predictions, timing_ms={"classify": _ms(time.perf_counter() - started)}
-        )
+        return await self.swin_service().classify(image, top_k, deadline)

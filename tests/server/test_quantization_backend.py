@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from server.engine.services import optimize_options
+from server.engine.build import optimize_options
 from server.settings import Settings
 from tests.server.conftest import LiveServer, small_settings
 
@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 def test_torchao_is_used_where_it_can_and_core_stands_in_where_not(caplog) -> None:
     int8 = optimize_options(Settings(quantization="int8", quantization_backend="torchao"), CPU)
     assert (int8.quantization_backend, int8.variant) == ("torchao", "fp32+int8+torchao")
-    with caplog.at_level(logging.WARNING, logger="server.engine.services"):
+    with caplog.at_level(logging.WARNING, logger="server.engine.build"):
         fp8 = optimize_options(Settings(quantization="fp8", quantization_backend="torchao"), CPU)
     assert (fp8.quantization_backend, fp8.variant) == ("core", "fp32+fp8")
     assert "torchao's fp8 needs CUDA" in caplog.text

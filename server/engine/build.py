@@ -1,0 +1,89 @@
+"""The engine's build decisions: the device, the optimisations it resolves `auto` to, and
+inductor's persistent caches. Pure functions of the settings, shared by the engine process
+and `python -m server compile`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from models.optimize import OptimizeOptions
+from models.quantize import torchao_unsupported
+from models.sam.fused_attention import triton_available
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` means CUDA when a GPU is visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("SERVE_DEVICE=cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def optimize_options(settings: Settings, device: torch.device) -> OptimizeOptions:
+    """Resolve the `auto` settings for the device: bf16, compiled, flex, graphed on CUDA."""
+    cuda = device.type == "cuda"
+    compile_mode = settings.compile_mode
+    if compile_mode == "auto":
+        compile_mode = "default" if cuda else "none"
+    attention = settings.attention
+    if attention == "auto":
+        # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
+        # an H100 with torch 2.11; our Triton kernel avoids it without that cost
+        # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
+        # AOT packages cannot call our kernel (a Python custom op): SDPA there.
+        aot = compile_mode == "aot"
+        attention = "triton" if cuda and triton_available() and not aot else "sdpa"
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    backend = settings.quantization_backend
+    if backend == "torchao" and settings.quantization != "none":
+        why_not = torchao_unsupported(settings.quantization, device)
+        if why_not is not None:
+            log.warning("SERVE_QUANTIZATION_BACKEND=torchao: %s; core torch's %s layers "
+                        "instead", why_not, settings.quantization)  # fmt: skip
+            backend = "core"
+    return OptimizeOptions(
+        precision=precision,
+        quantization=settings.quantization,
+        quantization_backend=backend,
+        sparsity=settings.sparsity,
+        attention=attention,
+        # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)
+        window_attention="triton" if attention == "triton" else "sdpa",
+        compile_mode=compile_mode,
+        cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
+    )
+
+
+def use_compile_cache(folder: Path) -> None:
+    """Keep inductor's and Triton's caches (FX graphs, kernels, autotuning) in `folder`.
+
+    Both read these variables when they first compile, which happens after this, on the
+    worker thread; a restart with the same folder skips code generation and autotuning.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    torch._inductor.config.fx_graph_cache = True
+    torch._inductor.config.autotune_local_cache = True
+
+
+def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:
+    """Inductor's FX-graph cache hits and misses in this process (since a snapshot).
+
+    The counters are process-wide: an engine reports the difference over its own warm-up.
+    """
+    counters = torch._dynamo.utils.counters["inductor"]
+    now = {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
+    base = since or {}
+    return {event: count - base.get(event, 0) for event, count in now.items()}

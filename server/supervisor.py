@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
+from server.http.pixels import PIXELS_PREFIX, SHM_FOLDER
 from server.metrics_multiprocess import forget_process
 from server.settings import Settings
 
@@ -167,10 +168,14 @@ class Supervisor:
                 return 0
 
     def _forget(self, process: BaseProcess) -> None:
-        """A dead process's live gauges leave /metrics (its counters stay)."""
+        """A dead process's live gauges leave /metrics (its counters stay), and a dead
+        frontend's pixel file goes (the engine unmaps it once it sees the file gone)."""
         if process.pid is None:
             return
         forget_process(self.metrics_folder, process.pid)
+        for folder in (SHM_FOLDER, Path(tempfile.gettempdir())):
+            for leftover in folder.glob(f"{PIXELS_PREFIX}-pixels-{process.pid}-*"):
+                leftover.unlink(missing_ok=True)
 
     def _stop_all(self) -> None:
         """Whatever still runs when the supervisor leaves (an error, an engine death):

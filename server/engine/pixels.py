@@ -43,8 +43,9 @@ class PixelMaps:
         self.device = device
         self._release = release
         self._maps: dict[str, _Mapping] = {}
-        self._pending: list[tuple[torch.cuda.Event, bytes, int]] = []
+        self._pending: list[tuple[torch.cuda.Event, bytes, int, str]] = []
         self._lock = threading.Lock()  # finalizers run on whichever thread drops a tensor
+        self._live: dict[str, int] = {}  # per file: slots lent here and not yet given back
 
     def _mapping(self, path: str) -> _Mapping:
         mapping = self._maps.get(path)
@@ -74,19 +75,26 @@ class PixelMaps:
         mapping = self._mapping(ref.path)
         h, w, c = ref.shape
         array = mapping.buffer[ref.offset : ref.offset + h * w * c]
-        weakref.finalize(array, self._done, owner, ref.slot)
+        with self._lock:
+            self._live[ref.path] = self._live.get(ref.path, 0) + 1
+        weakref.finalize(array, self._done, owner, ref.slot, ref.path)
         # from_numpy keeps `array` alive exactly as long as the tensor's storage
         return torch.from_numpy(array).view(h, w, c)
 
-    def _done(self, owner: bytes, slot: int) -> None:
+    def _done(self, owner: bytes, slot: int, path: str) -> None:
         """The storage is gone (any thread): release now, or once queued copies finish."""
         if self.device.type != "cuda":
-            self._release(owner, slot)
+            self._given_back(owner, slot, path)
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         with self._lock:
-            self._pending.append((event, owner, slot))
+            self._pending.append((event, owner, slot, path))
+
+    def _given_back(self, owner: bytes, slot: int, path: str) -> None:
+        with self._lock:
+            self._live[path] -= 1
+        self._release(owner, slot)
 
     def held_bytes(self) -> int:
         """Page-locked bytes: the frontends' pixel files mapped and registered here."""
@@ -102,16 +110,25 @@ class PixelMaps:
             return
         with self._lock:
             pending, self._pending = self._pending, []
-        for event, owner, slot in pending:
+        for event, owner, slot, path in pending:
             if event.query():
-                self._release(owner, slot)
+                self._given_back(owner, slot, path)
             else:
                 with self._lock:
-                    self._pending.append((event, owner, slot))
+                    self._pending.append((event, owner, slot, path))
+
+    def forget_gone(self) -> None:
+        """Unmap the files whose frontend is gone (the supervisor removed them), once no
+        tensor or pending copy here reads them."""
+        for path in list(self._maps):
+            if not os.path.exists(path) and self._live.get(path, 0) == 0:
+                log.info("unmapping %s: its frontend is gone", path)
+                self.forget(path)
 
     def forget(self, path: str) -> None:
         """Unmap a frontend's file (the frontend is gone)."""
         mapping = self._maps.pop(path, None)
+        self._live.pop(path, None)
         if mapping is None:
             return
         if mapping.registered:

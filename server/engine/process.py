@@ -180,6 +180,8 @@ class EngineServer:
         period = min(1.0, timeout_s / 4)
         while True:
             await asyncio.sleep(period)
+            if self.pixels is not None:
+                self.pixels.forget_gone()
             engine = self.engine
             if engine is None:
                 continue

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # slots start on pages: the engine's page-locking and DMA like them so
 
 SHM_FOLDER = Path("/dev/shm")
+PIXELS_PREFIX = "serve"  # files are `<prefix>-pixels-<pid>-<random>`: the supervisor
+# removes a dead frontend's by its pid
 
 
 def _round_up(n: int) -> int:
@@ -48,7 +50,9 @@ class SharedPixels:
     """A first-fit arena of pixel slots in one shared-memory file (thread-safe: the decode
     threads allocate, the event loop frees)."""
 
-    def __init__(self, nbytes: int, folder: Path | None = None, prefix: str = "serve") -> None:
+    def __init__(
+        self, nbytes: int, folder: Path | None = None, prefix: str = PIXELS_PREFIX
+    ) -> None:
         folder = folder or (SHM_FOLDER if SHM_FOLDER.is_dir() else Path("/tmp"))
         self.capacity = _round_up(max(nbytes, ALIGN))
         self.path = folder / f"{prefix}-pixels-{os.getpid()}-{uuid.uuid4().hex[:8]}"

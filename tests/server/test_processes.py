@@ -135,6 +135,8 @@ def test_a_killed_frontend_is_replaced_and_the_service_goes_on(tmp_path):
     service = Service(tmp_path, workers=2)
     try:
         victim = service.pid_of("frontend-1")
+        pixel_files = f"serve-pixels-{victim}-*"
+        assert list(Path("/dev/shm").glob(pixel_files)), "the frontend's pixel file"
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while service.pid_of("frontend-1") == victim:
@@ -148,6 +150,7 @@ def test_a_killed_frontend_is_replaced_and_the_service_goes_on(tmp_path):
             assert r.status_code == 200, r.text  # the other frontend served meanwhile
             served.add(r.headers["x-served-by"])
             time.sleep(0.05)
+        assert not list(Path("/dev/shm").glob(pixel_files)), "the dead one's file is removed"
     finally:
         assert service.stop() == 0, service.log_path.read_text()
 

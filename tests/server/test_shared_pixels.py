@@ -50,6 +50,32 @@ def test_a_slot_lent_to_the_engine_is_freed_by_its_last_holder(tmp_path):
         pixels.close()
 
 
+def test_the_engine_unmaps_a_gone_frontends_file_once_nothing_reads_it(tmp_path):
+    import gc
+
+    import torch
+
+    from server.engine.pixels import PixelMaps
+
+    frontend = SharedPixels(4 * ALIGN, folder=tmp_path)
+    released: list[int] = []
+    maps = PixelMaps(torch.device("cpu"), lambda owner, slot: released.append(slot))
+    image = frontend.empty((8, 8, 3))
+    image[:] = 3
+    ref = frontend.ref(image)
+    assert isinstance(ref, PixelRef)
+    tensor = maps.tensor(ref, b"frontend-0")
+    assert int(tensor.sum()) == 3 * 8 * 8 * 3
+    frontend.close()  # the supervisor removed the dead frontend's file
+    maps.forget_gone()
+    assert ref.path in maps._maps, "a tensor still reads it: kept"
+    del tensor
+    gc.collect()
+    assert released == [ref.slot]
+    maps.forget_gone()
+    assert ref.path not in maps._maps
+
+
 def test_the_engine_gives_every_slot_back_after_the_requests(make_server):
     """Through the engine's socket: a release for each image, so the file never fills."""
     server = make_server(shm_bytes_per_worker=32 * 1024**2)

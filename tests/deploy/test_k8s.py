@@ -245,8 +245,11 @@ def test_writable_paths_are_tmp_and_the_compile_cache(rendered, target):
     assert "emptyDir" in volumes["tmp"]
     server = server_container(rendered[target])
     mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
-    assert set(mounts) == {"/tmp", "/weights", "/cache"}
+    assert set(mounts) == {"/tmp", "/weights", "/cache", "/dev/shm"}
     assert mounts["/weights"]["readOnly"] is True
+    # the frontends' pixel files for the engine: memory, bounded (a container's own is 64 MiB)
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"]
     env = {e["name"]: e.get("value") for e in server["env"]}
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/cache/")
     assert env["TRITON_CACHE_DIR"].startswith("/cache/")

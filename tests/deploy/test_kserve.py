@@ -234,5 +234,6 @@ def test_same_image_probes_drain_and_lockdown_as_the_gpu_overlay(
     assert sc["runAsUser"] == dockerfile_uid and sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts == {"/tmp", "/cache"}, "the only writable paths, as in k8s/base"
+    # the only writable paths, as in k8s/base (/dev/shm: the frontends' pixel files)
+    assert mounts == {"/tmp", "/cache", "/dev/shm"}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"

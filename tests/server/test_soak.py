@@ -62,15 +62,22 @@ MiB = 1024 * 1024
 # that sends a fresh one (46 KiB on average, in ~45% of requests) fails it, as do eight
 # leaked embeddings (4 MiB each, vit_tiny, fp32). Smaller leaks need longer runs.
 RSS_SLACK_MIB = 32.0
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 # Small, so refused bodies are small: a few MiB per refused request, from six threads,
 # scattered big buffers through the allocator's arenas and made RSS jump +-40 MiB.
 BODY_LIMIT = MiB
 
 
 def rss_mib(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * _PAGE / MiB
+    """Resident memory less shared memory: the frontend's pixel file (server.http.pixels)
+    is a fixed-size /dev/shm mapping whose pages become resident as slots move through it,
+    up to SERVE_SHM_BYTES_PER_WORKER; bounded by design, not a leak, and it would hide one."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssShmem"):
+                fields[name] = int(value.split()[0])  # kB
+    return (fields["VmRSS"] - fields.get("RssShmem", 0)) / 1024
 
 
 def trimmed_rss_mib() -> float:

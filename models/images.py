@@ -1,8 +1,8 @@
 """Batches of decoded images on tensors, shared by every model's pre-processing.
 
-Decoded images are `uint8 [H, W, 3]` arrays (numpy in the decode threads, which need no
-torch; tensors from `as_pixel_tensor` on the engine's side), held until upload in
-`HostPixels` memory (pinned, `PinnedPixels`, when serving on CUDA). A batch of different
+Decoded images are `uint8 [H, W, 3]` arrays (numpy in the frontends' decode threads, which
+need no torch; on the engine's side tensors over the frontends' shared memory, page-locked
+on CUDA: `server.engine.pixels`). A batch of different
 sizes travels as one jagged nested tensor of flattened pixels (`[B, j, 3]`, j = H*W)
 whose values are one device buffer (`nested_pixels`); `split_images` cuts it back into
 per-image views.
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
-import threading
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,11 +19,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "HostPixels",
-    "PinnedPixels",
     "Size",
     "as_pixel_tensor",
-    "host_pixels",
     "jagged_on",
     "nested_pixels",
     "normalizer",
@@ -72,8 +66,8 @@ def nested_pixels(images: Sequence[Tensor], device: torch.device | str) -> Tenso
     copied straight into its slice, asynchronously: building the nested tensor on the host
     first (`torch.nested.nested_tensor` concatenates there) cost the GPU worker a host-side
     copy of every pixel plus a staged, synchronous upload of the result, about half of its
-    time under load. From pinned memory (`PinnedPixels`) the copies are DMA transfers that
-    overlap the previous batch's kernels.
+    time under load. From page-locked memory (the frontends' shared pixel files, registered
+    by the engine) the copies are DMA transfers that overlap the previous batch's kernels.
     """
     flat = [image.reshape(-1, 3) for image in images]
     target = torch.device(device)
@@ -100,116 +94,10 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
-class HostPixels:
-    """Where decoded images live until the worker uploads them: ordinary host memory.
-
-    `empty` gives a decoder a numpy buffer to decode straight into and `copy_in` copies an
-    array that is already decoded (and perhaps read-only) into one; both are views of a
-    tensor this object allocated (the array's `base`), which `as_pixel_tensor` gets back,
-    so a pinned block keeps its allocator's bookkeeping through the upload. Calling it
-    gives the tensor itself.
-    """
-
-    @property
-    def held_bytes(self) -> int:
-        """Pinned bytes held by images; ordinary memory is not counted here."""
-        return 0
-
-    def tensor(self, shape: tuple[int, ...]) -> Tensor:
-        return torch.empty(shape, dtype=torch.uint8)
-
-    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
-        return self.tensor(shape).numpy()
-
-    def copy_in(self, pixels: np.ndarray) -> np.ndarray:
-        out = self.empty(tuple(pixels.shape))
-        out[...] = pixels
-        return out
-
-    def __call__(self, pixels: np.ndarray) -> Tensor:
-        out = self.tensor(tuple(pixels.shape))
-        out.numpy()[...] = pixels
-        return out
-
-
 def as_pixel_tensor(pixels: np.ndarray | Tensor) -> Tensor:
-    """Decoded pixels as the tensor that holds them, without a copy.
-
-    An array that views a whole tensor (what `HostPixels` hands out) gives that tensor
-    back: a pinned one then keeps its allocator's context, which an asynchronous upload
-    records its event on. Any other array is wrapped as it is (`torch.from_numpy`).
-    """
-    if isinstance(pixels, Tensor):
-        return pixels
-    base = pixels.base
-    if (
-        isinstance(base, Tensor)
-        and base.dtype == torch.uint8
-        and tuple(base.shape) == pixels.shape
-        and base.data_ptr() == pixels.__array_interface__["data"][0]
-        and base.is_contiguous()
-        and pixels.flags.c_contiguous
-    ):
-        return base
-    return torch.from_numpy(pixels)
-
-
-host_pixels = HostPixels()
-
-
-class PinnedPixels(HostPixels):
-    """Decoded images in page-locked memory, up to `max_bytes` held at once.
-
-    From pinned memory `nested_pixels`' uploads are asynchronous DMA transfers, and the
-    pixels get there in the caller's thread (an image-decode thread), off the GPU worker.
-    Pinned memory is locked RAM that CUDA's caching host allocator keeps once it has
-    handed it out, so what images hold at once is bounded: past `max_bytes` an image stays
-    in ordinary memory (and its upload is a staged copy, as without pinning). A block
-    counts until its tensor is freed.
-    """
-
-    def __init__(self, max_bytes: int, *, pin_memory: bool | None = None) -> None:
-        self.max_bytes = max_bytes
-        # No CUDA (CI): plain tensors, with the same accounting, so it can be tested.
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._lock = threading.Lock()
-        self._held = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held
-
-    def tensor(self, shape: tuple[int, ...]) -> Tensor:
-        out, counted = self._allocate(shape)
-        if counted:
-            weakref.finalize(out, self._release, counted)
-        return out
-
-    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
-        out, counted = self._allocate(shape)
-        array = out.numpy()
-        if counted:  # the tensor object the array holds lives as long as either user
-            weakref.finalize(array.base, self._release, counted)
-        return array
-
-    def _allocate(self, shape: tuple[int, ...]) -> tuple[Tensor, int]:
-        """A tensor, pinned while the budget allows, and the bytes it counts (0: unpinned)."""
-        size = math.prod(shape)
-        with self._lock:
-            fits = size > 0 and self._held + size <= self.max_bytes
-            if fits:
-                self._held += size
-        if not fits:
-            return super().tensor(shape), 0
-        try:
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory), size
-        except BaseException:
-            self._release(size)
-            raise
-
-    def _release(self, size: int) -> None:
-        with self._lock:
-            self._held -= size
+    """Decoded pixels as a tensor, without a copy (the engine's are tensors over a
+    frontend's shared memory already; arrays come from tests and benchmarks)."""
+    return pixels if isinstance(pixels, Tensor) else torch.from_numpy(pixels)
 
 
 def split_images(images: Sequence[Tensor] | Tensor, sizes: Sequence[Size] | None) -> list[Tensor]:

@@ -3,15 +3,13 @@ to int(S / crop_pct), bicubic; CenterCrop S; ToTensor; Normalize), and jagged ba
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch import Tensor
 
-from models.images import PinnedPixels, host_pixels, jagged_on, nested_pixels
+from models.images import jagged_on, nested_pixels
 from models.swin import SWIN_CONFIGS, SwinConfig
 from models.swin import transforms as swin_tf
 from tests.conftest import PHOTOS
@@ -110,38 +108,6 @@ def _read_only(h: int, w: int) -> np.ndarray:
     source = np.arange(h * w * 3, dtype=np.uint8).reshape(h, w, 3)
     source.flags.writeable = False  # what np.asarray(PIL image) gives
     return source
-
-
-def test_image_tensors_own_a_writable_copy() -> None:
-    source = _read_only(5, 4)
-    for make in (host_pixels, PinnedPixels(1 << 20, pin_memory=False)):
-        pixels = make(source)
-        assert pixels.dtype == torch.uint8 and tuple(pixels.shape) == (5, 4, 3)
-        assert np.array_equal(pixels.numpy(), source)
-        pixels[0, 0, 0] = 255  # writable, and not the caller's buffer
-        assert source[0, 0, 0] == 0
-
-
-def test_pinned_images_stay_within_their_byte_budget() -> None:
-    """Pinned memory is locked and kept by CUDA's allocator, so what images hold at once is
-    bounded; past the budget an image goes to ordinary memory, and freed images give their
-    bytes back. (No CUDA here: the accounting runs on ordinary tensors.)"""
-    image = _read_only(10, 10)  # 300 bytes
-    staging = PinnedPixels(700, pin_memory=False)
-    first, second = staging(image), staging(image)
-    assert staging.held_bytes == 600
-    third = staging(image)  # would make 900: ordinary memory, not counted
-    assert staging.held_bytes == 600 and np.array_equal(third.numpy(), image)
-    del first
-    gc.collect()
-    assert staging.held_bytes == 300
-    fourth = staging(image)
-    assert staging.held_bytes == 600
-    del second, fourth
-    gc.collect()
-    assert staging.held_bytes == 0
-    assert staging(np.zeros((0, 4, 3), np.uint8)).shape == (0, 4, 3)
-    assert staging.held_bytes == 0
 
 
 def test_nested_batch_needs_matching_sizes() -> None:

@@ -15,11 +15,11 @@ import pytest
 import simplejpeg
 from PIL import Image, ImageOps
 
-from models.images import PinnedPixels
 from models.sam.transforms import resize_longest_side_size
 from models.swin.transforms import resize_shorter_side_size
 from server.errors import ServiceError
 from server.http import imaging
+from server.http.pixels import SharedPixels
 from tests.conftest import PHOTOS as TEST_PHOTOS
 
 PHOTOS = sorted(TEST_PHOTOS.glob("*.jpg"))
@@ -118,12 +118,17 @@ def test_rotated_cmyk_and_damaged_files_go_through_pillow(fast_calls: list) -> N
     assert caught.value.status == 400 and "corrupt or truncated" in str(caught.value.message)
 
 
-def test_pixels_land_in_the_given_memory() -> None:
-    """The engine's image memory (pinned on CUDA) is what the decoder writes into."""
-    memory = PinnedPixels(1 << 30, pin_memory=False)
-    decoded = imaging.decode_image(PHOTOS[0].read_bytes(), **LIMITS, memory=memory)
-    assert memory.held_bytes == decoded.width * decoded.height * 3
-    decoded.pixels[0, 0, 0] = 1  # the array is writable and its own
+def test_pixels_land_in_the_given_memory(tmp_path) -> None:
+    """The frontend's shared pixel file (page-locked by the engine on CUDA) is what the
+    decoder writes into, a slot of it per image."""
+    memory = SharedPixels(1 << 24, folder=tmp_path)
+    try:
+        decoded = imaging.decode_image(PHOTOS[0].read_bytes(), **LIMITS, memory=memory)
+        assert memory.offset_of(decoded.pixels) == 0 and memory.slots == 1
+        assert memory.held_bytes >= decoded.width * decoded.height * 3
+        decoded.pixels[0, 0, 0] = 1  # the array is writable and its own
+    finally:
+        memory.close()
 
 
 # -- scaled decoding: pixels at the size the model needs ------------------------------------

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
 from server.http import imaging
+from server.http.engine_client import EngineClient
 from server.http.inputs import ParsedRequest, parse_image_request
 from server.http.masks import build_mask_objects
 from server.http.responses import FastJSONResponse
@@ -72,6 +73,24 @@ def _image_body_doc(json_model: type[BaseModel], fields_model: type[BaseModel]) 
 
 def _state(request: Request) -> ServeState:
     return serve_state(request.app.state)
+
+
+async def _accept(
+    request: Request, json_model: type[BaseModel], fields_model: type[BaseModel]
+) -> tuple[ServeState, EngineClient, float, ParsedRequest[Any]]:
+    """What every image route does first: the engine (503 while not ready), the request's
+    deadline, and its body parsed (JSON with base64 or an id, or multipart)."""
+    state = _state(request)
+    engine = state.require_engine()
+    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
+    parsed = await parse_image_request(
+        request,
+        json_model,
+        fields_model,
+        max_body_bytes=state.settings.max_body_bytes,
+        in_thread=state.in_thread,
+    )
+    return state, engine, deadline, parsed
 
 
 async def _load_image(
@@ -197,17 +216,8 @@ def _segment_body(
 )
 async def segment(request: Request) -> Response:
     """Masks for point/box prompts on an image (sent, or named by image_id)."""
-    state = _state(request)
-    engine = state.require_engine()
     started = time.perf_counter()
-    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
-    parsed = await parse_image_request(
-        request,
-        SegmentJSON,
-        SegmentFields,
-        max_body_bytes=state.settings.max_body_bytes,
-        in_thread=state.in_thread,
-    )
+    state, engine, deadline, parsed = await _accept(request, SegmentJSON, SegmentFields)
     fields = parsed.fields
     prompts = _prompts(fields, state)
     image = await _load_image(state, parsed, "sam")
@@ -256,17 +266,8 @@ def _everything_body(masks: EverythingMasks, output: str) -> list[dict[str, Any]
 )
 async def segment_everything(request: Request) -> Response:
     """Every object in the image (SAM's automatic mask generator), masks best score first."""
-    state = _state(request)
-    engine = state.require_engine()
     started = time.perf_counter()
-    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
-    parsed = await parse_image_request(
-        request,
-        EverythingJSON,
-        EverythingFields,
-        max_body_bytes=state.settings.max_body_bytes,
-        in_thread=state.in_thread,
-    )
+    state, engine, deadline, parsed = await _accept(request, EverythingJSON, EverythingFields)
     fields = parsed.fields
     image = await _load_image(state, parsed)
     parsed_at = time.perf_counter()
@@ -308,16 +309,7 @@ async def segment_everything(request: Request) -> Response:
 )
 async def embed(request: Request) -> Response:
     """Run the image encoder only and cache the embedding under the image's id."""
-    state = _state(request)
-    engine = state.require_engine()
-    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
-    parsed = await parse_image_request(
-        request,
-        EmbedJSON,
-        EmbedFields,
-        max_body_bytes=state.settings.max_body_bytes,
-        in_thread=state.in_thread,
-    )
+    state, engine, deadline, parsed = await _accept(request, EmbedJSON, EmbedFields)
     image = await _load_image(state, parsed, "sam")
     if image is None:
         assert parsed.image_id is not None
@@ -369,17 +361,8 @@ async def get_embedding(request: Request, image_id: str) -> Response:
 )
 async def classify(request: Request) -> Response:
     """Top-k ImageNet labels from the Swin classifier."""
-    state = _state(request)
-    engine = state.require_engine()
     started = time.perf_counter()
-    deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
-    parsed = await parse_image_request(
-        request,
-        ClassifyJSON,
-        ClassifyFields,
-        max_body_bytes=state.settings.max_body_bytes,
-        in_thread=state.in_thread,
-    )
+    state, engine, deadline, parsed = await _accept(request, ClassifyJSON, ClassifyFields)
     if parsed.image_id is not None:
         raise ServiceError(422, "invalid_request", "classify needs the image itself, not an id")
     if parsed.fields.top_k > state.settings.max_top_k:

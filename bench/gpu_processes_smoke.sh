@@ -9,18 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source bench/weights.sh && use_weights || exit 1
-PORT=8765
-export PYTHONUNBUFFERED=1
-env SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache ${EXTRA_ENV:-} \
-  python3 -m server --port $PORT > "$OUT/server.log" 2>&1 &
-SERVER=$!
-started=$(date +%s)
-until curl -sf localhost:$PORT/readyz > /dev/null; do
-  if ! kill -0 $SERVER 2> /dev/null; then echo "server exited"; tail -50 "$OUT/server.log"; exit 1; fi
-  [ $(( $(date +%s) - started )) -gt ${READY_TIMEOUT:-420} ] && { echo "not ready"; tail -30 "$OUT/server.log"; kill $SERVER; exit 1; }
-  sleep 1
-done
-echo "ready after $(( $(date +%s) - started )) s"
+source bench/start_server.sh && start_server || exit 1
 PHOTO=.benchdata/images/dog.jpg
 curl -s -F image=@$PHOTO -F 'request={"box":[100,50,600,500]}' localhost:$PORT/v1/segment | python3 -c "import json,sys; d=json.load(sys.stdin); print('segment', d.get('width'), d.get('height'), d.get('model'), d.get('timing_ms'), [m['score'] for r in d.get('results',[]) for m in r['masks']] if 'results' in d else d)"
 ID=$(curl -s -F image=@$PHOTO localhost:$PORT/v1/embed | python3 -c "import json,sys; print(json.load(sys.stdin)['image_id'])")

@@ -9,17 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source bench/weights.sh && use_weights || exit 1
-PORT=8765
-export PYTHONUNBUFFERED=1
-env SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache ${EXTRA_ENV:-} \
-  python3 -m server --port $PORT > "$OUT/server.log" 2>&1 &
-SERVER=$!
-started=$(date +%s)
-until curl -sf localhost:$PORT/readyz > /dev/null; do
-  kill -0 $SERVER 2> /dev/null || { echo "server exited"; tail -50 "$OUT/server.log"; exit 1; }
-  sleep 1
-done
-echo "ready after $(( $(date +%s) - started )) s"
+source bench/start_server.sh && start_server || exit 1
 ENGINE=$(grep -o '"engine process [0-9]* started' "$OUT/server.log" | head -1 | awk '{print $3}')
 stage_means() {
   curl -s localhost:$PORT/metrics | python3 -c "

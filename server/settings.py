@@ -218,6 +218,12 @@ class Settings(BaseSettings):
     """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
     """where masks become RLE runs: auto (device on CUDA), device, host"""
+    # One thread and CUDA stream per stage lets a click's decoder batch run beside an
+    # encoder batch (the decoder's stream at a higher priority) instead of queueing behind
+    # it. On the CPU the stages' ops share the same cores, so one thread serves them all.
+    stage_threads: Literal["auto", "one", "per_stage"] = "auto"
+    """GPU work threads: per_stage (a thread and CUDA stream per stage), one, or auto
+    (per_stage on CUDA, one on the CPU)"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's

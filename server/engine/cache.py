@@ -118,7 +118,10 @@ class EmbeddingCache:
             self.observer.cache_event("miss")
             return None
         self.observer.cache_event("host_hit")
-        entry = replace(hosted, embedding=hosted.embedding.to(self.device, non_blocking=True))
+        # A blocking copy (~2 MB, well under a millisecond from pinned memory): this runs on
+        # the event loop's thread and stream, and the decoder's thread reads the result on
+        # another stream, which would not wait for an asynchronous copy here.
+        entry = replace(hosted, embedding=hosted.embedding.to(self.device))
         self.put(entry)
         return entry
 

@@ -1,6 +1,10 @@
 """COCO runs of a batch of masks, found on the device (`server.rle` says why).
 
-Only the run boundaries, areas and boxes cross to the host, in one copy.
+Everything per mask is done by the GPU: where each run starts, its length, how many runs
+each mask has, its first pixel, area and box. One small-integer vector crosses to the host
+in one copy into page-locked memory, and the host only splits it: a batch of 24 noise masks
+(~100,000 runs each) cost the host ~50 ms of per-mask numpy under the GIL and a 15 ms
+pageable copy before (H100, `python -m bench.decoder_batch`, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -30,59 +34,85 @@ def _boxes(masks: Tensor) -> Tensor:
     return torch.where(empty[:, None], torch.zeros_like(box), box)
 
 
+def _to_host(packed: Tensor) -> np.ndarray:
+    """`packed` copied back through page-locked memory (several times a pageable copy's
+    rate), waiting for the current stream only, not the whole device."""
+    if packed.device.type != "cuda":
+        return packed.numpy()
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    torch.cuda.current_stream(packed.device).synchronize()
+    return host.numpy()
+
+
 def mask_runs(stacks: list[Tensor]) -> list[MaskRuns]:
     """bool masks, one `[K, H, W]` stack per image (any sizes, one device) -> COCO runs.
 
-    All stacks are flattened column-major into one vector, so the whole batch needs one
-    `nonzero` and one copy back, however many images and masks it holds.
+    All stacks are flattened column-major into one vector; a run starts wherever a pixel
+    differs from the one before it or a mask begins. One `nonzero` finds them all; lengths
+    and each mask's number of runs follow on the device.
     """
     if not stacks:
         return []
     device = stacks[0].device
-    flats = [m.transpose(1, 2).reshape(-1) for m in stacks]  # column-major, as COCO
-    lengths = [m.shape[1] * m.shape[2] for m in stacks]
-    counts_per = [m.shape[0] for m in stacks]
-    flat = torch.cat(flats)
-    # every mask's start in `flat`, known on the host
+    counts_per = [int(m.shape[0]) for m in stacks]
+    lengths = [int(m.shape[1] * m.shape[2]) for m in stacks]
+    flat = torch.cat([m.transpose(1, 2).reshape(-1) for m in stacks])  # column-major, as COCO
     per_mask = np.repeat(np.asarray(lengths, dtype=np.int64), counts_per)
-    starts = np.concatenate([[0], np.cumsum(per_mask)])[:-1].astype(np.int64)
-    change = (flat[1:] != flat[:-1]).nonzero().squeeze(1)  # positions before a change
-    first = flat[upload(torch.from_numpy(starts), device)]  # no sync
-    areas = torch.cat([m.flatten(1).sum(dim=1) for m in stacks])
-    boxes = torch.cat([_boxes(m) for m in stacks])
-    # one copy back for the whole batch
-    packed = torch.cat([change, first.long(), areas.long(), boxes.long().reshape(-1)]).cpu()
-    host = packed.numpy()
-    m = change.shape[0]
-    total = starts.shape[0]
-    positions = host[:m] + 1  # the index where a new run starts
-    first_np = host[m : m + total].astype(bool)
-    areas_np = host[m + total : m + 2 * total]
-    boxes_np = host[m + 2 * total :].reshape(total, 4).astype(np.float64)
+    starts_np = np.concatenate([[0], np.cumsum(per_mask)])[:-1]
+    total = int(starts_np.shape[0])
+    starts = upload(torch.from_numpy(starts_np), device)  # no sync
+    begins = torch.ones_like(flat)
+    torch.ne(flat[1:], flat[:-1], out=begins[1:])
+    begins[starts] = True
+    positions = begins.nonzero().squeeze(1)  # the one sync: how many runs there are
+    ends = torch.cat([positions[1:], positions.new_tensor([flat.shape[0]])])
+    run_lengths = ends - positions
+    mask_of_run = torch.searchsorted(starts, positions, right=True) - 1
+    runs_per_mask = torch.bincount(mask_of_run, minlength=total)
+    first = flat[starts]
+    # areas and boxes once per group of stacks of one size, not once per stack
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for n, m in enumerate(stacks):
+        by_size.setdefault((int(m.shape[1]), int(m.shape[2])), []).append(n)
+    order = [n for group in by_size.values() for n in group]
+    stats = []
+    for group in by_size.values():
+        masks = stacks[group[0]] if len(group) == 1 else torch.cat([stacks[n] for n in group])
+        stats.append(torch.cat([masks.flatten(1).sum(dim=1)[:, None], _boxes(masks)], dim=1))
+    # one copy back; every value fits in int32 (a mask holds at most 2**31 pixels)
+    stats_flat = torch.cat(stats).reshape(-1)
+    packed = torch.cat([run_lengths, runs_per_mask, first.long(), stats_flat]).to(torch.int32)
+    host = _to_host(packed)
+    n_runs = int(positions.shape[0])
+    all_runs = host[:n_runs]
+    per = host[n_runs : n_runs + total]
+    first_np = host[n_runs + total : n_runs + 2 * total].astype(bool)
+    stats_np = host[n_runs + 2 * total :].reshape(total, 5)
+    # the stats came grouped by size: put each stack's rows back in stack order
+    row_of_stack: dict[int, int] = {}
+    row = 0
+    for n in order:
+        row_of_stack[n] = row
+        row += counts_per[n]
+    split = np.split(all_runs, np.cumsum(per)[:-1])
     out: list[MaskRuns] = []
     k = 0
-    for stack, n in zip(stacks, lengths, strict=True):
+    for n, stack in enumerate(stacks):
         runs_of_stack = []
-        for _ in range(stack.shape[0]):
-            lo, hi = starts[k], starts[k] + n
-            inside = positions[
-                np.searchsorted(positions, lo, side="right") : np.searchsorted(
-                    positions, hi, side="left"
-                )
-            ]
-            edges = np.concatenate(([0], inside - lo, [n]))
-            runs = np.diff(edges)
-            if first_np[k]:  # COCO counts start with a (here empty) run of zeros
+        for j in range(counts_per[n]):
+            runs = split[k + j]
+            if first_np[k + j]:  # COCO counts start with a (here empty) run of zeros
                 runs = np.concatenate(([0], runs))
-            runs_of_stack.append(runs)
-            k += 1
-        first_k = k - stack.shape[0]
+            runs_of_stack.append(runs.astype(np.int64))
+        rows = stats_np[row_of_stack[n] : row_of_stack[n] + counts_per[n]]
         out.append(
             MaskRuns(
                 (int(stack.shape[1]), int(stack.shape[2])),
                 runs_of_stack,
-                areas_np[first_k:k].astype(np.int64),
-                boxes_np[first_k:k],
+                rows[:, 0].astype(np.int64),
+                rows[:, 1:].astype(np.float64),
             )
         )
+        k += counts_per[n]
     return out

@@ -1,9 +1,9 @@
-"""The engine: builds the models, their stages and batchers, and the one GPU worker thread.
+"""The engine: builds the models, their stages and batchers, and their GPU worker threads.
 
 The engine process (`server.engine.process`) creates it, loads and warms it step by step,
 then hands each call to a model's service (`SamService`, `SwinService`), which is what a
-request does with the parts built here. GPU work runs only on the worker thread, so the
-event loop never blocks and CUDA streams stay simple.
+request does with the parts built here. GPU work runs only on worker threads, so the event
+loop never blocks. On CUDA each stage has its own thread and stream (`StageWorkers`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -55,6 +54,7 @@ from server.engine.stages import (
     TopK,
 )
 from server.engine.swin_service import SwinParts, SwinService
+from server.engine.workers import StageWorkers
 from server.errors import ServiceError
 from server.progress import StartupProgress
 from server.settings import Settings
@@ -87,7 +87,9 @@ class Engine:
             settings.mask_rle == "auto" and self.device.type == "cuda"
         )
         self.observer = observer or BatchObserver()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
+        self.workers = StageWorkers(self.device, settings.stage_threads)
+        # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
+        self.worker = self.workers["sam_encoder"]
         self.cache = EmbeddingCache(
             settings.embedding_cache_bytes,
             host_bytes=settings.embedding_cache_host_bytes,
@@ -117,6 +119,7 @@ class Engine:
             if self.settings.fault_step_delay_s:
                 await asyncio.sleep(self.settings.fault_step_delay_s)
             await loop.run_in_executor(self.worker, fn)
+        await loop.run_in_executor(self.worker, self.workers.synchronize)
 
     def load_steps(self) -> list[Step]:
         """The loading steps, labelled for the start-up log and /readyz."""
@@ -201,17 +204,18 @@ class Engine:
 
         def run_batch(items: list[Any]) -> Any:
             if not self.no_recompile:
-                return run(items)
+                return self.workers.handed_over(run(items))
             with EAGER_ON_RECOMPILE.hold():
-                return run(items)
+                return self.workers.handed_over(run(items))
 
         return run_batch
 
-    def _batcher_args(self) -> dict[str, object]:
+    def _batcher_args(self, stage: str) -> dict[str, object]:
         s = self.settings
+        worker = self.workers[stage]
         return {
-            "executor": self.worker,
-            "load": WorkerLoad.of(self.worker),  # every stage's batches share the one worker
+            "executor": worker,
+            "load": WorkerLoad.of(worker),  # shared by the stages sharing the thread
             "max_delay_s": s.max_queue_delay_ms / 1000.0,
             "max_queue_size": s.max_queue_size,
             "observer": self.observer,
@@ -257,23 +261,22 @@ class Engine:
             aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
-        args = self._batcher_args()
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
             "sam_encoder",
             self._stage_fn("sam_encoder", stages.encode),
             max_batch_cost=s.max_batch_size,
-            **args,  # type: ignore[arg-type]
+            **self._batcher_args("sam_encoder"),  # type: ignore[arg-type]
         )
         decoder: Batcher[DecodeItem, list[PromptMasks]] = Batcher(
             "sam_decoder",
             self._stage_fn("sam_decoder", stages.decode),
             max_batch_cost=s.decoder_max_batch_prompts,
             max_batch_memory=s.segment_max_bytes,
-            **args,  # type: ignore[arg-type]
+            **self._batcher_args("sam_decoder"),  # type: ignore[arg-type]
         )
         everything = EverythingRunner(
             model,
-            self.worker,
+            self.workers["everything"],
             max_bytes=s.everything_max_bytes,
             max_concurrent=s.everything_max_concurrent,
             max_waiting=s.everything_max_waiting,
@@ -307,7 +310,7 @@ class Engine:
             "swin",
             self._stage_fn("swin", stage.classify),
             max_batch_cost=s.classify_max_batch_size,
-            **self._batcher_args(),  # type: ignore[arg-type]
+            **self._batcher_args("swin"),  # type: ignore[arg-type]
         )
         return SwinParts(stage, info, batcher)
 
@@ -367,7 +370,7 @@ class Engine:
     async def close(self) -> None:
         for batcher in self.batchers():
             await batcher.close()
-        self.worker.shutdown(wait=True, cancel_futures=True)
+        self.workers.shutdown()
 
     def models(self) -> list[ModelInfo]:
         return [p.info for p in (self.sam, self.swin) if p is not None]
@@ -377,7 +380,10 @@ class Engine:
     def sam_service(self) -> SamService:
         if self.sam is None:
             raise ServiceError(503, "not_ready", "SAM is not enabled on this server")
-        return SamService(self.sam, self.cache, self.low_res, self.settings, self.worker)
+        # the embedding download's copy back: a short job, on the segment-everything thread
+        return SamService(
+            self.sam, self.cache, self.low_res, self.settings, self.workers["everything"]
+        )
 
     def swin_service(self) -> SwinService:
         if self.swin is None:

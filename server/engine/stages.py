@@ -250,22 +250,20 @@ class SamStages:
         return held, step * k * upscale_bytes(self.config, size)
 
     def _full_size_masks(
-        self, low_res: torch.Tensor, order: torch.Tensor, entry: ImageEmbedding
+        self, low_res: torch.Tensor, input_size: tuple[int, int], size: tuple[int, int]
     ) -> torch.Tensor:
-        """Low-res logits `[P, K, m, m]` -> bool masks `[P, K, H, W]` in `order` (best first).
+        """Low-res logits `[P, K, m, m]` -> bool masks `[P, K, H, W]` of an `(H, W)` image.
 
         The float logits at full size are 4 bytes a pixel (and the padded square's as much
         again): for many prompts on a large image they are made a slice of prompts at a time,
-        within `work_bytes`, never one tensor for all of them. A usual request is one slice.
+        within `work_bytes`, never one tensor for all of them. A usual batch is one slice.
         """
         P, K = low_res.shape[:2]
-        size = entry.original_size
         step = self._slice_prompts(K, size)
 
         def masks(part: slice) -> torch.Tensor:
-            logits = sam_tf.postprocess_masks(low_res[part], entry.input_size, size, self.config)
-            above = logits.gt(self.config.mask_threshold)
-            return torch.take_along_dim(above, order[part, :, None, None], dim=1)
+            logits = sam_tf.postprocess_masks(low_res[part], input_size, size, self.config)
+            return logits.gt(self.config.mask_threshold)
 
         if step >= P:
             return masks(slice(None))
@@ -291,38 +289,63 @@ class SamStages:
         )
         return SamOutputs(entry.embedding.float(), logits > self.config.mask_threshold, iou)
 
+    def _sorted_masks(
+        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each item's bool masks `[prompts, K, H, W]`, best score first, and its low-res
+        logits in that order when it asked for them.
+
+        Items whose images share a size (and multimask choice) are upscaled together: one
+        set of kernels per group, not per request. The masks are sorted by score while
+        still low-res, a gather over `[P, K, m, m]` rather than over the full-size masks;
+        upscaling works per mask, so the result is the same.
+        """
+        spans: list[slice] = []
+        start = 0
+        for item in items:
+            spans.append(slice(start, start + len(item.prompts)))
+            start += len(item.prompts)
+        groups: dict[tuple[bool, tuple[int, int], tuple[int, int]], list[int]] = {}
+        for n, item in enumerate(items):
+            key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
+            groups.setdefault(key, []).append(n)
+        masks: list[torch.Tensor | None] = [None] * len(items)
+        kept: list[torch.Tensor | None] = [None] * len(items)
+        for (multimask, input_size, size), members in groups.items():
+            chosen = slice(1, None) if multimask else slice(0, 1)
+            rows = [spans[n] for n in members]
+            low = torch.cat([low_res[r, chosen] for r in rows])
+            scores = torch.cat([iou[r, chosen] for r in rows])
+            # stable on both sides, so the host's score order is the same permutation
+            order = scores.sort(dim=1, descending=True, stable=True).indices
+            ranked = torch.take_along_dim(low, order[:, :, None, None], dim=1)
+            full = self._full_size_masks(ranked, input_size, size)
+            offset = 0
+            for n, r in zip(members, rows, strict=True):
+                count = r.stop - r.start
+                masks[n] = full[offset : offset + count]
+                if items[n].return_low_res:  # the LowResStore copies each mask it keeps
+                    kept[n] = ranked[offset : offset + count]
+                offset += count
+        return [m for m in masks if m is not None], kept
+
     def _postprocess(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
     ) -> list[list[PromptMasks]]:
         """Masks at each image's size, sorted by score, handed back in one transfer.
 
         With `rle_on_device`, masks wanted as RLE never cross in full: their runs are found
-        on the device (`server.rle`); other outputs (png, polygons) copy the masks back.
+        on the device (`server.engine.runs`); other outputs (png, polygons) copy the masks
+        back.
         """
+        all_masks, low_res_kept = self._sorted_masks(items, low_res, iou)
         on_device: list[torch.Tensor] = []  # [prompts * K, H, W] per item that gets runs
         flat_masks: list[torch.Tensor] = []  # flattened masks of the other items
-        shapes: list[tuple[int, ...]] = []
-        low_res_kept: list[torch.Tensor | None] = []
-        start = 0
-        for item in items:
-            stop = start + len(item.prompts)
-            chosen = slice(1, None) if item.multimask else slice(0, 1)
-            # stable on both sides, so the host's score order below is the same permutation
-            order = iou[start:stop, chosen].sort(dim=1, descending=True, stable=True).indices
-            # [prompts, K, H, W] bool
-            masks = self._full_size_masks(low_res[start:stop, chosen], order, item.embedding)
-            shapes.append(tuple(masks.shape))
+        for item, masks in zip(items, all_masks, strict=True):
             if self.rle_on_device and item.output == "rle":
                 on_device.append(masks.flatten(0, 1))
             else:
                 flat_masks.append(masks.reshape(-1))
-            kept = None
-            if item.return_low_res:  # [prompts, K, m, m], in the order the masks are returned
-                # a new tensor; the engine keeps a copy per mask (LowResStore), not views
-                chosen_low = low_res[start:stop, chosen]
-                kept = torch.take_along_dim(chosen_low, order[:, :, None, None], dim=1)
-            low_res_kept.append(kept)
-            start = stop
         # Queued before the blocking copies below (one of which always runs: every item's
         # masks go one way or the other), so it is complete after them without a sync of
         # its own.
@@ -332,7 +355,8 @@ class SamStages:
         host_iou = iou_on_host.numpy()
         results: list[list[PromptMasks]] = []
         offset = start = 0
-        for item, shape, kept in zip(items, shapes, low_res_kept, strict=True):
+        for item, masks, kept in zip(items, all_masks, low_res_kept, strict=True):
+            shape = tuple(masks.shape)
             prompts, k = shape[0], shape[1]
             chosen = slice(1, None) if item.multimask else slice(0, 1)
             scores = host_iou[start : start + prompts, chosen]

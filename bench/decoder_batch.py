@@ -1,0 +1,181 @@
+"""Where a decoder batch of clicks on different images spends its time, on the GPU.
+
+Under open-loop clicks the service's decoder batches took ~38 ms for ~8 prompts while one
+click alone takes ~5 ms (docs/BENCHMARKS.md, issue 19). This builds the engine as
+`python -m server` does (SAM only), warms it, encodes the photos, then times one decoder
+batch of N one-point clicks, each on another photo, multimask, RLE on the device, as served
+(the `eager_on_recompile` stance), and splits it:
+
+- `decoder`: prompts packed and the compiled decoder (synchronised after);
+- `masks`: every item's full-size masks (sorted, upscaled per group of image sizes);
+- `runs`: the device RLE (`mask_runs`, one copy back) and the host's runs per mask;
+- `contended`: the whole batch again while another thread spins in Python, as the engine's
+  event loop does under load, with the engine's GIL switch interval.
+
+Then a profiler table of one batch (host ops and kernels, and the number of kernel
+launches), so the fix can be aimed.
+
+    python -m bench.decoder_batch --images .benchdata/images --sizes 1 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import DEFAULT_IMAGES, environment, print_table
+from models.optimize import EAGER_ON_RECOMPILE
+from server.domain import Prompt
+from server.engine.runs import mask_runs
+from server.engine.services import Engine
+from server.engine.stages import DecodeItem, EncodeItem
+from server.http.imaging import decode_image
+from server.metrics import Metrics
+from server.settings import Settings
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn: Callable[[], object], iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        _sync()
+        started = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+class _Spinner:
+    """A thread that runs Python bytecode without pause: a stand-in for a busy event loop."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n = (n + 1) % 1_000_003
+
+    def __enter__(self) -> _Spinner:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--profile-rows", type=int, default=25)
+    args = p.parse_args()
+    env = environment()
+    print(env, flush=True)
+    settings = Settings(enable_swin=False)
+    engine = Engine(settings, Metrics())
+    asyncio.run(engine.load())
+    asyncio.run(engine.warmup())
+    assert engine.sam is not None
+    stages = engine.sam.stages
+    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
+
+    photos = sorted(args.images.glob("*.jpg"))
+    pixels = [
+        decode_image(p.read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20).pixels
+        for p in photos
+    ]
+    n_max = max(args.sizes)
+    entries = stages.encode(
+        [EncodeItem(f"img-{k}", pixels[k % len(pixels)]) for k in range(len(pixels))]
+    )
+
+    def clicks(n: int) -> list[DecodeItem]:
+        out = []
+        for k in range(n):
+            e = entries[k % len(entries)]
+            h, w = e.original_size
+            point = (w * (0.3 + 0.4 * k / n_max), h * 0.5)
+            out.append(DecodeItem(e, (Prompt(points=(point,), labels=(1,)),), multimask=True))
+        return out
+
+    rows = []
+    with EAGER_ON_RECOMPILE.hold(), torch.inference_mode():
+        for n in args.sizes:
+            items = clicks(n)
+            embeddings = [i.embedding.embedding for i in items]
+            sets = [stages._prompt_set(i.prompts[0], i.embedding, None) for i in items]
+            for _ in range(3):
+                stages.decode(items)
+            whole = _median_ms(lambda items=items: stages.decode(items), args.iters)
+            low_res, iou = stages._run_decoder(embeddings, sets)
+            decoder = _median_ms(lambda e=embeddings, s=sets: stages._run_decoder(e, s), args.iters)
+
+            def masks(
+                items: list[DecodeItem] = items,
+                low_res: torch.Tensor = low_res,
+                iou: torch.Tensor = iou,
+            ) -> list[torch.Tensor]:
+                return stages._sorted_masks(items, low_res, iou)[0]
+
+            mask_ms = _median_ms(masks, args.iters)
+            stacks = [m.flatten(0, 1) for m in masks()]
+            runs_ms = _median_ms(lambda s=stacks: mask_runs(s), args.iters)
+            total_runs = sum(len(r) for m in mask_runs(stacks) for r in m.counts)
+            with _Spinner():
+                contended = _median_ms(lambda items=items: stages.decode(items), args.iters)
+            rows.append(
+                {
+                    "clicks": n,
+                    "batch_ms": whole,
+                    "decoder_ms": decoder,
+                    "masks_ms": mask_ms,
+                    "runs_ms": runs_ms,
+                    "contended_ms": contended,
+                    "runs_per_mask": total_runs // max(1, 3 * n),
+                }
+            )
+            print(rows[-1], flush=True)
+        from torch.profiler import ProfilerActivity, profile
+
+        items = clicks(8)
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            stages.decode(items)
+            _sync()
+        averages = prof.key_averages()
+        launches = sum(
+            e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                   "cudaLaunchKernelExC", "cuLaunchKernelEx")
+        )  # fmt: skip
+        print(f"kernel launches in one batch of 8 clicks: {launches}")
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            if key == "self_device_time_total" and not torch.cuda.is_available():
+                continue
+            table = averages.table(sort_by=key, row_limit=args.profile_rows,
+                                   max_name_column_width=60)  # fmt: skip
+            print(f"--- one batch of 8 clicks: top by {key}\n{table}", flush=True)
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
+    print_table(rows, list(rows[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The engine's GPU worker threads: one per stage, each with its own CUDA stream, or one.
+
+With a single worker, a click's decoder batch queued behind an encoder batch waited for it
+on the host and again on the GPU (one stream runs in order): under a mix of segment and
+click load, the decoder's 5 ms batches took 38 to 41 ms (H100, docs/BENCHMARKS.md). With a
+thread and a stream per stage the GPU interleaves them; the decoder's and the classifier's
+streams have a higher priority than the encoder's, so their short kernels are scheduled
+first whenever the encoder's leave room.
+
+What crosses between stages (an image's embedding, encoded on one stream and decoded on
+another) is handed over only once complete: every batch function waits for its own
+stream before its results are returned (`handed_over`). The encoder thus gives up starting
+its next batch while the GPU finishes this one (it did before, on one stream), but no
+consumer can read an unfinished embedding, and no tensor is freed while another stream
+still reads it, without events and `record_stream` threaded through the cache.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+__all__ = ["STAGES", "StageWorkers"]
+
+T = TypeVar("T")
+
+# every kind of GPU work the engine does, with its stream's priority (lower runs first)
+STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -1, "swin": -1, "everything": 0}
+
+
+def _bind(stream: torch.cuda.Stream | None) -> None:
+    """A worker thread's initializer: its current stream is the stage's for good (the
+    current stream is per thread in PyTorch)."""
+    if stream is not None:
+        torch.cuda.set_stream(stream)
+
+
+class StageWorkers:
+    """The executor of each stage: its own thread (and stream) or one shared by all."""
+
+    def __init__(self, device: torch.device, mode: str = "auto") -> None:
+        self.device = device
+        self.per_stage = mode == "per_stage" or (mode == "auto" and device.type == "cuda")
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+        if not self.per_stage:
+            one = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
+            self._executors = dict.fromkeys(STAGES, one)
+            return
+        for stage, priority in STAGES.items():
+            stream = None
+            if device.type == "cuda":
+                stream = self.streams[stage] = torch.cuda.Stream(device, priority=priority)
+            self._executors[stage] = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=f"gpu-{stage}",
+                initializer=_bind,
+                initargs=(stream,),
+            )
+
+    def __getitem__(self, stage: str) -> ThreadPoolExecutor:
+        return self._executors[stage]
+
+    def handed_over(self, results: T) -> T:
+        """`results` of a batch, once the calling thread's stream has run everything it
+        queued (a no-op with one shared worker: one stream keeps its own order)."""
+        if self.per_stage and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return results
+
+    def synchronize(self) -> None:
+        """Wait for every stream (the end of start-up: warm tensors made on one thread's
+        stream are then safe to read from any other)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        for executor in set(self._executors.values()):
+            executor.shutdown(wait=True, cancel_futures=True)

@@ -137,12 +137,15 @@ def render_folder(folder: Path) -> bytes:
     return generate_latest(registry)
 
 
-# Families an engine writes too (every process makes their series at 0) that are the
-# frontends' or the whole service's: they get no `engine` label (nor do `python_gc_*`,
-# which carry the `process` label already).
+# No `engine` label: families an engine writes too (every process makes their series at 0)
+# that are the frontends' or the whole service's; the driver's view of each GPU (NVML),
+# which every engine reports alike for every device (a label would multiply it in a sum);
+# and `python_gc_*`, which carry the `process` label already.
 _SERVICE_FAMILIES = frozenset({"serve_rejections", "serve_requests",
                                "serve_request_duration_seconds",
-                               "serve_phase_duration_seconds"})  # fmt: skip
+                               "serve_phase_duration_seconds",
+                               "serve_gpu_device_used_bytes",
+                               "serve_gpu_device_total_bytes"})  # fmt: skip
 _NOT_A_LABEL = frozenset({"le", "pid"})
 
 

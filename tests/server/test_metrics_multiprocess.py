@@ -94,6 +94,9 @@ for line in sys.stdin:
     elif command == "stuck":
         m.worker_stuck.labels("swin").set(1)
         print("{}", flush=True)
+    elif command == "nvml":  # what every engine's sampler reads from the driver, alike
+        m.set_gpu_device_memory("0", used=100.0, total=1000.0)
+        print("{}", flush=True)
     else:
         break
 """
@@ -332,6 +335,10 @@ def test_gauge_modes_with_two_engines(tmp_path):
         stuck = render(tmp_path)
         assert stuck.value("serve_worker_stuck", stage="swin", engine="1") == 1
         assert stuck.value("serve_worker_stuck", stage="swin", engine="0") == 0
+        for engine in roles[:2]:
+            engine.send("nvml")
+        nvml = render(tmp_path)  # the driver's view of a GPU: once, whoever reported it
+        assert nvml.samples("serve_gpu_device_used_bytes") == [({"device": "0"}, 100.0)]
         engine1.send("warm")
         assert render(tmp_path).value("serve_ready") == 1
         frontend.send("drain")  # a draining frontend turns the service's readiness off

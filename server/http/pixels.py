@@ -3,8 +3,9 @@
 Each frontend owns one file in /dev/shm (`SERVE_SHM_BYTES_PER_WORKER`), mapped here and,
 read-only in spirit, by every engine it sends images to (page-locked there on CUDA, so the
 upload is one DMA with no staging copy; with one engine per GPU each engine maps and
-registers the same pages for its own GPU). An image's pixels are a slot of it, written once by the decoder (libjpeg-
-turbo decodes straight into the slot) and never copied or pickled on the way to the GPU.
+registers the same pages for its own GPU). An image's pixels are a slot of it, written
+once by the decoder (libjpeg-turbo decodes straight into the slot) and never copied or
+pickled on the way to the GPU.
 
 A slot is freed when both of its holders let go: the request handling it here, and the
 engine the call went to, which says so (a release message on that engine's socket) only

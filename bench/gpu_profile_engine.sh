@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source bench/weights.sh && use_weights || exit 1
 source bench/start_server.sh && start_server || exit 1
-ENGINE=$(grep -o '"engine process [0-9]* started' "$OUT/server.log" | head -1 | awk '{print $3}')
+ENGINE=$(grep -o '"engine-0 process [0-9]* started' "$OUT/server.log" | head -1 | awk '{print $3}')
 stage_means() {
   curl -s localhost:$PORT/metrics | python3 -c "
 import sys

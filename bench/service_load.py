@@ -67,7 +67,7 @@ def load_images(folder: Path) -> tuple[Photo, ...]:
 
 
 def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of serve_batch_size per stage."""
+    """(sum, count) of serve_batch_size per stage, summed over engines (`engine` label)."""
     sums: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(metrics_text):
         if family.name != "serve_batch_size":
@@ -76,9 +76,9 @@ def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
             stage = s.labels.get("stage", "")
             entry = sums.setdefault(stage, [0.0, 0.0])
             if s.name.endswith("_sum"):
-                entry[0] = s.value
+                entry[0] += s.value
             elif s.name.endswith("_count"):
-                entry[1] = s.value
+                entry[1] += s.value
     return {k: (v[0], v[1]) for k, v in sums.items()}
 
 

@@ -12,6 +12,12 @@ process says it exists with `pid-<role>.json` (`register_process`); the supervis
 `forget_process` once it has reaped one, which drops the file and the dead pid's `live*`
 gauges (its counters stay: they are the service's history, and `rate()` needs them to stay
 monotonic).
+
+With several engines (one per GPU) their labelled families (stage, cache tier, model...)
+carry an `engine` label, the index in the engine's role, so that one GPU's queue or cache
+shows on its own (`EngineCollector`); a sum over it gives the service's. Unlabelled gauges
+keep their service-wide meaning (`serve_ready`: the least; `serve_warmup_seconds`: the
+slowest; `serve_pinned_image_bytes`: the sum), and so do the frontends' families.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -125,9 +132,68 @@ def live_processes(folder: Path) -> list[ProcessEntry]:
 def render_folder(folder: Path) -> bytes:
     """The exposition text of every process writing to `folder`."""
     registry = CollectorRegistry(auto_describe=False)
-    MultiProcessCollector(registry, path=str(folder))
+    registry.register(EngineCollector(folder))
     registry.register(ServiceProcessCollector(folder))
     return generate_latest(registry)
+
+
+# No `engine` label: families an engine writes too (every process makes their series at 0)
+# that are the frontends' or the whole service's; the driver's view of each GPU (NVML),
+# which every engine reports alike for every device (a label would multiply it in a sum);
+# and `python_gc_*`, which carry the `process` label already.
+_SERVICE_FAMILIES = frozenset({"serve_rejections", "serve_requests",
+                               "serve_request_duration_seconds",
+                               "serve_phase_duration_seconds",
+                               "serve_gpu_device_used_bytes",
+                               "serve_gpu_device_total_bytes"})  # fmt: skip
+_NOT_A_LABEL = frozenset({"le", "pid"})
+
+
+class EngineCollector(MultiProcessCollector):
+    """prometheus_client's merge of the files, with each live engine's labelled samples
+    labelled `engine="<index>"` before they are merged (so they stay apart).
+
+    A file's pid is the last part of its name (`counter_<pid>.db`, `gauge_livesum_<pid>.db`);
+    an engine's pid is known from its `pid-engine-<i>.json`. Files of any other pid (the
+    frontends, a forgotten process) merge as prometheus_client merges them."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(None, path=str(folder))
+        self.folder = folder
+
+    def collect(self) -> Iterator[Metric]:
+        engines = {
+            str(e.pid): e.role.removeprefix("engine-")
+            for e in live_processes(self.folder)
+            if e.role.startswith("engine")
+        }
+        groups: dict[str | None, list[str]] = {}
+        for path in self.folder.glob("*.db"):
+            pid = path.stem.rsplit("_", 1)[-1]
+            groups.setdefault(engines.get(pid), []).append(str(path))
+        merged: dict[str, Metric] = {}
+        for engine, files in groups.items():
+            for name, family in self._read_metrics(files).items():
+                own = name not in _SERVICE_FAMILIES and not name.startswith("python_")
+                if engine is not None and own:
+                    _label_engine(family, engine)
+                into = merged.setdefault(name, family)
+                if into is not family:
+                    into.samples += family.samples
+        yield from self._accumulate_metrics(merged, True)
+
+
+def _label_engine(family: Metric, engine: str) -> None:
+    """`engine=<index>` on the samples of a labelled family (a histogram's `le` and a
+    gauge's `pid` are not labels of its own). Before the merge a sample's labels are still
+    a tuple of pairs, which the merge groups by (prometheus_client's `_read_metrics`)."""
+    pairs = [cast(tuple[tuple[str, str], ...], sample.labels) for sample in family.samples]
+    if not any(key not in _NOT_A_LABEL for labels in pairs for key, _ in labels):
+        return
+    family.samples = [
+        sample._replace(labels=cast(dict[str, str], (*labels, ("engine", engine))))
+        for sample, labels in zip(family.samples, pairs, strict=True)
+    ]
 
 
 class ServiceProcessCollector(Collector):

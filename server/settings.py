@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -203,6 +203,12 @@ class Settings(BaseSettings):
     # the encoder's speed and a tenth of the decoder's (issue 19, docs/BENCHMARKS.md).
     http_workers: int | None = Field(None, ge=1, le=64)
     """frontend (HTTP) processes (unset: the cores available minus one, 1 to 8)"""
+    # One engine process per GPU, each seeing only its GPU (CUDA_VISIBLE_DEVICES): a
+    # process drives one device, and each keeps its own embedding cache, so the frontends
+    # send every call about an image to the engine that image hashes to (its `image_id`).
+    engines: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    """engine processes: auto (one per visible GPU, 1 without one), or a number (several on
+    the CPU too; more than the GPUs share them round robin)"""
     # Each frontend decodes into a file of this size in /dev/shm that the engine maps (and
     # page-locks on CUDA): pixels reach the GPU without a copy or a pickle. An image that
     # does not fit travels inline with its call instead (one copy more); none is refused.

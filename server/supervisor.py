@@ -1,19 +1,21 @@
-"""`python -m server`: one engine process and N frontend processes, and their fate.
+"""`python -m server`: engine processes (one per GPU) and N frontend processes, and their fate.
 
 The supervisor listens on the port itself and hands the socket to every frontend (the
-kernel spreads connections over them), starts the engine (models, batchers, caches: the
-GPU's one process), and then only watches:
-- the engine exits: the service cannot serve; the frontends are stopped and the
-  supervisor exits non-zero (1 for a failed start-up, 3 for a later death), so the pod
-  restarts. A service that silently lost its models would be worse.
+kernel spreads connections over them), starts the engines (models, batchers, caches: one
+process per GPU, each seeing only its own, `server.gpus`; each frontend connects to all of
+them and routes by image, `server.http.engine_client`), and then only watches:
+- an engine exits: the service cannot serve (a share of the images lived there); the
+  others and the frontends are stopped and the supervisor exits non-zero (1 for a failed
+  start-up, 3 for a later death), so the pod restarts. A service that silently lost its
+  models would be worse.
 - a frontend exits: another takes its place (its requests in flight are lost; the others'
   are not). Five deaths within a few seconds of their start: something is wrong with every
   frontend, and the supervisor gives up (exit 4).
 - SIGTERM: every frontend drains (readiness 503, accepted requests finish; see
-  `server.http.worker`), then the engine stops, then the supervisor exits 0. A second
+  `server.http.worker`), then every engine stops, then the supervisor exits 0. A second
   SIGTERM, or SIGINT, stops everything at once.
 
-Spawned, not forked: the engine initialises CUDA, which does not survive a fork, and
+Spawned, not forked: an engine initialises CUDA, which does not survive a fork, and
 nothing here has imported torch.
 """
 
@@ -29,10 +31,12 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
+from server.gpus import EnginePlan, plan_engines
 from server.http.pixels import PIXELS_PREFIX, SHM_FOLDER
 from server.metrics_multiprocess import forget_process
 from server.settings import Settings
@@ -67,30 +71,35 @@ class Supervisor:
         self.metrics_folder.mkdir()
         # read by prometheus_client in every child at import: one /metrics for all
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_folder)
-        self.address = f"ipc://{self.folder}/engine.sock"
+        self.plans = plan_engines(settings, os.environ)
+        self.addresses = tuple(f"ipc://{self.folder}/{p.role}.sock" for p in self.plans)
         self.context = multiprocessing.get_context("spawn")
-        self.engine: BaseProcess | None = None
+        self.engines: list[BaseProcess] = []
         self.frontends: dict[int, tuple[BaseProcess, float]] = {}
         self.quick_deaths = 0
         self.stopping = False  # SIGTERM: drain, then stop
 
     # -- processes --------------------------------------------------------------------
 
-    def _start_engine(self) -> None:
+    def _start_engine(self, plan: EnginePlan, address: str) -> None:
         from server.engine.process import engine_main
 
-        self.engine = self.context.Process(
-            target=engine_main, args=(self.settings, self.address), name="engine"
+        engine = self.context.Process(
+            target=engine_main, args=(self.settings, address, plan.role), name=plan.role
         )
-        self.engine.start()
-        log.info("engine process %d started", self.engine.pid)
+        if plan.env:
+            log.info("%s gets %s", plan.role, " ".join(f"{k}={v}" for k, v in plan.env.items()))
+        with _environment(plan.env):  # a spawned child starts with our environment
+            engine.start()
+        self.engines.append(engine)
+        log.info("%s process %d started", plan.role, engine.pid)
 
     def _start_frontend(self, index: int) -> None:
         from server.http.worker import frontend_main
 
         role = f"frontend-{index}"
         process = self.context.Process(
-            target=frontend_main, args=(self.settings, self.sock, self.address, role), name=role
+            target=frontend_main, args=(self.settings, self.sock, self.addresses, role), name=role
         )
         process.start()
         self.frontends[index] = (process, time.monotonic())
@@ -100,7 +109,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGTERM and not self.stopping:
-            log.info("SIGTERM: draining every frontend, then stopping the engine")
+            log.info("SIGTERM: draining every frontend, then stopping the engines")
             self.stopping = True
             self._signal_frontends(signal.SIGTERM)
             return
@@ -108,8 +117,13 @@ class Supervisor:
         self.stopping = True
         self._signal_frontends(signal.SIGTERM)  # their second: they stop at once
         self._signal_frontends(signal.SIGTERM)
-        if self.engine is not None and self.engine.is_alive():
-            self.engine.terminate()
+        self._terminate_engines()
+
+    def _terminate_engines(self) -> None:
+        """SIGTERM: each engine finishes the calls in hand, then exits."""
+        for engine in self.engines:
+            if engine.is_alive():
+                engine.terminate()
 
     def _signal_frontends(self, signum: int) -> None:
         for process, _ in self.frontends.values():
@@ -123,7 +137,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            self._start_engine()
+            for plan, address in zip(self.plans, self.addresses, strict=True):
+                self._start_engine(plan, address)
             for index in range(self.settings.frontends()):
                 self._start_frontend(index)
             return self._watch()
@@ -133,18 +148,21 @@ class Supervisor:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _watch(self) -> int:
-        assert self.engine is not None
         while True:
-            sentinels = [self.engine.sentinel] + [p.sentinel for p, _ in self.frontends.values()]
+            sentinels = [e.sentinel for e in self.engines]
+            sentinels += [p.sentinel for p, _ in self.frontends.values()]
             multiprocessing.connection.wait(sentinels, timeout=0.5)
-            if not self.engine.is_alive():
-                code = self.engine.exitcode
+            for engine in self.engines:
+                if engine.is_alive():
+                    continue
+                code = engine.exitcode
                 if self.stopping:
                     return 0
                 if code == EXIT_START_FAILED:
-                    log.error("the engine failed to start (exit 1): stopping the service")
+                    log.error("%s failed to start (exit 1): stopping the service", engine.name)
                     return EXIT_START_FAILED
-                log.error("the engine process died (exit %s): stopping the service", code)
+                log.error("the engine process died (%s, exit %s): stopping the service",
+                          engine.name, code)  # fmt: skip
                 return EXIT_ENGINE_DIED
             for index, (process, started) in list(self.frontends.items()):
                 if process.is_alive():
@@ -162,9 +180,11 @@ class Supervisor:
                     return EXIT_FRONTENDS_FAIL
                 self._start_frontend(index)
             if self.stopping and not self.frontends:
-                log.info("every frontend drained; stopping the engine")
-                self.engine.terminate()  # SIGTERM: the engine finishes its calls in hand
-                self.engine.join(timeout=self.settings.drain_timeout_s + 30)
+                log.info("every frontend drained; stopping the engines")
+                self._terminate_engines()
+                deadline = time.monotonic() + self.settings.drain_timeout_s + 30
+                for engine in self.engines:
+                    engine.join(timeout=max(0.1, deadline - time.monotonic()))
                 return 0
 
     def _forget(self, process: BaseProcess) -> None:
@@ -183,15 +203,28 @@ class Supervisor:
         self._signal_frontends(signal.SIGTERM)
         time.sleep(0.05)
         self._signal_frontends(signal.SIGTERM)
-        engine = self.engine
-        if engine is not None and engine.is_alive():
-            engine.terminate()
+        self._terminate_engines()
         deadline = time.monotonic() + 10
-        for process in [p for p, _ in self.frontends.values()] + ([engine] if engine else []):
+        for process in [p for p, _ in self.frontends.values()] + self.engines:
             process.join(timeout=max(0.1, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _environment(changes: Mapping[str, str]) -> Iterator[None]:
+    """`os.environ` with `changes` for the duration (the supervisor has one thread)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def serve(settings: Settings, host: str, port: int) -> int:

@@ -1,8 +1,9 @@
 """The engine's view of the frontends' shared pixel memory (`server.http.pixels`).
 
-Each frontend's file is mapped once; on CUDA the whole mapping is page-locked
-(`cudaHostRegister`), so an image's upload is a DMA straight from the slot the frontend
-decoded into. An image reaches the stages as a tensor over its slot. The slot goes back to
+Each frontend's file is mapped once by each engine that receives images from it (every
+engine, with one per GPU); on CUDA the whole mapping is page-locked (`cudaHostRegister`),
+so an image's upload is a DMA straight from the slot the frontend decoded into. An image
+reaches the stages as a tensor over its slot. The slot goes back to
 its frontend when nothing here reads it any more: when the tensor's storage is freed (a
 finalizer on the numpy array the storage keeps alive, so views, batches and shared
 encodings all count) and, on CUDA, once the stream has passed every copy queued from it.

@@ -310,14 +310,15 @@ class EngineServer:
         raise ServiceError(500, "internal", f"unknown call {type(call).__name__}")
 
 
-def engine_main(settings: Settings, address: str) -> None:
-    """The engine process's entry point (spawned by the supervisor)."""
+def engine_main(settings: Settings, address: str, role: str = "engine-0") -> None:
+    """An engine process's entry point (spawned by the supervisor, one per GPU: the GPU is
+    the one its CUDA_VISIBLE_DEVICES names, `cuda:0` here)."""
     from server.logs import configure_logging
 
-    configure_logging(settings.log_level, "engine")
+    configure_logging(settings.log_level, role)
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
-    server = EngineServer(settings, address, Metrics("engine"))
+    server = EngineServer(settings, address, Metrics(role))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

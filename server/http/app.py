@@ -169,11 +169,12 @@ def _install_handlers(app: FastAPI, metrics: Metrics) -> None:
 def build_app(
     settings: Settings,
     metrics: Metrics | None = None,
-    engine_address: str | None = None,
+    engine_address: str | tuple[str, ...] | None = None,
     role: str = "frontend",
 ) -> FastAPI:
     """The ASGI app for `settings`, a frontend of the engine at `engine_address` (a zmq
-    address); without one, its lifespan starts an engine on a thread of this process."""
+    address, or one per engine); without one, its lifespan starts an engine on a thread of
+    this process."""
     # No `_created` series: one per counter and histogram child, they double the scrape
     # and no query here uses them. prometheus_client reads this flag (process-wide) at
     # every scrape, so setting it here covers metrics made before as well as after.

@@ -1,23 +1,32 @@
-"""The frontend's side of the engine: calls over zmq, with the same coroutines routes await.
+"""The frontend's side of the engines: calls over zmq, with the same coroutines routes await.
 
-One DEALER socket per frontend process; each call gets an id and a future that the reader
-task resolves when the engine answers. A call whose awaiting request is cancelled (the
+One DEALER socket per engine process (one engine per GPU); each call gets an id and a
+future that the socket's reader task resolves when its engine answers. Each engine keeps
+its own embedding cache, so a call about an image (embed, segment, everything, lookup, the
+embedding download) goes to the image's home engine, `rendezvous_hash(image_id)`: every
+frontend computes the same home without talking to the others, and it stays the same
+across restarts. A call about no cached image (classify) goes to the engine with the
+fewest calls in flight from this frontend. A call whose awaiting request is cancelled (the
 client left) sends the engine a cancel, so queued work is dropped there too. Pixels go as
-references to this process's shared memory (`server.http.pixels`); the engine gives each
-slot back with a release message when it is done reading it.
+references to this process's shared memory (`server.http.pixels`), which every engine maps;
+the engine a call went to gives its slot back with a release message when it is done
+reading it.
 
-The engine's status (ready, start-up progress, what is loaded, a stuck batch) is asked for
-a few times a second and kept here, so probes and `require_engine` never wait on it.
+Every engine's status (ready, start-up progress, what is loaded, a stuck batch) is asked
+for a few times a second and kept here, combined into the service's (`combined_status`:
+ready once every engine is), so probes and `require_engine` never wait on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -63,40 +72,110 @@ STATUS_STALE_S = 60.0
 DEADLINE_GRACE_S = 1.0  # past a call's deadline, the frontend stops waiting for the engine
 
 
-class EngineClient:
-    """Calls into the engine process; one per frontend process (or embedded app)."""
+def rendezvous_hash(image_id: str, engines: Sequence[int]) -> int:
+    """The engine of `engines` that is `image_id`'s home: the one whose weight for it is
+    highest (highest-random-weight hashing).
 
-    def __init__(self, address: str, pixels: SharedPixels | None) -> None:
-        self.address = address
+    Each engine's weight depends only on the engine and the id, so every frontend picks
+    the same engine, each engine is home to 1/N of the images, and when one engine leaves
+    the set only its own images move (each to its second-highest weight). The weight is
+    a keyed BLAKE2b, not Python's `hash` (salted per process)."""
+    best, best_weight = -1, -1
+    for engine in engines:
+        digest = hashlib.blake2b(
+            image_id.encode(), digest_size=8, salt=engine.to_bytes(8, "little")
+        )
+        weight = int.from_bytes(digest.digest(), "little")
+        if weight > best_weight:
+            best, best_weight = engine, weight
+    if best < 0:
+        raise ValueError("no engine to choose from")
+    return best
+
+
+@dataclass(eq=False)
+class EngineLink:
+    """One engine process as this frontend sees it."""
+
+    index: int
+    address: str
+    socket: zmq.asyncio.Socket | None = None
+    waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
+    status: Status | None = None
+    status_at: float = 0.0  # monotonic time of its last status answer
+    in_flight: int = 0  # this frontend's calls it has not answered yet (status calls aside)
+
+
+def combined_status(statuses: Sequence[Status | None]) -> Status | None:
+    """The service's status from each engine's (None: not answered yet): ready once every
+    engine is; the first failure; every stuck stage; the progress of the engine furthest
+    behind. Models and input sizes are the same in every engine (one settings object)."""
+    known = [s for s in statuses if s is not None]
+    if not known:
+        return None
+
+    def named(index: int, text: str) -> str:
+        return f"engine-{index}: {text}" if len(statuses) > 1 else text
+
+    failures = [named(i, s.failure) for i, s in enumerate(statuses) if s and s.failure]
+    stuck = [named(i, s.stuck) for i, s in enumerate(statuses) if s and s.stuck]
+    warming = [s for s in known if not s.ready]
+
+    def done(status: Status) -> float:
+        p = status.progress
+        return p["step"] / max(1, p["of"]) if p else 0.0
+
+    behind = min(warming or known, key=done)
+    first = known[0]
+    return Status(
+        ready=len(known) == len(statuses) and not warming,
+        failure=failures[0] if failures else None,
+        stuck="; ".join(stuck) or None,
+        progress=behind.progress,
+        models=first.models,
+        sam_image_size=first.sam_image_size,
+        swin_resize=first.swin_resize,
+        pid=first.pid,
+    )
+
+
+class EngineClient:
+    """Calls into the engine processes; one per frontend process (or embedded app)."""
+
+    def __init__(self, address: str | Sequence[str], pixels: SharedPixels | None) -> None:
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses:
+            raise ValueError("an engine client needs at least one engine address")
+        self.engines = [EngineLink(index, a) for index, a in enumerate(addresses)]
         self.pixels = pixels
-        self.status: Status | None = None
-        self.status_at = 0.0  # monotonic time of the last status answer
+        self.status: Status | None = None  # every engine's, combined
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Reply]] = {}
+        self._turns = itertools.count()  # round robin among equally loaded engines
         self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
-        sock = self._socket = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
-        self._tasks = [
-            asyncio.create_task(self._read(sock), name="engine-replies"),
-            asyncio.create_task(self._poll_status(), name="engine-status"),
-        ]
+        for link in self.engines:
+            sock = link.socket = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(link.address)
+            self._tasks += [
+                asyncio.create_task(self._read(link), name=f"engine-{link.index}-replies"),
+                asyncio.create_task(self._poll_status(link), name=f"engine-{link.index}-status"),
+            ]
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(ServiceError(503, "not_ready", "the service is stopping"))
-        self._waiting.clear()
-        if self._socket is not None:
-            self._socket.close(linger=0)
+        for link in self.engines:
+            for future in link.waiting.values():
+                if not future.done():
+                    future.set_exception(ServiceError(503, "not_ready", "the service is stopping"))
+            link.waiting.clear()
+            if link.socket is not None:
+                link.socket.close(linger=0)
         if self._context is not None:
             self._context.term()
 
@@ -104,13 +183,17 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        """Ready by the engine's last word (a late answer is no reason to refuse work)."""
+        """Ready by every engine's last word (a late answer is no reason to refuse work)."""
         return self.status is not None and self.status.ready
 
     @property
     def stale(self) -> bool:
-        """The engine has not answered a status call for a while (it hangs or is gone)."""
-        return self.status is not None and time.monotonic() - self.status_at > STATUS_STALE_S
+        """An engine has not answered a status call for a while (it hangs or is gone)."""
+        now = time.monotonic()
+        return any(
+            link.status is not None and now - link.status_at > STATUS_STALE_S
+            for link in self.engines
+        )
 
     def models(self) -> list[ModelInfo]:
         return list(self.status.models) if self.status is not None else []
@@ -122,57 +205,79 @@ class EngineClient:
                 return info.brief()
         raise ServiceError(503, "not_ready", f"no {prefix} model is loaded")
 
-    async def _poll_status(self) -> None:
+    async def _poll_status(self, link: EngineLink) -> None:
         while True:
             try:
-                reply = await self._call(StatusCall(), deadline=time.monotonic() + 2.0)
-                self.status = reply.value
-                self.status_at = time.monotonic()
+                reply = await self._call(StatusCall(), time.monotonic() + 2.0, link)
+                link.status = reply.value
+                link.status_at = time.monotonic()
+                self.status = combined_status([e.status for e in self.engines])
             except ServiceError:
                 pass  # not answering: `stale` says so once it lasts
-            ready = self.status is not None and self.status.ready
+            ready = link.status is not None and link.status.ready
             await asyncio.sleep(STATUS_PERIOD_S if ready else 0.05)
 
-    # -- the socket ---------------------------------------------------------------------
+    # -- routing ------------------------------------------------------------------------
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+    def engine_for(self, image_id: str | None) -> EngineLink:
+        """The image's home engine; without an image id, the least loaded engine (the
+        fewest calls in flight from this frontend; ties in turn)."""
+        engines = self.engines
+        if len(engines) == 1:
+            return engines[0]
+        if image_id is not None:
+            return engines[rendezvous_hash(image_id, range(len(engines)))]
+        first = next(self._turns) % len(engines)
+        turn = engines[first:] + engines[:first]
+        return min(turn, key=lambda link: link.in_flight)  # min keeps the first of equals
+
+    # -- the sockets --------------------------------------------------------------------
+
+    async def _read(self, link: EngineLink) -> None:
+        assert link.socket is not None
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            frames = await link.socket.recv_multipart(copy=False)
             head, *payload = frames
             if head.bytes == RELEASE:
                 if self.pixels is not None:
                     for slot in load(payload):
                         self.pixels.release(slot)
                 continue
-            future = self._waiting.pop(call_id_of(head), None)
+            future = link.waiting.pop(call_id_of(head), None)
             if future is not None and not future.done():
                 future.set_result(load(payload))
 
-    async def _call(self, call: object, deadline: float | None) -> Reply:
-        assert self._socket is not None, "start() the client first"
+    async def _call(self, call: object, deadline: float | None, link: EngineLink) -> Reply:
+        assert link.socket is not None, "start() the client first"
         call_id = next(self._ids)
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = future
-        await self._socket.send_multipart([call_id_bytes(call_id), *dump(call)], copy=False)
+        link.waiting[call_id] = future
+        await link.socket.send_multipart([call_id_bytes(call_id), *dump(call)], copy=False)
         timeout = None if deadline is None else deadline - time.monotonic() + DEADLINE_GRACE_S
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            self._cancel(call_id)
+            self._cancel(link, call_id)
             raise ServiceError(504, "deadline", "the engine did not answer in time") from None
         except asyncio.CancelledError:
-            self._cancel(call_id)
+            self._cancel(link, call_id)
             raise
 
-    def _cancel(self, call_id: int) -> None:
-        self._waiting.pop(call_id, None)
-        if self._socket is not None:
+    def _cancel(self, link: EngineLink, call_id: int) -> None:
+        link.waiting.pop(call_id, None)
+        if link.socket is not None:
             frames = [call_id_bytes(0), *dump(CancelCall(call_id))]
             with contextlib.suppress(zmq.ZMQError):
-                self._socket.send_multipart(frames, copy=False)  # queued; no await needed
+                link.socket.send_multipart(frames, copy=False)  # queued; no await needed
 
-    async def _value(self, call: object, deadline: float | None) -> Any:
-        reply = await self._call(call, deadline)
+    async def _value(self, call: object, deadline: float | None, image_id: str | None) -> Any:
+        """The call's answer from the engine `image_id` routes to (see `engine_for`)."""
+        link = self.engine_for(image_id)
+        link.in_flight += 1
+        try:
+            reply = await self._call(call, deadline, link)
+        finally:
+            link.in_flight -= 1
         if reply.failure is not None:
             raise reply.failure.error()
         return reply.value
@@ -185,24 +290,28 @@ class EngineClient:
     # -- the engine's API, as routes use it ---------------------------------------------
 
     async def segment(self, request: SegmentRequest) -> SegmentResult:
+        image_id = request.image.image_id if request.image is not None else request.image_id
         if request.image is not None:
             request = replace(request, image=self._image(request.image))  # type: ignore[arg-type]
-        result: SegmentResult = await self._value(SegmentCall(request), request.deadline)
+        call = SegmentCall(request)
+        result: SegmentResult = await self._value(call, request.deadline, image_id)
         return result
 
     async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
-        result: EmbedResult = await self._value(EmbedCall(self._image(image), deadline), deadline)
+        call = EmbedCall(self._image(image), deadline)
+        result: EmbedResult = await self._value(call, deadline, image.image_id)
         return result
 
     async def lookup(self, image_id: str) -> EmbedResult:
-        result: EmbedResult = await self._value(LookupCall(image_id), time.monotonic() + 10.0)
+        call = LookupCall(image_id)
+        result: EmbedResult = await self._value(call, time.monotonic() + 10.0, image_id)
         return result
 
     async def classify(
         self, image: Image, top_k: int, deadline: float | None = None
     ) -> ClassifyResult:
         call = ClassifyCall(self._image(image), top_k, deadline)
-        result: ClassifyResult = await self._value(call, deadline)
+        result: ClassifyResult = await self._value(call, deadline, None)  # no cache: any engine
         return result
 
     async def everything(
@@ -215,13 +324,13 @@ class EngineClient:
     ) -> Any:
         """(image_id, width, height, EverythingMasks, timing)."""
         message = self._image(image) if image is not None else None
-        return await self._value(
-            EverythingCall(message, image_id, fields, output, deadline), deadline
-        )
+        home = image.image_id if image is not None else image_id
+        call = EverythingCall(message, image_id, fields, output, deadline)
+        return await self._value(call, deadline, home)
 
     async def embedding_npy(self, image_id: str) -> tuple[tuple[int, int], tuple[int, int], bytes]:
         """(original size, input size, the `.npy` bytes)."""
         value: tuple[tuple[int, int], tuple[int, int], bytes] = await self._value(
-            EmbeddingNpyCall(image_id), time.monotonic() + 30.0
+            EmbeddingNpyCall(image_id), time.monotonic() + 30.0, image_id
         )
         return value

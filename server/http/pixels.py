@@ -1,13 +1,16 @@
 """Decoded pixels in shared memory: the frontend decodes into it, the engine reads from it.
 
 Each frontend owns one file in /dev/shm (`SERVE_SHM_BYTES_PER_WORKER`), mapped here and,
-read-only in spirit, by the engine (page-locked there on CUDA, so the upload is one DMA with
-no staging copy). An image's pixels are a slot of it, written once by the decoder (libjpeg-
-turbo decodes straight into the slot) and never copied or pickled on the way to the GPU.
+read-only in spirit, by every engine it sends images to (page-locked there on CUDA, so the
+upload is one DMA with no staging copy; with one engine per GPU each engine maps and
+registers the same pages for its own GPU). An image's pixels are a slot of it, written
+once by the decoder (libjpeg-turbo decodes straight into the slot) and never copied or
+pickled on the way to the GPU.
 
 A slot is freed when both of its holders let go: the request handling it here, and the
-engine, which says so (a release message) only once nothing of its own reads the pixels any
-more (its tensors are gone and the upload has finished). A client that leaves therefore
+engine the call went to, which says so (a release message on that engine's socket) only
+once nothing of its own reads the pixels any more (its tensors are gone and the upload has
+finished). A client that leaves therefore
 never frees memory a batch is still reading. When the file is full the pixels are plain
 heap memory and travel inline with the call (one copy more); nothing is refused for it.
 """

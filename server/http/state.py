@@ -30,7 +30,7 @@ class ServeState:
     engine: EngineClient | None = None
     pixels: SharedPixels | None = None  # where images are decoded for the engine
     embedded: Any = None  # an engine in this process (server.http.embedded), tests and dev
-    engine_address: str | None = None  # the engine process's socket; None: embedded
+    engine_address: str | tuple[str, ...] | None = None  # engine sockets; None: embedded
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served (kept by ObserveMiddleware)
     started_at: float = field(default_factory=time.monotonic)

@@ -56,10 +56,13 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def frontend_main(settings: Settings, sock: socket.socket, engine_address: str, role: str) -> None:
-    """A frontend process's entry point (spawned by the supervisor)."""
+def frontend_main(
+    settings: Settings, sock: socket.socket, engine_addresses: tuple[str, ...], role: str
+) -> None:
+    """A frontend process's entry point (spawned by the supervisor); it talks to every
+    engine (`server.http.engine_client` picks one per call)."""
     configure_logging(settings.log_level, role)
-    app = build_app(settings, Metrics(role), engine_address=engine_address, role=role)
+    app = build_app(settings, Metrics(role), engine_address=engine_addresses, role=role)
     state = serve_state(app.state)
     config = uvicorn.Config(
         app, log_config=None, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, backlog=2048

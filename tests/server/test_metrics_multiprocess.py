@@ -94,6 +94,9 @@ for line in sys.stdin:
     elif command == "stuck":
         m.worker_stuck.labels("swin").set(1)
         print("{}", flush=True)
+    elif command == "nvml":  # what every engine's sampler reads from the driver, alike
+        m.set_gpu_device_memory("0", used=100.0, total=1000.0)
+        print("{}", flush=True)
     else:
         break
 """
@@ -315,11 +318,27 @@ def test_gauge_modes_with_two_engines(tmp_path):
         assert scrape.value("serve_pinned_image_bytes") == 2 * 4096
         devices = {labels["device"] for labels, _ in scrape.samples("serve_model_info")}
         assert devices == {"cuda:0", "cuda:1"}
-        # livemostrecent: engine-1 measured last
-        assert scrape.value("serve_fidelity", model="sam", measure="mask_iou_mean") == 0.4
+        # labelled families: one series per engine, told apart by `engine`
+        fidelity = {"model": "sam", "measure": "mask_iou_mean"}
+        assert scrape.value("serve_fidelity", engine="0", **fidelity) == 0.25
+        assert scrape.value("serve_fidelity", engine="1", **fidelity) == 0.4
+        for engine in ("0", "1"):
+            assert scrape.value("serve_queue_depth", stage="sam_encoder", engine=engine) == 3
+            assert scrape.value("serve_batch_size_count", stage="sam_encoder", engine=engine) == 1
+            assert scrape.value("serve_embedding_cache_entries", tier="device", engine=engine) == 2
+        # a frontend's families and the unlabelled gauges stay whole-service series
+        assert not [labels for labels, _ in scrape.samples("serve_ready") if labels]
+        assert not [labels for labels, _ in scrape.samples("serve_rejections_total")
+                    if "engine" in labels]  # fmt: skip
         assert scrape.value("serve_worker_stuck", stage="swin") == 0
         engine1.send("stuck")
-        assert render(tmp_path).value("serve_worker_stuck", stage="swin") == 1  # livemax
+        stuck = render(tmp_path)
+        assert stuck.value("serve_worker_stuck", stage="swin", engine="1") == 1
+        assert stuck.value("serve_worker_stuck", stage="swin", engine="0") == 0
+        for engine in roles[:2]:
+            engine.send("nvml")
+        nvml = render(tmp_path)  # the driver's view of a GPU: once, whoever reported it
+        assert nvml.samples("serve_gpu_device_used_bytes") == [({"device": "0"}, 100.0)]
         engine1.send("warm")
         assert render(tmp_path).value("serve_ready") == 1
         frontend.send("drain")  # a draining frontend turns the service's readiness off

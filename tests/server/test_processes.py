@@ -56,7 +56,7 @@ class Service:
         return out
 
     def pid_of(self, role: str) -> int:
-        """The pid the supervisor logged for `role` (`engine`, `frontend-0`), latest first."""
+        """The pid the supervisor logged for `role` (`engine-0`, `frontend-0`), latest first."""
         for entry in reversed(self.lines()):
             message = str(entry.get("message", ""))
             if message.startswith(f"{role} process ") and message.endswith(" started"):
@@ -123,7 +123,7 @@ def test_every_frontend_answers_for_every_process_in_metrics(service):
     for text in answers.values():
         families = {f.name: f for f in text_string_to_metric_families(text)}
         roles = {s.labels["process"] for s in families["process_resident_memory_bytes"].samples}
-        assert roles == {"engine", "frontend-0", "frontend-1"}, roles
+        assert roles == {"engine-0", "frontend-0", "frontend-1"}, roles
         # the engine's stage metrics reach every frontend's answer
         batches = [s for s in families["serve_batch_size"].samples if s.name.endswith("_count")]
         assert any(s.labels["stage"] == "swin" and s.value >= 1 for s in batches), batches
@@ -157,7 +157,7 @@ def test_a_killed_frontend_is_replaced_and_the_service_goes_on(tmp_path):
 
 def test_kill_9_of_the_engine_stops_the_service_non_zero(tmp_path):
     service = Service(tmp_path, workers=2)
-    os.kill(service.pid_of("engine"), signal.SIGKILL)
+    os.kill(service.pid_of("engine-0"), signal.SIGKILL)
     try:
         code = service.proc.wait(timeout=60)
     finally:

@@ -11,6 +11,7 @@ import numpy as np
 from server.http.pixels import ALIGN, SharedPixels
 from server.messages import PixelRef
 from tests.conftest import PHOTOS
+from tests.server.conftest import LiveServer, small_settings
 
 
 def test_slots_are_first_fit_and_a_full_file_spills_to_the_heap(tmp_path):
@@ -99,3 +100,44 @@ def test_the_engine_gives_every_slot_back_after_the_requests(make_server):
         time.sleep(0.05)
     assert pixels.slots == 0, f"{pixels.slots} slots never given back"
     assert pixels.spilled == 0
+
+
+def test_two_engines_map_one_frontend_s_file_and_each_gives_its_slots_back():
+    """One frontend, two engines (as with SERVE_ENGINES=2): each engine maps the frontend's
+    file and releases the slots of the calls it served, over its own socket."""
+    from server.engine.embedded import EmbeddedEngine
+    from server.metrics import Metrics
+
+    settings = small_settings(shm_bytes_per_worker=32 * 1024**2)
+    engines = [EmbeddedEngine(settings, Metrics()) for _ in range(2)]
+    for engine in engines:
+        engine.start()
+    server = LiveServer(settings)
+    server.app.state.serve.engine_address = tuple(e.address for e in engines)
+    try:
+        server.start()
+        photo = (PHOTOS / "dog.jpg").read_bytes()
+
+        def two_requests(i: int) -> tuple[int, int]:
+            with httpx.Client(base_url=server.url, timeout=60) as c:
+                files = {"image": ("d.jpg", photo + bytes([i]), "image/jpeg")}  # new ids
+                classified = c.post("/v1/classify", files=files)
+                segmented = c.post(
+                    "/v1/segment", files=files, data={"request": '{"box": [10, 10, 300, 200]}'}
+                )
+                return classified.status_code, segmented.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert set(pool.map(two_requests, range(24))) == {(200, 200)}
+        pixels = server.app.state.serve.pixels
+        deadline = time.monotonic() + 10
+        while pixels.slots > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pixels.slots == 0, f"{pixels.slots} slots never given back"
+        assert pixels.spilled == 0
+        for engine in engines:  # both served images out of the frontend's file
+            assert str(pixels.path) in engine.server.pixels._maps
+    finally:
+        server.stop()
+        for engine in engines:
+            engine.stop()

@@ -1,0 +1,106 @@
+"""Which GPUs the engines get, decided by the supervisor without importing torch.
+
+One engine process per GPU: each is started with CUDA_VISIBLE_DEVICES naming its one GPU,
+so inside it the device is `cuda:0` and nothing in the engine knows there are others. The
+GPUs are counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is
+set (a pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG
+instances counts once per instance, named by its UUID, since a CUDA process can use only
+one of them). No nvidia-smi, or it fails: no GPU, one engine.
+
+CUDA_VISIBLE_DEVICES is CUDA's own variable, read here as CUDA would read it (not a
+setting; `server.engine.gpu_memory` reads it the same way for its labels).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+NVIDIA_SMI_TIMEOUT_S = 20.0
+_GPU_LINE = re.compile(r"^GPU (\d+):")
+_MIG_LINE = re.compile(r"^\s+MIG .*\(UUID: (MIG-[^)\s]+)\)")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One engine process: its index and the environment it starts with beyond ours."""
+
+    index: int
+    env: Mapping[str, str]  # CUDA_VISIBLE_DEVICES (and the order) when it has a GPU
+
+    @property
+    def role(self) -> str:
+        return f"engine-{self.index}"
+
+
+def parse_visible(value: str) -> list[str]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: entries up to the first invalid one ("-1"
+    or empty hides every GPU)."""
+    devices = []
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        devices.append(entry)
+    return devices
+
+
+def parse_nvidia_smi(listing: str) -> list[str]:
+    """`nvidia-smi -L` -> device names for CUDA_VISIBLE_DEVICES: a GPU's index, or the
+    UUIDs of its MIG instances when it is split."""
+    devices: list[str] = []
+    gpu: str | None = None
+    migs: list[str] = []
+    for line in listing.splitlines():
+        if match := _GPU_LINE.match(line):
+            if gpu is not None:
+                devices += migs or [gpu]
+            gpu, migs = match.group(1), []
+        elif (match := _MIG_LINE.match(line)) and gpu is not None:
+            migs.append(match.group(1))
+    if gpu is not None:
+        devices += migs or [gpu]
+    return devices
+
+
+def visible_gpus(environ: Mapping[str, str]) -> list[str]:
+    """The GPUs this process's children may use, as CUDA_VISIBLE_DEVICES entries."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return parse_visible(environ["CUDA_VISIBLE_DEVICES"])
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []  # no driver tools: no GPU
+    if done.returncode != 0:
+        log.warning("nvidia-smi -L failed (%s): counting no GPU", done.stderr.strip()[:200])
+        return []
+    return parse_nvidia_smi(done.stdout)
+
+
+def plan_engines(settings: Settings, environ: Mapping[str, str]) -> list[EnginePlan]:
+    """How many engines, each with its GPU: `SERVE_ENGINES`, or one per visible GPU.
+
+    On the CPU (`SERVE_DEVICE=cpu`, or no GPU) nothing is pinned and any number may run
+    (tests); more engines than GPUs share them round robin."""
+    gpus = [] if settings.device == "cpu" else visible_gpus(environ)
+    count = settings.engines if settings.engines != "auto" else max(1, len(gpus))
+    if not gpus:
+        return [EnginePlan(index, {}) for index in range(count)]
+    order = {}
+    if "CUDA_VISIBLE_DEVICES" not in environ:
+        # nvidia-smi numbers GPUs by PCI bus; CUDA's default order may differ
+        order = {"CUDA_DEVICE_ORDER": environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
+    if count > len(gpus):
+        log.warning("%d engines on %d GPUs: some GPUs serve two or more", count, len(gpus))
+    return [
+        EnginePlan(index, {**order, "CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]})
+        for index in range(count)
+    ]

@@ -1,0 +1,136 @@
+"""How frontends pick an engine, and how the supervisor gives engines their GPUs.
+
+Pure functions, no server: the rendezvous hash (stable, balanced, minimal movement), the
+least-loaded choice for calls without an image, the service's status combined from each
+engine's, and the GPU plan from CUDA_VISIBLE_DEVICES or `nvidia-smi -L` text. The real
+processes are in tests/server/test_engines.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import pytest
+
+from server.gpus import parse_nvidia_smi, parse_visible, plan_engines
+from server.http.engine_client import EngineClient, combined_status, rendezvous_hash
+from server.messages import Status
+from server.settings import Settings
+
+IDS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(10_000)]
+
+
+def test_an_image_s_home_is_fixed_for_every_process_and_release():
+    """Pinned: a frontend of another process, or of the next release, must agree, or
+    clicks after a rolling restart would miss every embedding."""
+    homes = [rendezvous_hash(image_id, range(4)) for image_id in IDS[:12]]
+    assert homes == [1, 2, 0, 3, 1, 1, 1, 0, 2, 2, 3, 2]
+    assert [rendezvous_hash(image_id, range(2)) for image_id in IDS[:12]] == [
+        1, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1,
+    ]  # fmt: skip
+    assert rendezvous_hash(IDS[0], range(1)) == 0
+    with pytest.raises(ValueError):
+        rendezvous_hash(IDS[0], [])
+
+
+@pytest.mark.parametrize("engines", [2, 4])
+def test_the_hash_spreads_images_evenly(engines):
+    counts = Counter(rendezvous_hash(image_id, range(engines)) for image_id in IDS)
+    fair = len(IDS) / engines
+    assert sorted(counts) == list(range(engines))
+    for engine, count in counts.items():
+        assert abs(count - fair) <= 0.1 * fair, (engine, counts)
+
+
+@pytest.mark.parametrize("engines", [2, 3, 4, 5])
+def test_removing_an_engine_moves_only_its_own_images(engines):
+    before = [rendezvous_hash(image_id, range(engines)) for image_id in IDS]
+    for gone in range(engines):
+        rest = [e for e in range(engines) if e != gone]
+        after = [rendezvous_hash(image_id, rest) for image_id in IDS]
+        moved = [old for old, new in zip(before, after, strict=True) if old != new]
+        assert moved and set(moved) == {gone}
+        assert len(moved) == before.count(gone)
+        # and the gone engine's images spread over the others, not onto one
+        spread = Counter(
+            new for old, new in zip(before, after, strict=True) if old == gone
+        )  # fmt: skip
+        assert len(spread) == engines - 1
+
+
+def test_calls_without_an_image_go_to_the_least_loaded_engine_in_turn():
+    client = EngineClient(["ipc:///nowhere/0.sock", "ipc:///nowhere/1.sock"], None)
+    first, second = client.engines
+    assert [client.engine_for(None).index for _ in range(4)] == [0, 1, 0, 1]  # ties: turns
+    first.in_flight = 2
+    assert {client.engine_for(None).index for _ in range(4)} == {1}
+    second.in_flight = 3
+    assert {client.engine_for(None).index for _ in range(4)} == {0}
+    # a call about an image ignores load: its embedding lives at home
+    assert client.engine_for(IDS[0]).index == rendezvous_hash(IDS[0], range(2))
+
+
+def test_one_engine_takes_every_call():
+    client = EngineClient("ipc:///nowhere/0.sock", None)
+    assert {client.engine_for(i).index for i in [*IDS[:20], None]} == {0}
+
+
+def _status(ready: bool, step: int = 5, failure: str | None = None, stuck: str | None = None):
+    progress = {"step": step, "of": 5, "doing": f"step {step}", "seconds": 1.0}
+    return Status(ready, failure, stuck, progress, (), sam_image_size=256, pid=step)
+
+
+def test_the_service_is_ready_only_when_every_engine_is():
+    assert combined_status([None, None]) is None
+    assert not combined_status([_status(True), None]).ready  # one has not answered
+    behind = combined_status([_status(True), _status(False, step=2)])
+    assert not behind.ready
+    assert behind.progress["step"] == 2  # the engine furthest behind
+    assert behind.sam_image_size == 256
+    assert combined_status([_status(True), _status(True)]).ready
+    broken = combined_status([_status(True), _status(False, failure="start-up failed: X")])
+    assert broken.failure == "engine-1: start-up failed: X"
+    stuck = combined_status([_status(True, stuck="swin (130s)"), _status(True)])
+    assert stuck.stuck == "engine-0: swin (130s)"
+    assert combined_status([_status(False, failure="F")]).failure == "F"  # one engine: as is
+
+
+NVIDIA_SMI = """\
+GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0d5d2e7b-1111-2222-3333-444455556666)
+GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-5b1c0e2a-1111-2222-3333-444455556666)
+  MIG 3g.20gb     Device  0: (UUID: MIG-9a8b7c6d-1111-2222-3333-444455556666)
+  MIG 3g.20gb     Device  1: (UUID: MIG-1f2e3d4c-1111-2222-3333-444455556666)
+GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-77aa88bb-1111-2222-3333-444455556666)
+"""
+
+
+def test_gpus_are_counted_as_cuda_will_see_them():
+    assert parse_visible("0,1") == ["0", "1"]
+    assert parse_visible(" 2, 5 ") == ["2", "5"]
+    assert parse_visible("") == [] and parse_visible("-1") == []
+    assert parse_visible("3,-1,4") == ["3"]  # CUDA stops at the first invalid entry
+    assert parse_nvidia_smi(NVIDIA_SMI) == [
+        "0",
+        "MIG-9a8b7c6d-1111-2222-3333-444455556666",
+        "MIG-1f2e3d4c-1111-2222-3333-444455556666",
+        "2",
+    ]
+    assert parse_nvidia_smi("") == []
+
+
+def test_each_engine_gets_its_own_gpu():
+    auto = Settings(device="auto")
+    plans = plan_engines(auto, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert [(p.role, dict(p.env)) for p in plans] == [
+        ("engine-0", {"CUDA_VISIBLE_DEVICES": "2"}),
+        ("engine-1", {"CUDA_VISIBLE_DEVICES": "3"}),
+    ]
+    three = plan_engines(Settings(device="cuda", engines=3), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in three] == ["2", "3", "2"]  # shared in turn
+    one = plan_engines(Settings(device="cuda", engines=1), {"CUDA_VISIBLE_DEVICES": "1,2"})
+    assert [dict(p.env) for p in one] == [{"CUDA_VISIBLE_DEVICES": "1"}]
+    # no GPU: one engine, nothing pinned; on the CPU any number, nothing pinned
+    assert [dict(p.env) for p in plan_engines(auto, {"CUDA_VISIBLE_DEVICES": ""})] == [{}]
+    cpu = plan_engines(Settings(device="cpu", engines=2), {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert [dict(p.env) for p in cpu] == [{}, {}]

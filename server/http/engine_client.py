@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from server import tracing
 from server.domain import (
     ClassifyResult,
     EmbedResult,
@@ -151,6 +152,7 @@ class EngineClient:
     async def _call(self, call: object, deadline: float | None) -> Reply:
         assert self._socket is not None, "start() the client first"
         call_id = next(self._ids)
+        call = tracing.stamp(call)  # the current span's traceparent, when tracing is on
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = future
         await self._socket.send_multipart([call_id_bytes(call_id), *dump(call)], copy=False)

@@ -16,10 +16,10 @@ The provider is this module's, never OpenTelemetry's global one: FastAPI 0.142+ 
 its own server spans from a configured global provider, which would double ours.
 
 Spans of a request (docs/OBSERVABILITY.md): the frontend's server span `POST /v1/segment`
-(a child of the client's W3C `traceparent` when one came); under it `image.decode`,
-`engine.call` (the call's `traceparent` goes to the engine, whose `engine.segment` span is
-its child) with `engine.encode`, `engine.decode`, ... laid out from the engine's
-`timing_ms`, and `mask.encode`.
+(a child of the client's W3C `traceparent` when one came); under it `image.decode`, the
+client span `engine/segment` (the call's `traceparent` goes to the engine, whose server
+span `engine/segment` is its child) with `engine.encode`, `engine.decode`, ... laid out
+from the engine's `timing_ms`, and `mask.encode`.
 """
 
 from __future__ import annotations
@@ -198,12 +198,20 @@ def span(name: str, **attributes: Any) -> AbstractContextManager[Span | _NullSpa
     return _started(name, attributes, kind="internal")
 
 
+def _rpc(call: str) -> tuple[str, dict[str, Any]]:
+    """An engine call's span name and attributes, by OpenTelemetry's RPC convention
+    (`service/method`, the same on the client and the server side): `engine/segment`. Not
+    `engine.segment`: the engine's phases are `engine.<phase>`, and one is `classify`."""
+    return f"engine/{call}", {"rpc.system": "zmq", "rpc.service": "engine", "rpc.method": call}
+
+
 def engine_call(call: str) -> AbstractContextManager[Span | _NullSpan]:
-    """The frontend's client span around one engine call (`engine.call`, `rpc.method`):
-    `stamp` gives its context to the call, `engine_timing` lays the engine's phases in it."""
+    """The frontend's client span around one engine call (`engine/segment`): `stamp` gives
+    its context to the call, `engine_timing` lays the engine's phases in it."""
     if _tracer is None:
         return _NULL
-    return _started("engine.call", {"rpc.system": "zmq", "rpc.method": call}, kind="client")
+    name, attributes = _rpc(call)
+    return _started(name, attributes, kind="client")
 
 
 def _current_is_valid() -> bool:
@@ -270,8 +278,8 @@ def stamp(call: T) -> T:
 
 
 def engine_span(call: object) -> AbstractContextManager[Span | _NullSpan]:
-    """In the engine: the span of one call (`engine.segment`), a child of the frontend's
-    `engine.call` by the call's `traceparent`; calls without one are not traced."""
+    """In the engine: the server span of one call (`engine/segment`), a child of the
+    frontend's client span by the call's `traceparent`; calls without one are not traced."""
     traceparent = getattr(call, "traceparent", None)
     if _tracer is None or not traceparent:
         return _NULL
@@ -279,5 +287,5 @@ def engine_span(call: object) -> AbstractContextManager[Span | _NullSpan]:
 
     parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
     kind = type(call).__name__.removesuffix("Call")  # EmbeddingNpyCall: embedding_npy
-    name = "engine." + re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower()
-    return _started(name, {"rpc.system": "zmq"}, kind="server", parent=parent)
+    name, attributes = _rpc(re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower())
+    return _started(name, attributes, kind="server", parent=parent)

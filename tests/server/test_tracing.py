@@ -83,24 +83,36 @@ def spans_of(exporter: InMemorySpanExporter, trace_id: str, names: set[str]) -> 
         spans = [
             s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id
         ]
-        if names <= {s.name for s in spans} or time.monotonic() > deadline:
+        if names <= {label(s) for s in spans} or time.monotonic() > deadline:
             return spans
         time.sleep(0.02)
 
 
+def label(span: Any) -> str:
+    """A span's name, with its kind for the engine calls: `engine/segment` is the name of
+    both the frontend's client span and the engine's server span (the RPC convention)."""
+    if not span.name.startswith("engine/"):
+        return str(span.name)
+    kind = span.kind if isinstance(span.kind, SpanKind) else PROTO_KINDS[span.kind]
+    return f"{span.name}:{kind.name.lower()}"
+
+
+PROTO_KINDS = {2: SpanKind.SERVER, 3: SpanKind.CLIENT}  # OTLP's SPAN_KIND_* numbers
+
+
 def one(spans: list[ReadableSpan], name: str) -> ReadableSpan:
-    found = [s for s in spans if s.name == name]
-    assert len(found) == 1, (name, [s.name for s in spans])
+    found = [s for s in spans if label(s) == name]
+    assert len(found) == 1, (name, [label(s) for s in spans])
     return found[0]
 
 
 def children(spans: list[ReadableSpan], parent: ReadableSpan) -> set[str]:
-    return {
-        s.name for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id
-    }
+    parent_id = parent.context.span_id
+    return {label(s) for s in spans if s.parent is not None and s.parent.span_id == parent_id}
 
 
-ALL = {"POST /v1/segment", "image.decode", "engine.call", "engine.segment", "mask.encode"}
+CLIENT, SERVER = "engine/segment:client", "engine/segment:server"
+ALL = {"POST /v1/segment", "image.decode", CLIENT, SERVER, "mask.encode"}
 
 
 def test_segment_continues_the_clients_trace(traced, jpeg_bytes):
@@ -124,13 +136,14 @@ def test_segment_continues_the_clients_trace(traced, jpeg_bytes):
     # the answer names the span, so a client can find it (W3C traceresponse)
     assert response.headers["traceresponse"] == f"00-{trace_id}-{root.context.span_id:016x}-01"
 
-    assert children(spans, root) == {"image.decode", "engine.call", "mask.encode"}
-    call = one(spans, "engine.call")
+    assert children(spans, root) == {"image.decode", CLIENT, "mask.encode"}
+    call = one(spans, CLIENT)
     assert call.kind == SpanKind.CLIENT
     assert dict(call.attributes or {})["rpc.method"] == "segment"
+    assert dict(call.attributes or {})["rpc.service"] == "engine"
     # the engine's span came through the call's traceparent (it crossed the zmq socket)
-    assert children(spans, call) == {"engine.segment", "engine.encode", "engine.decode"}
-    served = one(spans, "engine.segment")
+    assert children(spans, call) == {SERVER, "engine.encode", "engine.decode"}
+    served = one(spans, SERVER)
     assert served.kind == SpanKind.SERVER and served.parent is not None
     assert served.parent.is_remote
     # the engine's own phases, placed from its timing_ms inside the call, in order
@@ -155,7 +168,7 @@ def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes):
     spans = spans_of(exporter, trace_id, ALL)
     root = one(spans, "POST /v1/segment")
     assert root.parent is None and f"{root.context.span_id:016x}" == span_id
-    assert {s.name for s in spans} >= ALL  # the engine's span joined the new trace
+    assert {label(s) for s in spans} >= ALL  # the engine's span joined the new trace
 
 
 def test_refusals_are_traced_and_probes_are_not(traced, jpeg_bytes):
@@ -328,7 +341,7 @@ def test_python_m_server_exports_over_otlp(tmp_path, jpeg_bytes):
                 received = [
                     (res, s) for res, s in collector.spans() if s.trace_id.hex() == trace_id
                 ]
-                names = {s.name for _, s in received}
+                names = {label(s) for _, s in received}
                 if names >= ALL or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -337,11 +350,11 @@ def test_python_m_server_exports_over_otlp(tmp_path, jpeg_bytes):
             proc.wait(timeout=120)
             collector.close()
     assert names >= ALL, (names, collector.paths, log_path.read_text()[-3000:])
-    by_name = {s.name: (res, s) for res, s in received}
+    by_name = {label(s): (res, s) for res, s in received}
     frontend, root = by_name["POST /v1/segment"]
-    engine, served = by_name["engine.segment"]
+    engine, served = by_name[SERVER]
     assert root.parent_span_id.hex() == parent_id
-    assert served.parent_span_id == by_name["engine.call"][1].span_id  # across processes
+    assert served.parent_span_id == by_name[CLIENT][1].span_id  # across processes
     assert frontend["service.name"] == engine["service.name"] == "segment-test"
     assert (frontend["serve.role"], engine["serve.role"]) == ("frontend", "engine")
     assert frontend["serve.process"] == "frontend-0"

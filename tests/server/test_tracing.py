@@ -9,6 +9,7 @@ against a local OTLP receiver, as a collector would see it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -158,8 +159,9 @@ def test_segment_continues_the_clients_trace(traced, jpeg_bytes):
     assert encode.end_time == decode.start_time
 
 
-def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes):
+def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes, caplog):
     server, exporter = traced
+    caplog.set_level(logging.INFO, logger="server.access")
     response = segment(server.url, jpeg_bytes)
     assert response.status_code == 200, response.text
     version, trace_id, span_id, flags = response.headers["traceresponse"].split("-")
@@ -169,6 +171,10 @@ def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes):
     root = one(spans, "POST /v1/segment")
     assert root.parent is None and f"{root.context.span_id:016x}" == span_id
     assert {label(s) for s in spans} >= ALL  # the engine's span joined the new trace
+    # the access log line leads to the trace
+    lines = [r for r in caplog.records if r.name == "server.access"]
+    request_id = response.headers["x-request-id"]
+    assert [getattr(r, "trace_id", None) for r in lines if r.request_id == request_id] == [trace_id]
 
 
 def test_refusals_are_traced_and_probes_are_not(traced, jpeg_bytes):

@@ -171,10 +171,19 @@ def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes, caplog):
     root = one(spans, "POST /v1/segment")
     assert root.parent is None and f"{root.context.span_id:016x}" == span_id
     assert {label(s) for s in spans} >= ALL  # the engine's span joined the new trace
-    # the access log line leads to the trace
-    lines = [r for r in caplog.records if r.name == "server.access"]
+    # the access log line (written just after the span ends) leads to the trace
     request_id = response.headers["x-request-id"]
-    assert [getattr(r, "trace_id", None) for r in lines if r.request_id == request_id] == [trace_id]
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [
+            r
+            for r in caplog.records
+            if r.name == "server.access" and getattr(r, "request_id", None) == request_id
+        ]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert [getattr(r, "trace_id", None) for r in lines] == [trace_id]
 
 
 def test_refusals_are_traced_and_probes_are_not(traced, jpeg_bytes):

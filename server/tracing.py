@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "sam-swin-serve"
 TRACER_NAME = "server"
+# At exit each process waits this long at most for its last spans to be exported (the
+# frontends, then the engine: twice this is within the shutdown's spare time).
+FLUSH_AT_EXIT_S = 2.0
 
 T = TypeVar("T")
 
@@ -84,9 +88,13 @@ def setup(process: str, environ: Mapping[str, str] | None = None) -> bool:
         }
     )
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # the endpoint as the exporter would derive it, from the `environ` that decided
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (
+        environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     enable(provider)
-    log.info("tracing on: spans exported over OTLP/HTTP")
+    log.info("tracing on: spans exported to %s", endpoint)
     return True
 
 
@@ -98,12 +106,20 @@ def enable(provider: Any) -> None:
     _tracer = provider.get_tracer(TRACER_NAME)
 
 
-def shutdown() -> None:
-    """Flush what is batched and stop (a process's last step: spans are not lost at exit)."""
+def shutdown(timeout_s: float = FLUSH_AT_EXIT_S) -> None:
+    """Export what is batched and stop: a process's last step, so its last spans are not
+    lost. Bounded: with the collector unreachable the exporter retries for up to its
+    timeout (10 s), which the pod's shutdown budget (docs/DEPLOYMENT.md) cannot spare."""
     global _tracer, _provider
     provider, _tracer, _provider = _provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    flush = threading.Thread(target=provider.shutdown, name="trace-flush", daemon=True)
+    flush.start()
+    flush.join(timeout_s)
+    if flush.is_alive():
+        log.warning("the last spans were not exported within %.0f s (is the OTLP collector "
+                    "reachable?); exiting without them", timeout_s)  # fmt: skip
 
 
 def enabled() -> bool:
@@ -163,7 +179,11 @@ class Span:
         placed, not recorded: `serve.derived` says so."""
         from opentelemetry import trace
 
-        phases = [(k, float(v)) for k, v in timing_ms.items() if isinstance(v, int | float)]
+        phases = [
+            (k, float(v))
+            for k, v in timing_ms.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        ]
         end = time.time_ns()
         start = end - int(sum(ms for _, ms in phases) * 1e6)
         parent = trace.set_span_in_context(self.span)

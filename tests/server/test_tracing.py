@@ -276,6 +276,22 @@ def test_wanted_reads_the_standard_variables():
     )
 
 
+def test_exit_waits_boundedly_for_an_unreachable_collector(caplog):
+    """A process's last flush cannot hold its exit (and the pod's shutdown) for the
+    exporter's retries: nothing listens at the endpoint, the flush gives up in time."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    assert tracing.setup("engine", {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    try:
+        with tracing.server_span("GET /x", {}, {}):
+            pass
+    finally:
+        started = time.monotonic()
+        tracing.shutdown(timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+    assert not tracing.enabled()
+    assert "the last spans were not exported" in caplog.text
+
+
 # -- OTLP from the real processes -------------------------------------------------------
 
 

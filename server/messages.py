@@ -49,30 +49,38 @@ class ImageMsg:
 
 
 @dataclass(frozen=True)
+class Traced:
+    """A call that may continue a request's trace: the W3C `traceparent` of the frontend's
+    span (`server.tracing.stamp`); None while tracing is off."""
+
+    traceparent: str | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True)
 class StatusCall:
     """Readiness, progress and what is loaded; every frontend asks a few times a second."""
 
 
 @dataclass(frozen=True)
-class LookupCall:
+class LookupCall(Traced):
     """Is this image's embedding cached? (`/v1/embed` with only an id)."""
 
     image_id: str
 
 
 @dataclass(frozen=True)
-class EmbedCall:
+class EmbedCall(Traced):
     image: ImageMsg
     deadline: float | None
 
 
 @dataclass(frozen=True)
-class SegmentCall:
+class SegmentCall(Traced):
     request: SegmentRequest  # its `image`, when sent, is an ImageMsg
 
 
 @dataclass(frozen=True)
-class EverythingCall:
+class EverythingCall(Traced):
     image: ImageMsg | None
     image_id: str | None
     fields: dict[str, float | int]
@@ -81,14 +89,14 @@ class EverythingCall:
 
 
 @dataclass(frozen=True)
-class ClassifyCall:
+class ClassifyCall(Traced):
     image: ImageMsg
     top_k: int
     deadline: float | None
 
 
 @dataclass(frozen=True)
-class EmbeddingNpyCall:
+class EmbeddingNpyCall(Traced):
     image_id: str
 
 

@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from models.sam import SAM_CONFIGS
 from models.swin import SWIN_CONFIGS
+from server import tracing
 from server.domain import Image
 from server.engine.fidelity import FidelityError
 from server.engine.pixels import PixelMaps
@@ -237,7 +238,8 @@ class EngineServer:
 
     async def _serve(self, owner: bytes, call_id: int, call: object) -> None:
         try:
-            reply = Reply(await self._dispatch(owner, call))
+            with tracing.engine_span(call):  # a child of the frontend's span, when traced
+                reply = Reply(await self._dispatch(owner, call))
         except ServiceError as exc:
             reply = Reply(failure=Failure.of(exc))
         except asyncio.CancelledError:
@@ -316,6 +318,7 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     from server.logs import configure_logging
 
     configure_logging(settings.log_level, role)
+    tracing.setup(role)
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
     server = EngineServer(settings, address, Metrics(role))
@@ -335,5 +338,8 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
         finally:
             watcher.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        tracing.shutdown()  # export what is batched before the process ends
     raise SystemExit(1 if server.failure is not None else 0)

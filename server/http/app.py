@@ -40,6 +40,7 @@ from server.http.routes import router
 from server.http.state import ServeState, serve_state
 from server.metrics import Metrics
 from server.settings import Settings
+from server.tracing import enabled as tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,10 @@ def build_app(
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
         )
+    if tracing_enabled():  # server.tracing: on by OTEL_EXPORTER_OTLP_ENDPOINT, else absent
+        from server.http.trace_middleware import TraceMiddleware
+
+        app.add_middleware(TraceMiddleware)  # inside ObserveMiddleware: it names the route
     leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(
         ObserveMiddleware,

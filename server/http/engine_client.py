@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from server import tracing
 from server.domain import (
     ClassifyResult,
     EmbedResult,
@@ -250,6 +251,7 @@ class EngineClient:
     async def _call(self, call: object, deadline: float | None, link: EngineLink) -> Reply:
         assert link.socket is not None, "start() the client first"
         call_id = next(self._ids)
+        call = tracing.stamp(call)  # the current span's traceparent, when tracing is on
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         link.waiting[call_id] = future
         await link.socket.send_multipart([call_id_bytes(call_id), *dump(call)], copy=False)

@@ -96,7 +96,7 @@ class ObserveMiddleware:
             return
         request_id = (_header(scope, b"x-request-id") or uuid.uuid4().hex)[:128]
         scope.setdefault("state", {})["request_id"] = request_id
-        route = self._route(scope)
+        route = scope["state"]["route"] = self._route(scope)  # TraceMiddleware names by it
         status = 500
         started = time.perf_counter()
 
@@ -142,9 +142,13 @@ class ObserveMiddleware:
 
 
 def _phases(scope: Scope) -> dict[str, Any]:
-    """The route's own timings (`request.state.timing_ms`), for the access log line."""
-    timing = scope.get("state", {}).get("timing_ms")
-    return {"timing_ms": timing} if timing else {}
+    """The route's own timings (`request.state.timing_ms`) and, when traced, the trace id
+    (the log line's way to its trace), for the access log line."""
+    state = scope.get("state", {})
+    extra = {"timing_ms": state["timing_ms"]} if state.get("timing_ms") else {}
+    if "trace_id" in state:
+        extra["trace_id"] = state["trace_id"]
+    return extra
 
 
 class BodyLimitMiddleware:

@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from server import tracing
 from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
 from server.http import imaging
@@ -125,7 +126,8 @@ async def _load_image(
 
     future = asyncio.get_running_loop().run_in_executor(state.decode_pool, work)
     try:
-        image = await asyncio.shield(future)
+        with tracing.span("image.decode"):
+            image = await asyncio.shield(future)
     except asyncio.CancelledError:  # the decode goes on; its pixels go back when it ends
         future.add_done_callback(
             lambda f: None if f.cancelled() or f.exception() else _release(state, f.result())
@@ -233,14 +235,17 @@ async def segment(request: Request) -> Response:
         output=fields.output,
     )
     try:
-        result = await watch_disconnect(request.receive, engine.segment(seg))
+        with tracing.engine_call("segment") as call:
+            result = await watch_disconnect(request.receive, engine.segment(seg))
+            call.engine_timing(result.timing_ms)
     finally:
         _release(state, image)
     computed_at = time.perf_counter()
     timing = {"parse_and_decode": round((parsed_at - started) * 1000, 3), **result.timing_ms}
-    body = await state.in_thread(
-        _segment_body, result, fields.output, engine.model_brief("sam"), timing
-    )
+    with tracing.span("mask.encode"):
+        body = await state.in_thread(
+            _segment_body, result, fields.output, engine.model_brief("sam"), timing
+        )
     done = time.perf_counter()
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
     body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
@@ -275,11 +280,14 @@ async def segment_everything(request: Request) -> Response:
         image, parsed.image_id, fields.generator_fields(), fields.output, deadline
     )
     try:
-        image_id, width, height, masks, timing = await watch_disconnect(request.receive, work)
+        with tracing.engine_call("everything") as call:
+            image_id, width, height, masks, timing = await watch_disconnect(request.receive, work)
+            call.engine_timing(timing)
     finally:
         _release(state, image)
     computed_at = time.perf_counter()
-    objects = await state.in_thread(_everything_body, masks, fields.output)
+    with tracing.span("mask.encode"):
+        objects = await state.in_thread(_everything_body, masks, fields.output)
     done = time.perf_counter()
     state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
     timing_ms = {
@@ -313,10 +321,13 @@ async def embed(request: Request) -> Response:
     image = await _load_image(state, parsed, "sam")
     if image is None:
         assert parsed.image_id is not None
-        result = await engine.lookup(parsed.image_id)
+        with tracing.engine_call("lookup"):
+            result = await engine.lookup(parsed.image_id)
     else:
         try:
-            result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+            with tracing.engine_call("embed") as call:
+                result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+                call.engine_timing(result.timing_ms)
         finally:
             _release(state, image)
     _record_timing(request, state, result.timing_ms)
@@ -370,9 +381,11 @@ async def classify(request: Request) -> Response:
     image = await _load_image(state, parsed, "swin")
     assert image is not None
     try:
-        result = await watch_disconnect(
-            request.receive, engine.classify(image, parsed.fields.top_k, deadline)
-        )
+        with tracing.engine_call("classify") as call:
+            result = await watch_disconnect(
+                request.receive, engine.classify(image, parsed.fields.top_k, deadline)
+            )
+            call.engine_timing(result.timing_ms)
     finally:
         _release(state, image)
     timing_ms = {**result.timing_ms, "total": round((time.perf_counter() - started) * 1000, 3)}

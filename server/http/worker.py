@@ -17,6 +17,7 @@ from types import FrameType
 
 import uvicorn
 
+from server import tracing
 from server.http.app import build_app, drain
 from server.http.state import ServeState, serve_state
 from server.logs import configure_logging
@@ -62,6 +63,7 @@ def frontend_main(
     """A frontend process's entry point (spawned by the supervisor); it talks to every
     engine (`server.http.engine_client` picks one per call)."""
     configure_logging(settings.log_level, role)
+    tracing.setup(role)  # before build_app, which adds the tracing middleware when on
     app = build_app(settings, Metrics(role), engine_address=engine_addresses, role=role)
     state = serve_state(app.state)
     config = uvicorn.Config(
@@ -71,4 +73,7 @@ def frontend_main(
     # After a second signal uvicorn restores the handler it found and raises the signal
     # again once it has shut down; with this no-op handler found, that ends in status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        tracing.shutdown()  # export what is batched before the process ends

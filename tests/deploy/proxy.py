@@ -35,6 +35,9 @@ REPLICA_ENV = {
     # would make each click wait for the others' spinning
     "OMP_NUM_THREADS": "1",
 }
+# The key nginx hashes: what k8s/overlays/ingress-nginx gives `upstream-hash-by` (a test
+# there holds the two together).
+HASH_BY = "$http_x_image_id"
 # method uri status x-image-id upstream request_time (s): one line per request
 LOG_FORMAT = "$request_method $uri $status $http_x_image_id $upstream_addr $request_time"
 
@@ -120,8 +123,8 @@ http {{
     scgi_temp_path {p}/scgi;
     client_max_body_size 8m;
     upstream sam_swin_serve {{
-        # what ingress-nginx writes for upstream-hash-by: "$http_x_image_id"
-        hash $http_x_image_id consistent;
+        # what ingress-nginx writes for upstream-hash-by, consistent hashing (ketama)
+        hash {HASH_BY} consistent;
 {servers}
         keepalive 32;
     }}

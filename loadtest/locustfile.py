@@ -14,9 +14,9 @@ pycocotools to the image's size and its pixel count equals `area`, predictions s
 A 429 (queue full) is not a failure: it is counted in its own row (`... [429]`).
 
 Every request names its photo in an `X-Image-Id` header (the SHA-256 of the bytes), as the
-service's clients do: through a proxy that hashes it (docs/DEPLOYMENT.md, "Affinity") each
-annotator's clicks reach the replica that embedded its photo, and a click answered 404
-`unknown_image_id` is a failure, which is how a run shows routing that does not hold.
+service's clients do: through a proxy that hashes it (docs/DEPLOYMENT.md, "Affinity between
+pods") each annotator's clicks reach the replica that embedded its photo, and a click
+answered 404 `unknown_image_id` is a failure, which is how a run shows routing that fails.
 
 Requests go through Locust's own HTTP session (its statistics and the 429 rows need it),
 not `server.client`; the checks use the client's reading of a mask object

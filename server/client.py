@@ -13,7 +13,7 @@ plans with `httpx.Client` and `time.sleep`, `AsyncClient` with `httpx.AsyncClien
 `Retry-After`) and the fallback on 404 `unknown_image_id` (the image is sent again, once,
 when this client still has its bytes) are the same code for both. Every request on an image
 names it in an `X-Image-Id` header, which a proxy can hash to send all of them to the
-replica that holds its embedding (docs/DEPLOYMENT.md, "Affinity").
+replica that holds its embedding (docs/DEPLOYMENT.md, "Affinity between pods").
 
 Imports only httpx, numpy and pycocotools: a client installs and starts without torch.
 """

@@ -43,6 +43,9 @@ from server.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# what a page of another origin may send: X-Image-Id is what proxies route by
+_CORS_HEADERS = ["Authorization", "X-API-Key", "Content-Type", "X-Request-ID", "X-Image-Id"]
+
 _REASONS = {
     401: "unauthorized",
     429: "queue_full",
@@ -215,7 +218,7 @@ def build_app(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
+            allow_headers=_CORS_HEADERS,
         )
     leaf_routes = [*router.routes, *page.router.routes, *app.router.routes]  # + docs
     app.add_middleware(

@@ -10,11 +10,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.server.conftest import encode, photo_like
+from tests.server.conftest import LiveServer, encode, photo_like
 
 CLICK = {"point_coords": [[40, 30]], "point_labels": [1]}
 
@@ -144,3 +145,21 @@ def test_the_openapi_documents_the_header(client: httpx.Client) -> None:
         assert header["in"] == "header" and header["required"] is False
         assert header["schema"]["pattern"] == "^[0-9a-f]{64}$"
         assert "image_id_mismatch" in header["description"]
+
+
+def test_a_page_of_another_origin_may_send_the_header(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    """With CORS on, the browser's preflight for X-Image-Id is allowed."""
+    server = make_server(cors_origins=["https://annotate.example"])
+    preflight = httpx.options(
+        server.url + "/v1/segment",
+        headers={
+            "Origin": "https://annotate.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,x-image-id",
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    allowed = preflight.headers["access-control-allow-headers"].lower()
+    assert "x-image-id" in allowed

@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 N_IMAGES = 200
 CLICK = [(20.0, 30.0)]
-CLIENTS = 4  # concurrent requests: the replicas batch them, and the test takes half as long
+CLIENTS = 4  # requests at once, as several annotators send them
 
 
 def each(fn: Callable[[T], object], items: Iterable[T]) -> None:

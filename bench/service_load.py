@@ -8,6 +8,7 @@ service's own /metrics), so batching settings can be compared run against run.
 `--spawn` starts `python -m server` itself once per (max_batch_size, delay) pair given with
 `--grid`, e.g. `--grid 1:0 8:2 16:5 32:5`, and prints one row per pair.
 
+Every request names its image in X-Image-Id (its SHA-256), as the service's clients do.
 The set-up (embedding the photos before a click run) goes through `server.client`. The
 timed requests do not: the client decodes every mask into a numpy array and retries 429s,
 and a load generator on the same host must neither spend its CPU on decoding (a random-weight
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing
 import os
@@ -98,7 +100,7 @@ async def click_loop(http, rng, images, ids, points: int, stop_at, latencies, se
                 "multimask_output": True}  # fmt: skip
         started = time.perf_counter()
         try:
-            r = await http.post("/v1/segment", json=body)
+            r = await http.post("/v1/segment", json=body, headers={"X-Image-Id": ids[k]})
         except httpx.HTTPError as exc:
             failures.append(repr(exc))
             continue
@@ -139,7 +141,10 @@ async def run_load(spec: LoadSpec, seed: int = 0):
             fields = {"box": box} if route == "/v1/segment" else {"top_k": 5}
             started = time.perf_counter()
             try:
-                r = await http.post(route, files=files, data={"request": json.dumps(fields)})
+                r = await http.post(
+                    route, files=files, data={"request": json.dumps(fields)},
+                    headers={"X-Image-Id": hashlib.sha256(data).hexdigest()},
+                )  # fmt: skip
                 ok = r.status_code == 200
                 if ok and route == "/v1/segment":
                     ok = r.json()["results"][0]["masks"][0]["segmentation"]["size"] == [h, w]

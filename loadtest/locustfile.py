@@ -13,6 +13,11 @@ sizes match the photo, one result per box, masks sorted by score, every RLE deco
 pycocotools to the image's size and its pixel count equals `area`, predictions sorted.
 A 429 (queue full) is not a failure: it is counted in its own row (`... [429]`).
 
+Every request names its photo in an `X-Image-Id` header (the SHA-256 of the bytes), as the
+service's clients do: through a proxy that hashes it (docs/DEPLOYMENT.md, "Affinity between
+pods") each annotator's clicks reach the replica that embedded its photo, and a click
+answered 404 `unknown_image_id` is a failure, which is how a run shows routing that fails.
+
 Requests go through Locust's own HTTP session (its statistics and the 429 rows need it),
 not `server.client`; the checks use the client's reading of a mask object
 (`server.client.Mask`, pycocotools underneath) and its `image_id_of`, so the load test and
@@ -204,6 +209,10 @@ class ServiceUser(HttpUser):
     def image_part(self, photo: Photo) -> dict[str, tuple[str, bytes, str]]:
         return {"image": (photo.name, photo.data, "image/jpeg")}
 
+    def image_header(self, photo: Photo) -> dict[str, str]:
+        """What a proxy routes by: the photo's image_id."""
+        return {"X-Image-Id": photo.sha256}
+
 
 class AnnotatorUser(ServiceUser):
     """A person annotating: embed once, then 3-8 clicks, each with every point so far."""
@@ -219,6 +228,7 @@ class AnnotatorUser(ServiceUser):
             "/v1/embed",
             partial(check_embed, photo=photo),
             files=self.image_part(photo),
+            headers=self.image_header(photo),
         )
         if embedded is None:
             return
@@ -245,6 +255,7 @@ class AnnotatorUser(ServiceUser):
                     multimask=multimask,
                 ),
                 json=fields,
+                headers=self.image_header(photo),
             )
             if body is None:
                 return
@@ -275,6 +286,7 @@ class BoxSegmentUser(ServiceUser):
             ),
             files=self.image_part(photo),
             data={"request": json.dumps(fields)},
+            headers=self.image_header(photo),
         )
 
 
@@ -293,6 +305,7 @@ class ClassifyUser(ServiceUser):
             partial(check_classify, top_k=TOP_K),
             files=self.image_part(photo),
             data={"request": json.dumps({"top_k": TOP_K})},
+            headers=self.image_header(photo),
         )
 
 

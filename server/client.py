@@ -11,7 +11,9 @@ the HTTP calls to make (or a pause, in seconds) and gets back each response. `Cl
 plans with `httpx.Client` and `time.sleep`, `AsyncClient` with `httpx.AsyncClient` and
 `asyncio.sleep`, so request building, response parsing, the 429 retries (bounded, honouring
 `Retry-After`) and the fallback on 404 `unknown_image_id` (the image is sent again, once,
-when this client still has its bytes) are the same code for both.
+when this client still has its bytes) are the same code for both. Every request on an image
+names it in an `X-Image-Id` header, which a proxy can hash to send all of them to the
+replica that holds its embedding (docs/DEPLOYMENT.md, "Affinity between pods").
 
 Imports only httpx, numpy and pycocotools: a client installs and starts without torch.
 """

@@ -48,14 +48,18 @@ class Call:
     json: dict[str, Any] | None = None
     image: bytes | None = None  # sent as multipart: file part `image`, JSON part `request`
     fields: dict[str, Any] = field(default_factory=dict)
+    image_id: str | None = None  # sent as X-Image-Id: proxies route the image by it
 
     def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.image_id is not None:
+            out["headers"] = {"X-Image-Id": self.image_id}
         if self.image is not None:
-            return {
-                "files": {"image": ("image", self.image, "application/octet-stream")},
-                "data": {"request": json.dumps(self.fields)},
-            }
-        return {"json": self.json} if self.json is not None else {}
+            out["files"] = {"image": ("image", self.image, "application/octet-stream")}
+            out["data"] = {"request": json.dumps(self.fields)}
+        elif self.json is not None:
+            out["json"] = self.json
+        return out
 
 
 Step = Call | float  # a request to make, or seconds to wait before the next step
@@ -131,21 +135,26 @@ class Plans:
 
     def image_call(self, path: str, image: bytes | None, image_id: str | None,
                    fields: dict[str, Any]) -> Plan[dict[str, Any]]:  # fmt: skip
-        """POST the image (multipart) or its id (JSON); an id the server has forgotten
-        (404 unknown_image_id) is answered by sending the bytes once, if this client has them."""
+        """POST the image (multipart) or its id (JSON), the id also as X-Image-Id (a proxy
+        that hashes it sends every request on one image to the same replica); an id the
+        server has forgotten or never saw (404 unknown_image_id: evicted, or a replica
+        added or removed) is answered by sending the bytes once, if this client has them."""
         if (image is None) == (image_id is None):
             raise ValueError("give an image or an image_id, not both")
         if image is not None:
-            self.remember(image)
-            return (yield from self.send_json(Call("POST", path, image=image, fields=fields)))
+            sent_id = self.remember(image)
+            call = Call("POST", path, image=image, fields=fields, image_id=sent_id)
+            return (yield from self.send_json(call))
         assert image_id is not None
+        by_id = Call("POST", path, {"image_id": image_id, **fields}, image_id=image_id)
         try:
-            return (yield from self.send_json(Call("POST", path, {"image_id": image_id, **fields})))
+            return (yield from self.send_json(by_id))
         except ServiceError as exc:
             data = self._images.get(image_id)
             if exc.code != "unknown_image_id" or data is None:
                 raise
-        return (yield from self.send_json(Call("POST", path, image=data, fields=fields)))
+        resend = Call("POST", path, image=data, fields=fields, image_id=image_id)
+        return (yield from self.send_json(resend))
 
     # -- the plans, one per operation ------------------------------------------------
 
@@ -194,7 +203,8 @@ class Plans:
         return Classification.from_json(body)
 
     def embedding(self, image_id: str) -> Plan[EmbeddingArray]:
-        response = yield from self.send(Call("GET", f"/v1/embeddings/{image_id}"))
+        call = Call("GET", f"/v1/embeddings/{image_id}", image_id=image_id)
+        response = yield from self.send(call)
 
         def size(name: str) -> tuple[int, int]:
             h, w = response.headers[name].split(",")

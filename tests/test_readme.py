@@ -133,7 +133,7 @@ def test_every_usage_example_succeeds(usage_calls: list[dict]) -> None:
 
 
 def test_segment_examples_give_what_the_readme_says(usage_calls: list[dict]) -> None:
-    point, boxes, base64_json, by_id, refine_ask, refine = (
+    point, boxes, base64_json, by_id, refine_ask, refine, by_header = (
         body(c) for c in by_path(usage_calls, "/v1/segment") if c["path"] == "/v1/segment"
     )
     assert [len(r["masks"]) for r in point["results"]] == [1]
@@ -143,6 +143,7 @@ def test_segment_examples_give_what_the_readme_says(usage_calls: list[dict]) -> 
     handle = refine_ask["results"][0]["masks"][0]["low_res_handle"]
     assert isinstance(handle, str) and handle
     assert refine["image_id"] == point["image_id"] and len(refine["results"]) == 1
+    assert by_header["image_id"] == point["image_id"]  # sha256sum agrees with the server
 
 
 def test_the_documented_segment_response_is_the_real_one(usage_calls: list[dict]) -> None:

@@ -6,10 +6,14 @@ segment   a photo never seen before (the JPEG with a unique tail after its EOI m
 click     1-2 points on an embedding cached beforehand (POST /v1/embed), by image_id, as
           JSON: the interactive-annotation path, mask decoder only
 classify  a photo (multipart) with top_k 5: Swin
+
+Every request names its image in X-Image-Id (the SHA-256 of the bytes it sends), as the
+service's clients do, so a run through a proxy that hashes it measures that routing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -87,8 +91,9 @@ class RequestMaker:
             if not self.image_ids:
                 raise ValueError("click needs the photos embedded first")
             coords, labels = random_points(self.rng, width, height)
-            body = {"image_id": self.image_ids[k], "point_coords": coords, "point_labels": labels}
-            return Request("/v1/segment", {"json": body})
+            image_id = self.image_ids[k]
+            body = {"image_id": image_id, "point_coords": coords, "point_labels": labels}
+            return Request("/v1/segment", {"json": body, "headers": {"X-Image-Id": image_id}})
         if kind == "classify":
             return self._multipart("/v1/classify", name, data, {"top_k": 5})
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
@@ -96,4 +101,7 @@ class RequestMaker:
     @staticmethod
     def _multipart(path: str, name: str, data: bytes, fields: dict[str, Any]) -> Request:
         files = {"image": (name, data, "image/jpeg")}
-        return Request(path, {"files": files, "data": {"request": json.dumps(fields)}})
+        headers = {"X-Image-Id": hashlib.sha256(data).hexdigest()}
+        return Request(
+            path, {"files": files, "data": {"request": json.dumps(fields)}, "headers": headers}
+        )

@@ -44,6 +44,9 @@ from server.tracing import enabled as tracing_enabled
 
 log = logging.getLogger(__name__)
 
+# what a page of another origin may send: X-Image-Id is what proxies route by
+_CORS_HEADERS = ["Authorization", "X-API-Key", "Content-Type", "X-Request-ID", "X-Image-Id"]
+
 _REASONS = {
     401: "unauthorized",
     429: "queue_full",
@@ -217,7 +220,7 @@ def build_app(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
+            allow_headers=_CORS_HEADERS,
         )
     if tracing_enabled():  # server.tracing: on by OTEL_EXPORTER_OTLP_ENDPOINT, else absent
         from server.http.trace_middleware import TraceMiddleware

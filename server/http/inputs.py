@@ -20,7 +20,9 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartParser
 
 from server.errors import ServiceError, clip
+from server.http.imaging import sha256_hex
 from server.http.multipart import boundary_of, read_form
+from server.http.schemas import IMAGE_ID_HEADER, is_image_id
 
 Fields = TypeVar("Fields", bound=BaseModel)
 T = TypeVar("T")
@@ -58,6 +60,41 @@ class ParsedRequest(Generic[Fields]):
     image_bytes: bytes | None  # raw file bytes (multipart)
     image_b64: str | None  # base64 text (JSON), decoded off the event loop
     image_id: str | None
+    # The X-Image-Id header sent with the bytes: `check_image_id` holds them to it.
+    claimed_id: str | None = None
+
+
+def image_id_header(request: Request) -> str | None:
+    """The X-Image-Id header, if sent: the image_id a proxy routed this request by."""
+    value = request.headers.get(IMAGE_ID_HEADER)
+    if value is None:
+        return None
+    if not is_image_id(value):
+        raise ServiceError(
+            422,
+            "invalid_request",
+            "X-Image-Id must be 64 lowercase hex digits: the SHA-256 of the image file bytes",
+        )
+    return value
+
+
+def mismatch(claimed: str, actual: str, what: str) -> ServiceError:
+    """The 422 for an X-Image-Id that names another image than `what` does."""
+    return ServiceError(
+        422,
+        "image_id_mismatch",
+        f"X-Image-Id {claimed} is not the image_id of {what} ({actual}); send the SHA-256 "
+        "of the image file bytes, or leave the header out",
+    )
+
+
+def check_image_id(claimed: str | None, data: bytes) -> str:
+    """The image_id of `data`, which must be the one the header claimed (when it did): a
+    request a proxy routed by one image must not leave another's embedding there."""
+    actual = sha256_hex(data)
+    if claimed is not None and claimed != actual:
+        raise mismatch(claimed, actual, "the image sent")
+    return actual
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -115,7 +152,7 @@ def parse_json_text(text: str) -> object:
     return value
 
 
-def validate(model: type[Fields], text: bytes | str) -> Fields:
+def validate(model: type[Fields], text: bytes | str, header_id: str | None = None) -> Fields:
     """The fields of a JSON text, validated with JSON's own types (strict): `true` is not
     a number and `"5"` not an integer, as the OpenAPI schema says, rather than coerced.
 
@@ -125,7 +162,8 @@ def validate(model: type[Fields], text: bytes | str) -> Fields:
     pydantic's parser has its own recursion and number limits. A refused body is parsed
     again by `parse_json_text`, as every body used to be, so that its answer stays the
     same: a syntax error a 400 in json's words, a guard or a non-object its own 422, the
-    rest pydantic's 422.
+    rest pydantic's 422. `header_id` (the X-Image-Id header) stands for a missing
+    `image_id` field.
     """
     if isinstance(text, bytes):
         try:
@@ -134,7 +172,8 @@ def validate(model: type[Fields], text: bytes | str) -> Fields:
             raise ServiceError(400, "invalid_json", f"body is not UTF-8: {exc}") from None
     _check_size(text)  # before pydantic, which reports one error per bad item
     try:
-        return model.model_validate_json(text, strict=True)
+        context = {IMAGE_ID_HEADER: header_id} if header_id is not None else None
+        return model.model_validate_json(text, strict=True, context=context)
     except ValidationError as exc:
         message = validation_message(exc)
     if not isinstance(parse_json_text(text), dict):  # the guards and the syntax, first
@@ -159,19 +198,23 @@ async def parse_image_request(
     A body over `OFF_LOOP_BYTES` is parsed by `in_thread`, off the event loop.
     """
     kind = media_type(request)
+    header_id = image_id_header(request)
     if kind == "application/json":
         body = await request.body()
         if len(body) > OFF_LOOP_BYTES:
-            full = await in_thread(validate, json_model, body)
+            full = await in_thread(validate, json_model, body, header_id)
         else:
-            full = validate(json_model, body)
+            full = validate(json_model, body, header_id)
         values = full.model_dump(exclude={"image", "image_id"})
         fields = fields_model.model_validate(values)
-        return ParsedRequest(
-            fields, None, getattr(full, "image", None), getattr(full, "image_id", None)
-        )
+        image_id = getattr(full, "image_id", None)
+        if header_id is not None and image_id is not None and image_id != header_id:
+            raise mismatch(header_id, image_id, "the body's image_id")
+        return ParsedRequest(fields, None, getattr(full, "image", None), image_id, header_id)
     if kind == "multipart/form-data":
-        return await _parse_multipart(request, fields_model, max_body_bytes, in_thread)
+        parsed = await _parse_multipart(request, fields_model, max_body_bytes, in_thread)
+        parsed.claimed_id = header_id
+        return parsed
     raise ServiceError(
         415,
         "unsupported_media_type",

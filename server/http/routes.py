@@ -17,9 +17,16 @@ from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRe
 from server.errors import ServiceError, error_body
 from server.http import imaging
 from server.http.engine_client import EngineClient
-from server.http.inputs import ParsedRequest, parse_image_request
+from server.http.inputs import (
+    ParsedRequest,
+    check_image_id,
+    image_id_header,
+    mismatch,
+    parse_image_request,
+)
 from server.http.masks import build_mask_objects
 from server.http.responses import FastJSONResponse
+from server.http.route_docs import ERRORS, image_body_doc, image_id_header_doc
 from server.http.schemas import (
     ClassifyFields,
     ClassifyJSON,
@@ -41,35 +48,6 @@ from server.http.schemas import (
 from server.http.state import ServeState, serve_state, watch_disconnect
 
 router = APIRouter()
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 422, 429, 503, 504)
-}
-
-
-def _image_body_doc(json_model: type[BaseModel], fields_model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI for bodies we parse by hand: JSON with base64/image_id, or multipart."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": json_model.model_json_schema()},
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["image"],
-                        "properties": {
-                            "image": {"type": "string", "format": "binary"},
-                            "request": {
-                                "type": "string",
-                                "description": "JSON of: " + ", ".join(fields_model.model_fields),
-                            },
-                        },
-                    }
-                },
-            },
-        }
-    }
 
 
 def _state(request: Request) -> ServeState:
@@ -115,6 +93,7 @@ async def _load_image(
         if data is None:
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
+        image_id = check_image_id(parsed.claimed_id, data)  # before any pixel is held
         decoded = imaging.decode_image(
             data,
             max_pixels=s.max_image_pixels,
@@ -122,7 +101,7 @@ async def _load_image(
             memory=memory,
             min_size=min_size,
         )
-        return Image(imaging.sha256_hex(data), decoded.pixels, decoded.width, decoded.height)
+        return Image(image_id, decoded.pixels, decoded.width, decoded.height)
 
     future = asyncio.get_running_loop().run_in_executor(state.decode_pool, work)
     try:
@@ -213,8 +192,8 @@ def _segment_body(
 @router.post(
     "/v1/segment",
     response_model=SegmentResponse,
-    responses=_ERRORS,
-    openapi_extra=_image_body_doc(SegmentJSON, SegmentFields),
+    responses=ERRORS,
+    openapi_extra=image_body_doc(SegmentJSON, SegmentFields),
 )
 async def segment(request: Request) -> Response:
     """Masks for point/box prompts on an image (sent, or named by image_id)."""
@@ -266,8 +245,8 @@ def _everything_body(masks: EverythingMasks, output: str) -> list[dict[str, Any]
 @router.post(
     "/v1/segment/everything",
     response_model=EverythingResponse,
-    responses=_ERRORS,
-    openapi_extra=_image_body_doc(EverythingJSON, EverythingFields),
+    responses=ERRORS,
+    openapi_extra=image_body_doc(EverythingJSON, EverythingFields),
 )
 async def segment_everything(request: Request) -> Response:
     """Every object in the image (SAM's automatic mask generator), masks best score first."""
@@ -312,8 +291,8 @@ async def segment_everything(request: Request) -> Response:
 @router.post(
     "/v1/embed",
     response_model=EmbedResponse,
-    responses=_ERRORS,
-    openapi_extra=_image_body_doc(EmbedJSON, EmbedFields),
+    responses=ERRORS,
+    openapi_extra=image_body_doc(EmbedJSON, EmbedFields),
 )
 async def embed(request: Request) -> Response:
     """Run the image encoder only and cache the embedding under the image's id."""
@@ -344,6 +323,7 @@ async def embed(request: Request) -> Response:
         422: {"model": ErrorResponse},
         200: {"content": {"application/octet-stream": {}}},
     },
+    openapi_extra={"parameters": [image_id_header_doc("It must equal the path's image_id;")]},
 )
 async def get_embedding(request: Request, image_id: str) -> Response:
     """The cached image embedding as a float16 `.npy` `[1, 256, 64, 64]`, for decoders that
@@ -352,6 +332,9 @@ async def get_embedding(request: Request, image_id: str) -> Response:
     engine = state.require_engine()
     if not is_image_id(image_id):
         raise ServiceError(422, "invalid_request", "image_id must be 64 lowercase hex digits")
+    claimed = image_id_header(request)
+    if claimed is not None and claimed != image_id:
+        raise mismatch(claimed, image_id, "the path")
     original_size, input_size, data = await engine.embedding_npy(image_id)
     return Response(
         data,
@@ -367,8 +350,8 @@ async def get_embedding(request: Request, image_id: str) -> Response:
 @router.post(
     "/v1/classify",
     response_model=ClassifyResponse,
-    responses=_ERRORS,
-    openapi_extra=_image_body_doc(ClassifyJSON, ClassifyFields),
+    responses=ERRORS,
+    openapi_extra=image_body_doc(ClassifyJSON, ClassifyFields),
 )
 async def classify(request: Request) -> Response:
     """Top-k ImageNet labels from the Swin classifier."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, model_validator
 
 Coord = Annotated[float, Field(allow_inf_nan=False)]
 Point = tuple[Coord, Coord]
@@ -17,6 +17,9 @@ Box = tuple[Coord, Coord, Coord, Coord]
 ImageId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the image")]
 
 _IMAGE_ID = re.compile(r"[0-9a-f]{64}")
+# The request header that names a request's image, for proxies that route by it (they
+# cannot read bodies): the image_id, which a client computes before sending the bytes.
+IMAGE_ID_HEADER = "x-image-id"
 
 
 class _Strict(BaseModel):
@@ -30,9 +33,16 @@ class ImageSource(_Strict):
     image_id: ImageId | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> ImageSource:
+    def _one_source(self, info: ValidationInfo) -> ImageSource:
+        # A body with neither names its image by the X-Image-Id header, when one came
+        # (`server.http.inputs` passes it as the context): the id a proxy routed on.
+        header = info.context.get(IMAGE_ID_HEADER) if isinstance(info.context, dict) else None
+        if self.image is None and self.image_id is None and header is not None:
+            self.image_id = header
         if (self.image is None) == (self.image_id is None):
-            raise ValueError("give exactly one of 'image' (base64) or 'image_id'")
+            raise ValueError(
+                "give exactly one of 'image' (base64) or 'image_id' (or the X-Image-Id header)"
+            )
         return self
 
 

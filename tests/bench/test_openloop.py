@@ -236,9 +236,11 @@ def test_segment_bytes_never_repeat_and_click_names_the_embedding(small_jpeg_dir
             r = maker.make("segment", seq)
             data = r.kwargs["files"]["image"][1]
             seen.add(hashlib.sha256(data).hexdigest())
+            assert r.kwargs["headers"] == {"X-Image-Id": hashlib.sha256(data).hexdigest()}
             assert json.loads(r.kwargs["data"]["request"]).keys() == {"box"}
             click = maker.make("click", seq)
             assert click.path == "/v1/segment" and click.kwargs["json"]["image_id"] in ids
+            assert click.kwargs["headers"] == {"X-Image-Id": click.kwargs["json"]["image_id"]}
     assert len(seen) == 200
     with pytest.raises(ValueError, match="EOI"):
         unique_jpeg(b"\x89PNG\r\n\x1a\n", "x")

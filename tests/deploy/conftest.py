@@ -25,6 +25,8 @@ TARGETS = {
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
     "gpu-shared": K8S / "overlays" / "gpu-shared",
+    "ingress-nginx": K8S / "overlays" / "ingress-nginx",
+    "gateway-envoy": K8S / "overlays" / "gateway-envoy",
     "adapter": K8S / "prometheus-adapter",
     "kserve": K8S / "kserve",
 }

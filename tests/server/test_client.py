@@ -119,6 +119,43 @@ def test_a_forgotten_image_is_sent_again(make_server: Callable[..., LiveServer])
             forgetful.click(emb.image_id, [(80, 60)], [1])
 
 
+def test_every_image_request_names_its_image_in_x_image_id(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    """What a proxy hashes: each request on an image carries its id as X-Image-Id, the
+    404 fallback's resend included."""
+    first, second = make_server(), make_server()
+    seen: list[tuple[str, str, str | None]] = []
+
+    def record(request: httpx.Request) -> None:
+        seen.append((request.method, request.url.path, request.headers.get("x-image-id")))
+
+    photo = encode(photo_like(128, 96, seed=9))
+    pid = image_id_of(photo)
+    http = httpx.Client(base_url=first.url, timeout=60, event_hooks={"request": [record]})
+    with Client(first.url, http=http) as c:
+        c.embed(photo)
+        c.click(pid, [(64, 48)], [1])
+        c.segment(photo, box=(10, 10, 90, 80))
+        c.everything(image_id=pid, **EVERYTHING)
+        c.classify(photo, top_k=1)
+        c.embedding(pid)
+        c.http.base_url = httpx.URL(second.url)  # a replica that never saw it: resent
+        c.click(pid, [(64, 48)], [1])
+        c.models()
+    assert seen == [
+        ("POST", "/v1/embed", pid),
+        ("POST", "/v1/segment", pid),
+        ("POST", "/v1/segment", pid),
+        ("POST", "/v1/segment/everything", pid),
+        ("POST", "/v1/classify", pid),
+        ("GET", f"/v1/embeddings/{pid}", pid),
+        ("POST", "/v1/segment", pid),  # 404 unknown_image_id on the second server
+        ("POST", "/v1/segment", pid),  # the bytes, once
+        ("GET", "/v1/models", None),
+    ]
+
+
 def test_the_api_key(make_server: Callable[..., LiveServer]) -> None:
     server = make_server(api_key="s3cret-key-for-tests")
     photo = encode(photo_like(96, 64))

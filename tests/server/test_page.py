@@ -12,6 +12,7 @@ own browser download is not used.
 from __future__ import annotations
 
 import base64
+import hashlib
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -469,3 +470,30 @@ def test_synthetic_weights_show_an_honest_note(
     expect(warning).to_have_text(
         "swin_test runs with seeded random weights (no checkpoint configured)."
     )
+
+
+def test_every_image_call_names_the_image_and_a_forgotten_one_is_sent_again(
+    page: Page, make_server: Callable[..., LiveServer]
+) -> None:
+    """X-Image-Id (the SHA-256 the page computes) on every call on the image; a click that
+    finds the embedding gone (404: evicted here, a moved replica behind a proxy) embeds the
+    image again, once, and the click succeeds."""
+    server = make_server(embedding_cache_bytes=256 * 16 * 16 * 4)  # room for one vit_tiny
+    dog_id = hashlib.sha256(DOG.read_bytes()).hexdigest()
+    calls = record_calls(page)
+    with page.expect_response(lambda r: r.url.endswith("/v1/embed")):
+        open_dog(page, server)
+    expect(page.locator("#labels li")).to_have_count(5)
+    other = encode(Image.new("RGB", (64, 48), (200, 30, 30)))
+    with httpx.Client(base_url=server.url, timeout=60) as c:  # takes the only cache slot
+        assert c.post("/v1/embed", files={"image": ("o.jpg", other)}).status_code == 200
+    point = screen_point(page, 400, 260)
+    with page.expect_response(lambda r: r.url.endswith("/v1/segment") and r.ok):
+        page.mouse.click(*point)
+    wait_idle(page)
+    assert covered(page).any()
+    expect(page.locator("#errors")).to_be_hidden()
+    sent = [(r.url.split("/v1/")[1], r.headers.get("x-image-id")) for r in calls]
+    assert sorted(sent[:3]) == [("classify", dog_id), ("embed", dog_id), ("models", None)]
+    # the click (404), the image again, the click again
+    assert sent[3:] == [("segment", dog_id), ("embed", dog_id), ("segment", dog_id)]

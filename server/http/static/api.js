@@ -1,6 +1,8 @@
 // Calls to the service and the words a person reads when one fails.
 //
-// Every call sends the API key (when one is saved) as X-API-Key. Errors arrive as
+// Every call sends the API key (when one is saved) as X-API-Key, and a call on an image its
+// image_id as X-Image-Id (a proxy that hashes it sends every call on one image to the
+// replica that holds its embedding). Errors arrive as
 // {"error": {"code", "message"}} with an HTTP status; `ApiError` keeps all three, and
 // `explain` turns them into a sentence that says what to do, with the server's message.
 
@@ -25,11 +27,23 @@ export class ApiError extends Error {
   }
 }
 
-/** GET (no body), or POST a JSON value (`json`) or a FormData (`form`); the JSON answer. */
-export async function api(path, { json, form } = {}) {
+/** The image_id of a file, as the server computes it: the SHA-256 of its bytes, hex. Null
+ *  where the browser has no SubtleCrypto (a page served over plain http from another host
+ *  than localhost): the call then goes without X-Image-Id, and the image_id the server
+ *  answers is used from then on. */
+export async function imageIdOf(file) {
+  if (!globalThis.crypto?.subtle) return null;
+  const digest = await crypto.subtle.digest("SHA-256", await file.arrayBuffer());
+  return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** GET (no body), or POST a JSON value (`json`) or a FormData (`form`); the JSON answer.
+ *  `imageId`, when known, goes as X-Image-Id. */
+export async function api(path, { json, form, imageId } = {}) {
   const headers = {};
   const key = savedKey();
   if (key) headers["X-API-Key"] = key;
+  if (imageId) headers["X-Image-Id"] = imageId;
   let body;
   if (json !== undefined) {
     headers["Content-Type"] = "application/json";

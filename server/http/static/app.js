@@ -5,7 +5,7 @@
 // the answer it got and the low-res handle of its chosen mask, which the next click sends
 // back as `mask_input` (SAM refines the previous mask rather than starting over).
 
-import { api, ApiError, explain, saveKey, savedKey } from "./api.js";
+import { api, ApiError, explain, imageIdOf, saveKey, savedKey } from "./api.js";
 import {
   CANDIDATE_COLORS, distinctColors, drawLayers, drawPrompts, everythingLayer, maskLayer, maskPng,
 } from "./draw.js";
@@ -31,6 +31,7 @@ const state = {
   height: 0,
   token: 0, // bumped per opened image; answers for an older image are dropped
   embedding: null, // Promise<image_id> while or after embedding
+  fileId: Promise.resolve(null), // Promise<image_id | null>: the file's SHA-256, for X-Image-Id
   imageId: null, // once the server has the embedding
   classified: false,
   history: [emptyPrompt()], // undo stack; the last entry is what is on screen
@@ -95,6 +96,7 @@ async function openFile(file) {
   state.seq += 1;
   Object.assign(state, {
     file, bitmap, width: bitmap.width, height: bitmap.height, embedding: null, imageId: null,
+    fileId: imageIdOf(file).catch(() => null),
     classified: false, history: [emptyPrompt()], everything: null,
   });
   stage.classList.remove("busy"); // an answer for the old image will not come back to clear it
@@ -121,10 +123,11 @@ function ensureEmbedded() {
     const token = state.token;
     const form = new FormData();
     form.append("image", state.file, state.file.name);
-    const embedding = api("/v1/embed", { form }).then(
+    const embedding = state.fileId.then((imageId) => api("/v1/embed", { form, imageId })).then(
       (data) => {
         if (token !== state.token) return data.image_id;
         state.imageId = data.image_id;
+        state.fileId = Promise.resolve(data.image_id); // known now, hashed here or not
         showTiming("embed", data);
         succeed("Encoding the image");
         if (data.width !== state.width || data.height !== state.height) {
@@ -149,7 +152,7 @@ async function classify() {
   form.append("image", state.file, state.file.name);
   form.append("request", JSON.stringify({ top_k: 5 }));
   try {
-    const data = await api("/v1/classify", { form });
+    const data = await api("/v1/classify", { form, imageId: await state.fileId });
     if (token !== state.token) return;
     state.classified = true;
     noteModel(data.model);
@@ -205,7 +208,7 @@ async function segment(retried = false) {
   try {
     body.image_id = await ensureEmbedded();
     if (seq !== state.seq) return;
-    const data = await api("/v1/segment", { json: body });
+    const data = await api("/v1/segment", { json: body, imageId: body.image_id });
     const masks = data.results[0].masks;
     prompt.answer = { multimask, selected: 0, candidates: decodeMasks(masks, CANDIDATE_COLORS) };
     prompt.handle = prompt.answer.candidates[0]?.handle ?? null;
@@ -264,7 +267,8 @@ async function segmentEverything(retried = false) {
   setStatus("Segmenting everything…");
   try {
     const image_id = await ensureEmbedded();
-    const data = await api("/v1/segment/everything", { json: { image_id, ...fields } });
+    const json = { image_id, ...fields };
+    const data = await api("/v1/segment/everything", { json, imageId: image_id });
     if (seq !== state.seq) return; // the person clicked, cleared or opened another image
     const order = [...data.masks].sort((a, b) => b.area - a.area); // small ones drawn on top
     const colors = distinctColors(order.length);

@@ -124,13 +124,15 @@ def proxy_http(nginx: Nginx, seen: Seen, keepalive: bool = True) -> httpx.Client
 def encoded(replica: Replica) -> int:
     """How many images this replica's encoder has run on, from its /metrics."""
     text = httpx.get(replica.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "serve_embedding_cache_entries" and sample.labels == {
-                "tier": "device"
-            }:
-                return int(sample.value)
-    raise AssertionError("no serve_embedding_cache_entries in /metrics")
+    entries = [
+        int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        # one series per engine (`engine` label): the replica's images, over its engines
+        if sample.name == "serve_embedding_cache_entries" and sample.labels.get("tier") == "device"
+    ]
+    assert entries, "no serve_embedding_cache_entries in /metrics"
+    return sum(entries)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ __all__ = [
     "QuantBackend",
     "Quantization",
     "Sparse24Linear",
+    "int8_mm",
     "linear_reference",
     "prune_2to4",
     "quantize_linears",
@@ -46,6 +47,25 @@ Quantization = Literal["none", "int8", "fp8"]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _EPS = 1e-12
+
+
+@torch.library.custom_op("serve::int8_mm", mutates_args=())
+def int8_mm(a: Tensor, b: Tensor) -> Tensor:
+    """`torch._int_mm(a, b)` with `a` row-major, whatever layout it arrives in.
+
+    cuBLASLt refuses an int8 product whose activation is column-major once it has 65,536
+    rows or more and few columns (`CUBLAS_STATUS_NOT_SUPPORTED ... transpose_mat1 1
+    transpose_mat2 1`, H100, `python -m bench.int8_probe`), and inductor lays a quantized
+    activation out as the op before it did: Swin-T's first stage at batch 64 arrives
+    column-major. As a custom op the call is opaque to the compiler, so the `contiguous`
+    here runs as written (a no-op for a row-major input).
+    """
+    return torch._int_mm(a.contiguous(), b)
+
+
+@int8_mm.register_fake
+def _int8_mm_shape(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.int32)
 
 
 class Int8DynamicLinear(nn.Module):
@@ -73,7 +93,7 @@ class Int8DynamicLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
         x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=_EPS) / 127.0  # [M, 1]
         xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
-        acc = torch._int_mm(xq, self.weight_int8.t())  # [M, N] int32
+        acc = int8_mm(xq, self.weight_int8.t())  # [M, N] int32
         y = acc.float() * x_scale * self.weight_scale
         if self.bias is not None:
             y = y + self.bias.float()

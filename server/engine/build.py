@@ -87,3 +87,34 @@ def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:
     now = {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
     base = since or {}
     return {event: count - base.get(event, 0) for event, count in now.items()}
+
+
+# What a device library says when it has no kernel for a quantized or sparse product
+# (cuBLASLt's int8 layouts, cuSPARSELt on a GPU without it, fp8 before Hopper).
+_REFUSALS = ("NOT_SUPPORTED", "not supported", "CUSPARSE", "cuSPARSELt", "_scaled_mm",
+             "Float8", "no kernel image")  # fmt: skip
+
+
+class VariantUnsupportedError(RuntimeError):
+    """A quantized or sparse variant this device cannot run: start-up stops here, with the
+    setting to change, rather than a library's error at the first request."""
+
+
+def variant_refusal(
+    settings: Settings, device: torch.device, step: str, exc: BaseException
+) -> VariantUnsupportedError | None:
+    """The start-up error for `exc`, raised by the start-up `step`, when a quantized or
+    sparse variant is the likely cause (None otherwise: the error stands as it is)."""
+    variant = {"quantization": settings.quantization, "sparsity": settings.sparsity}
+    chosen = [f"SERVE_{name.upper()}={value}" for name, value in variant.items() if value != "none"]
+    message = str(exc)
+    if not chosen or not any(marker in message for marker in _REFUSALS):
+        return None
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    first = message.strip().splitlines()[0][:300] if message.strip() else type(exc).__name__
+    return VariantUnsupportedError(
+        f"{' and '.join(chosen)} cannot run on this device ({where}): {step} failed with "
+        f"{first}. Start with SERVE_QUANTIZATION=none and SERVE_SPARSITY=none (the default, "
+        "bf16 on a GPU) or another variant; docs/BENCHMARKS.md lists what each GPU was "
+        "measured to run."
+    )

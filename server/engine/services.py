@@ -39,6 +39,7 @@ from server.engine.build import (
     optimize_options,
     resolve_device,
     use_compile_cache,
+    variant_refusal,
 )
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
 from server.engine.everything import EverythingMasks, EverythingRunner
@@ -118,7 +119,13 @@ class Engine:
                 progress.begin(label)
             if self.settings.fault_step_delay_s:
                 await asyncio.sleep(self.settings.fault_step_delay_s)
-            await loop.run_in_executor(self.worker, fn)
+            try:
+                await loop.run_in_executor(self.worker, fn)
+            except (RuntimeError, NotImplementedError) as exc:
+                refusal = variant_refusal(self.settings, self.device, label, exc)
+                if refusal is None:
+                    raise
+                raise refusal from exc
         await loop.run_in_executor(self.worker, self.workers.synchronize)
 
     def load_steps(self) -> list[Step]:

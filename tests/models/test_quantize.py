@@ -13,6 +13,7 @@ from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare
 from models.quantize import (
     Fp8RowwiseLinear,
     Int8DynamicLinear,
+    int8_mm,
     linear_reference,
     prune_2to4,
     quantize_linears,
@@ -142,3 +143,21 @@ def test_torchao_says_why_it_cannot(monkeypatch):
     assert "needs CUDA" in str(torchao_unsupported("fp8", cpu))
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # as if not installed
     assert "does not import" in str(torchao_unsupported("int8", cpu))
+
+
+def test_the_int8_product_takes_a_column_major_activation_as_a_row_major_one() -> None:
+    """cuBLASLt refuses a column-major int8 activation of 65,536 rows or more on an H100
+    (bench/int8_probe.py), and a compiled graph may hand one over: `int8_mm` makes it
+    row-major first, and a compiled `Int8DynamicLinear` fed a column-major input gives
+    exactly the eager module's output."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (300, 96), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (48, 96), dtype=torch.int8, generator=g).t()
+    column_major = a.t().contiguous().t()
+    assert not column_major.is_contiguous()
+    assert torch.equal(int8_mm(column_major, b), torch._int_mm(a, b))
+    module = Int8DynamicLinear(torch.nn.Linear(96, 48))
+    x = torch.randn(6, 50, 96, generator=g)
+    strided = x.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # same values, other strides
+    compiled = torch.compile(module, dynamic=False)
+    assert torch.equal(compiled(strided), module(x))

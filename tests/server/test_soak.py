@@ -11,7 +11,9 @@ The server runs in a child process (a LiveServer there), so the RSS measured is 
 server's alone, not that of the client threads or of other test servers. The caches are
 kept small (64 MiB of embeddings, 8 MiB of low-res logits) so they fill during warm-up:
 fresh images then exercise the encoder and eviction all along without the cache's growth
-passing for a leak. The body limit is 1 MiB.
+passing for a leak. On a slow or shared machine the embedding cache may still be filling
+after the first third (CI saw +38 MiB that way): its growth, read from /metrics, is not
+counted. The body limit is 1 MiB.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import LiveServer, encode, photo_like, small_settings
 from tests.server.test_api_errors import assert_error, png_declaring
@@ -350,6 +353,20 @@ def soak_server() -> Iterator[ServerProcess]:
     server.stop()
 
 
+def cache_mib(url: str) -> float:
+    """MiB of embeddings the server holds (both tiers), from its /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return (
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "serve_embedding_cache_bytes"
+        )
+        / MiB
+    )
+
+
 def test_soak(soak_server: ServerProcess) -> None:
     started = time.monotonic()
     stop_at = started + SOAK_S
@@ -383,10 +400,14 @@ def test_soak(soak_server: ServerProcess) -> None:
     time.sleep(max(0.0, started + SOAK_S / 3 - time.monotonic()))
     pause.hold()
     rss_third, trimmed_third = soak_server.rss_at_rest()
+    cache_third = cache_mib(soak_server.url)
     pause.release()
     for thread in threads:
         thread.join()
     rss_end, trimmed_end = soak_server.rss_at_rest()
+    # On a slow or shared machine the embedding cache (64 MiB) may still be filling after the
+    # first third: its bytes are held by design, not leaked, so they are not counted.
+    cache_growth = cache_mib(soak_server.url) - cache_third
 
     totals: Counter[str] = Counter()
     for counts in counters:
@@ -402,10 +423,10 @@ def test_soak(soak_server: ServerProcess) -> None:
     print(f"  server RSS MiB at rest, after the first third -> at the end: {rss_third:.1f} -> "
           f"{rss_end:.1f} ({rss_end - rss_third:+.1f}); after gc + malloc_trim "
           f"{trimmed_third:.1f} -> {trimmed_end:.1f} ({trimmed_end - trimmed_third:+.1f}); "
-          f"slack {RSS_SLACK_MIB}")  # fmt: skip
+          f"slack {RSS_SLACK_MIB}; the embedding cache grew {cache_growth:+.1f}")  # fmt: skip
 
     assert not failures, "\n".join(failures)
     assert requests >= 50, totals
     assert all(totals[kind.__name__] > 0 for kind, w in VALID if w >= 1), totals
-    assert trimmed_end - trimmed_third < RSS_SLACK_MIB
+    assert trimmed_end - trimmed_third - max(0.0, cache_growth) < RSS_SLACK_MIB
     assert httpx.get(soak_server.url + "/readyz").status_code == 200

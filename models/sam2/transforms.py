@@ -25,6 +25,8 @@ def preprocess_image(image: np.ndarray, config: Sam2Config) -> Tensor:
     """
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise ValueError(f"expected a uint8 RGB image [H, W, 3], got {image.dtype} {image.shape}")
+    if not image.flags.writeable:  # torch warns on read-only arrays (e.g. np.asarray(PIL))
+        image = image.copy()
     x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float() / 255.0
     size = config.image_size
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)

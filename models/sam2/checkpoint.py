@@ -16,12 +16,19 @@ import re
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from models.sam.checkpoint import init_random as init_random_sam
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2
 
-__all__ = ["IMAGE_PREFIXES", "Sam2CheckpointError", "load_sam2", "map_checkpoint_keys"]
+__all__ = [
+    "IMAGE_PREFIXES",
+    "Sam2CheckpointError",
+    "init_random",
+    "load_sam2",
+    "map_checkpoint_keys",
+]
 
 log = logging.getLogger(__name__)
 _SHOWN = 5  # keys listed in an error message
@@ -47,27 +54,70 @@ def map_checkpoint_keys(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], li
     return mapped, skipped
 
 
-def load_sam2(config: Sam2Config, checkpoint: Path | str) -> Sam2:
-    """A `Sam2` on the CPU in fp32, eval mode, gradients off, from Meta's checkpoint."""
-    path = Path(checkpoint)
-    state, skipped = map_checkpoint_keys(_read_model_state(path))
+def load_sam2(config: Sam2Config, checkpoint: Path | str | None, *, seed: int = 0) -> Sam2:
+    """A `Sam2` on the CPU in fp32, eval mode, gradients off.
+
+    checkpoint: Meta's official file (e.g. `sam2.1_hiera_base_plus.pt`), or None for seeded
+    random weights (the same seed gives the same weights), so that everything but the
+    masks' quality can run without a download.
+    """
     with torch.device("meta"):
         model = Sam2(config)
-    _check(path, model, state, config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.float()
-    # the prompt encoder's dense PE is computed, not stored; nothing else may stay on meta
+    if checkpoint is None:
+        model.to_empty(device="cpu")
+        init_random(model, seed)
+        log.info("SAM 2 %s: random weights (seed %d)", config.name, seed)
+    else:
+        path = Path(checkpoint)
+        state, skipped = map_checkpoint_keys(_read_model_state(path))
+        _check(path, model, state, config)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.float()
+        log.info(
+            "SAM 2 %s: %d image-path tensors from %s (%d video-only tensors skipped)",
+            config.name,
+            len(state),
+            path,
+            len(skipped),
+        )
     leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftovers:  # a bug in this module, not in the file
         raise RuntimeError(f"SAM 2 {config.name}: tensors left uninitialised: {leftovers[:_SHOWN]}")
-    log.info(
-        "SAM 2 %s: %d image-path tensors from %s (%d video-only tensors skipped)",
-        config.name,
-        len(state),
-        path,
-        len(skipped),
-    )
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_random(model: Sam2, seed: int) -> None:
+    """Deterministic random weights for every tensor of the image path.
+
+    The prompt encoder and the decoder are SAM's layers plus convolutions, embeddings and
+    MLPs, so SAM's rule (fan-in scaled weights, non-trivial norms and embeddings) covers
+    them; the trunk adds its two position tables and `no_mem_embed`, which get small
+    non-zero values so that every term is exercised.
+    """
+    init_random_sam(model.sam_prompt_encoder, seed)
+    init_random_sam(model.sam_mask_decoder, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    done: set[int] = set()
+
+    def normal_(t: Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
+        done.add(id(t))
+
+    encoder = model.image_encoder
+    for module in encoder.modules():
+        if isinstance(module, nn.Linear | nn.Conv2d):
+            normal_(module.weight, module.weight[0].numel() ** -0.5)
+            if module.bias is not None:
+                normal_(module.bias, 0.02)
+        elif isinstance(module, nn.LayerNorm):
+            normal_(module.weight, 0.1, mean=1.0)
+            normal_(module.bias, 0.02)
+    for table in (encoder.trunk.pos_embed, encoder.trunk.pos_embed_window, model.no_mem_embed):
+        normal_(table, 0.1)
+    missed = [n for n, t in encoder.state_dict(keep_vars=True).items() if id(t) not in done]
+    if missed:  # a new module type without a rule would keep to_empty() garbage
+        raise RuntimeError(f"init_random has no rule for image_encoder.{missed[:_SHOWN]}")
 
 
 def _read_model_state(path: Path) -> dict[str, Tensor]:

@@ -130,3 +130,20 @@ def test_unreadable_files_are_refused(tmp_path: Path, config: Sam2Config) -> Non
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(Sam2CheckpointError, match="not a readable PyTorch checkpoint"):
         load_sam2(config, junk)
+
+
+def test_seeded_random_weights(config: Sam2Config) -> None:
+    """No checkpoint: the same seed gives the same weights, every tensor is set (none left
+    as `to_empty` memory or all zeros), and a click gives a non-degenerate answer."""
+    a, b, c = (load_sam2(config, None, seed=s) for s in (3, 3, 4))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(not torch.equal(sa[k], sc[k]) for k in sa)
+    assert all(torch.isfinite(t).all() and t.std() > 0 for t in sa.values() if t.numel() > 1)
+    images = torch.randn(1, 3, config.image_size, config.image_size)
+    click, positive = torch.tensor([[[100.0, 90.0]]]), torch.tensor([[1]])
+    with torch.no_grad():
+        prediction = a.decode(a.encode(images), click, positive)
+    foreground = (prediction.low_res_masks > 0).float().mean().item()
+    assert 0.01 < foreground < 0.99
+    assert ((prediction.iou > 0) & (prediction.iou < 1)).all()

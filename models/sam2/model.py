@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from models.sam.prompt_encoder import LABEL_BOX_BR, LABEL_BOX_TL, LABEL_NOT_A_POINT, PromptEncoder
+from models.sam.prompt_encoder import (
+    LABEL_BOX_BR,
+    LABEL_BOX_TL,
+    LABEL_NOT_A_POINT,
+    LABEL_PAD,
+    PromptEncoder,
+)
+from models.sam.prompts import PromptBatch
 from models.sam2.config import Sam2Config
 from models.sam2.image_encoder import ImageEncoder
 from models.sam2.mask_decoder import Sam2MaskDecoder, select_masks
@@ -93,6 +100,52 @@ class Sam2(nn.Module):
         cfg = self.config
         masks, iou = select_masks(masks, iou, multimask, cfg.stability_delta, cfg.stability_thresh)
         return Sam2Prediction(low_res_masks=masks, iou=iou, object_logits=obj)
+
+    def decode_batch(
+        self, features: Sam2Features, prompts: PromptBatch
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """P prompt sets of many requests against B images' features in one decoder call.
+
+        prompts: `models.sam.pack_prompts`'s batch (the same one SAM decodes), with
+        `image_index [P]` into the B images, or None when the features are one row per set.
+        Returns all four tokens' low-res logits `[P, 4, 4h, 4w]`, IoU `[P, 4]` and object
+        logits `[P, 1]`; `select_masks` gives the multimask or single-mask answer per set.
+
+        SAM 2 differs from SAM in one canonical token: its predictor appends a not-a-point
+        token to every non-empty prompt, a box's too, where `pack_prompts` (SAM's rule) adds
+        it only without a box. It is appended here as one more column, valid only in sets
+        with a box, decided on the device (no host round trip). SAM 2 also puts the box
+        before the clicks; token order changes nothing but rounding, since every attention
+        over tokens is permutation-equivariant and the tokens carry their own positions.
+        """
+        labels = prompts.point_labels
+        has_box = (labels == LABEL_BOX_TL).any(dim=1, keepdim=True)  # [P, 1]
+        extra = torch.where(
+            has_box,
+            torch.full_like(has_box, LABEL_NOT_A_POINT, dtype=labels.dtype),
+            torch.full_like(has_box, LABEL_PAD, dtype=labels.dtype),
+        )
+        labels = torch.cat([labels, extra], dim=1)  # [P, T + 1]
+        points = torch.cat([prompts.points, prompts.points.new_zeros(labels.shape[0], 1, 2)], 1)
+        valid = torch.cat([prompts.token_valid, has_box], dim=1)
+
+        encoder = self.sam_prompt_encoder
+        P = labels.shape[0]
+        tokens = encoder.embed_tokens(points, labels)  # [P, T + 1, D] fp32
+        dense = encoder.embed_dense(prompts.mask_input, prompts.has_mask_input, P)
+        embed, (s0, s1) = features.image_embed, features.high_res
+        if prompts.image_index is not None:
+            # high-res rows are gathered too: one copy per set, as for the embedding
+            index = prompts.image_index
+            embed, s0, s1 = embed[index], s0[index], s1[index]
+        elif embed.shape[0] != P:
+            raise ValueError(
+                f"without image_index, decode_batch needs one image per prompt set: "
+                f"{embed.shape[0]} images for {P} sets"
+            )
+        return self.sam_mask_decoder(
+            embed + dense, encoder.dense_pe(), (s0, s1), tokens.to(embed.dtype), valid
+        )
 
     def _sparse_tokens(
         self,

@@ -86,7 +86,9 @@ class FpnNeck(nn.Module):
         for i in range(n, -1, -1):  # coarsest first
             lateral = self.convs[n - i](xs[i])
             if i in self.top_down_levels and prev is not None:
-                top_down = F.interpolate(prev.float(), scale_factor=2.0, mode="nearest")
+                # nearest copies values, so it is exact in any dtype (Meta upcasts to fp32
+                # first, which would leave a bf16 model with one fp32 level)
+                top_down = F.interpolate(prev, scale_factor=2.0, mode="nearest")
                 prev = lateral + top_down
             else:
                 prev = lateral

@@ -66,9 +66,16 @@ class Sam2(nn.Module):
         self.sam_mask_decoder = Sam2MaskDecoder(config)
         self.no_mem_embed = nn.Parameter(torch.zeros(1, 1, config.d_model))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.no_mem_embed.dtype
+
     def encode(self, images: Tensor) -> Sam2Features:
-        """images `[B, 3, S, S]`, normalised (see `transforms.preprocess`)."""
-        fpn = self.image_encoder(images).features  # strides 4, 8, 16
+        """images `[B, 3, S, S]`, normalised (see `transforms.preprocess_image`)."""
+        size = self.config.image_size
+        if images.ndim != 4 or tuple(images.shape[1:]) != (3, size, size):
+            raise ValueError(f"encode expects [B, 3, {size}, {size}], got {tuple(images.shape)}")
+        fpn = self.image_encoder(images.to(self.dtype)).features  # strides 4, 8, 16
         s0, s1 = self.sam_mask_decoder.project_high_res(fpn[0], fpn[1])
         embed = fpn[-1] + self.no_mem_embed.reshape(1, -1, 1, 1)
         return Sam2Features(image_embed=embed, high_res=(s0, s1))
@@ -95,7 +102,11 @@ class Sam2(nn.Module):
         image = features.image_embed.expand(P, -1, -1, -1) + dense
         valid = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
         masks, iou, obj = self.sam_mask_decoder(
-            image, encoder.dense_pe(), features.high_res, tokens.to(image.dtype), valid
+            image,
+            encoder.dense_pe().to(image.dtype),  # computed in fp32, as positions must be
+            features.high_res,
+            tokens.to(image.dtype),
+            valid,
         )
         cfg = self.config
         masks, iou = select_masks(masks, iou, multimask, cfg.stability_delta, cfg.stability_thresh)
@@ -144,7 +155,11 @@ class Sam2(nn.Module):
                 f"{embed.shape[0]} images for {P} sets"
             )
         return self.sam_mask_decoder(
-            embed + dense, encoder.dense_pe(), (s0, s1), tokens.to(embed.dtype), valid
+            embed + dense,
+            encoder.dense_pe().to(embed.dtype),
+            (s0, s1),
+            tokens.to(embed.dtype),
+            valid,
         )
 
     def _sparse_tokens(

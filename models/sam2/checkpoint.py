@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from models.sam.checkpoint import init_random as init_random_sam
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2
+from models.state_fit import fit_problems
 
 __all__ = [
     "IMAGE_PREFIXES",
@@ -148,27 +149,7 @@ def _read_model_state(path: Path) -> dict[str, Tensor]:
 
 def _check(path: Path, model: Sam2, state: dict[str, Tensor], config: Sam2Config) -> None:
     """Compare keys and shapes with the model; raise one error listing every kind of problem."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems: list[str] = []
-    mismatched = [
-        f"{k}: expected {expected[k]}, got {tuple(v.shape)}"
-        for k, v in state.items()
-        if k in expected and tuple(v.shape) != expected[k]
-    ]
-    if mismatched:
-        problems.append(
-            f"shape mismatch in {len(mismatched)} tensors ({'; '.join(mismatched[:3])}); "
-            f"is this checkpoint for {config.name}?"
-        )
-    missing = [k for k in expected if k not in state]
-    if missing:
-        problems.append(f"{len(missing)} missing image-path keys, e.g. {missing[:_SHOWN]}")
-    unexpected = [k for k in state if k not in expected]
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected image-path keys, e.g. {unexpected[:_SHOWN]}")
-    non_float = [k for k, v in state.items() if not v.is_floating_point()]
-    if non_float:
-        problems.append(f"non-floating-point tensors, e.g. {non_float[:_SHOWN]}")
+    problems = fit_problems(model, state, config.name, keys="image-path keys", hint="")
     if problems:
         raise Sam2CheckpointError(
             f"SAM 2 checkpoint {path} does not fit {config.name}: " + " | ".join(problems)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from models.sam.checkpoint import CheckpointError
+from models.state_fit import fit_problems
 from models.swin.config import SwinConfig
 from models.swin.model import SwinTransformer, WindowAttention
 
@@ -143,27 +144,7 @@ def _check_state_dict(
     path: Path, model: SwinTransformer, state: dict[str, Tensor], config: SwinConfig
 ) -> None:
     """Compare keys and shapes with the model; raise one error listing every kind of problem."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems: list[str] = []
-    mismatched = [
-        f"{k}: expected {expected[k]}, got {tuple(v.shape)}"
-        for k, v in state.items()
-        if k in expected and tuple(v.shape) != expected[k]
-    ]
-    if mismatched:
-        problems.append(
-            f"shape mismatch in {len(mismatched)} tensors ({'; '.join(mismatched[:3])}); "
-            f"the model name may be wrong: is this checkpoint for {config.name}?"
-        )
-    missing = [k for k in expected if k not in state]
-    if missing:
-        problems.append(f"{len(missing)} missing keys, e.g. {missing[:_SHOWN]}")
-    unexpected = [k for k in state if k not in expected]
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[:_SHOWN]}")
-    non_float = [k for k, v in state.items() if not v.is_floating_point()]
-    if non_float:
-        problems.append(f"non-floating-point tensors, e.g. {non_float[:_SHOWN]}")
+    problems = fit_problems(model, state, config.name)
     if problems:
         raise CheckpointError(
             f"Swin checkpoint {path} does not fit Swin {config.name}: " + " | ".join(problems)

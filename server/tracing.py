@@ -175,15 +175,17 @@ class Span:
     def engine_timing(self, timing_ms: Mapping[str, float]) -> None:
         """The engine's phases (`timing_ms` of its reply: encode, decode, ...) as child
         spans `engine.<phase>`, laid end to end in the reply's order and ending now (the
-        reply has just arrived). The engine measures them on its own clock, so these are
-        placed, not recorded: `serve.derived` says so."""
+        reply has just arrived). A phase's queue wait (`<phase>_queue`, part of the phase)
+        is a child `engine.<phase>.queue` at the phase's start. The engine measures them on
+        its own clock, so these are placed, not recorded: `serve.derived` says so."""
         from opentelemetry import trace
 
-        phases = [
-            (k, float(v))
+        numbers = {
+            k: float(v)
             for k, v in timing_ms.items()
             if isinstance(v, int | float) and not isinstance(v, bool)
-        ]
+        }
+        phases = [(k, ms) for k, ms in numbers.items() if not k.endswith("_queue")]
         end = time.time_ns()
         start = end - int(sum(ms for _, ms in phases) * 1e6)
         parent = trace.set_span_in_context(self.span)
@@ -195,6 +197,15 @@ class Span:
                 start_time=start,
                 attributes={"serve.derived": True, "serve.duration_ms": ms},
             )
+            queued = numbers.get(f"{phase}_queue")
+            if queued is not None:
+                wait = _tracer.start_span(
+                    f"engine.{phase}.queue",
+                    context=trace.set_span_in_context(child),
+                    start_time=start,
+                    attributes={"serve.derived": True, "serve.duration_ms": queued},
+                )
+                wait.end(end_time=min(stop, start + int(queued * 1e6)))
             child.end(end_time=stop)
             start = stop
 

@@ -99,6 +99,7 @@ class _Entry(Generic[Item, Result]):
     future: asyncio.Future[Result]
     enqueued: float = field(default_factory=time.monotonic)
     deadline: float | None = None
+    started: float | None = None  # when its batch began to run
 
 
 class Batcher(Generic[Item, Result]):
@@ -235,6 +236,7 @@ class Batcher(Generic[Item, Result]):
         memory: int = 0,
         deadline: float | None = None,
         admit_by: float | None = None,
+        timing: dict[str, float] | None = None,
     ) -> Result:
         """Queue one item and wait for its result.
 
@@ -244,6 +246,8 @@ class Batcher(Generic[Item, Result]):
         caller that keeps its own deadline(s) and cancels this call itself. `memory`: bytes
         the item's results hold until its batch ends; a batch's items hold at most
         `max_batch_memory` together (an item alone over it is the caller's to refuse).
+        `timing`, when given, gets `queue`: the seconds the item waited before its batch
+        ran (the rest of the call is the batch), for the response's phases and traces.
         """
         if self._closing:
             raise ServiceError(503, "not_ready", "the service is shutting down")
@@ -272,7 +276,10 @@ class Batcher(Generic[Item, Result]):
         self._wakeup.set()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.future), timeout)
+            result = await asyncio.wait_for(asyncio.shield(entry.future), timeout)
+            if timing is not None and entry.started is not None:
+                timing["queue"] = entry.started - entry.enqueued
+            return result
         except TimeoutError:
             self._abandon(entry, "deadline")
             raise ServiceError(
@@ -399,6 +406,8 @@ class Batcher(Generic[Item, Result]):
         self, loop: asyncio.AbstractEventLoop, batch: list[_Entry[Item, Result]]
     ) -> None:
         now = time.monotonic()
+        for entry in batch:
+            entry.started = now
         self._observer.batch_started(
             self.stage, len(batch), sum(e.cost for e in batch), [now - e.enqueued for e in batch]
         )
@@ -439,6 +448,21 @@ class Batcher(Generic[Item, Result]):
                 entry.future.set_exception(result)
             else:
                 entry.future.set_result(result)
+
+
+def with_queues(
+    timing_ms: dict[str, float], queues: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """`timing_ms` with `<phase>_queue` after each phase whose queue wait was measured
+    (`Batcher.submit`'s `timing`): the part of the phase spent waiting for a batch, which
+    the phase's own time includes."""
+    out: dict[str, float] = {}
+    for phase, ms in timing_ms.items():
+        out[phase] = ms
+        wait = queues.get(phase, {}).get("queue")
+        if wait is not None:
+            out[f"{phase}_queue"] = round(wait * 1000.0, 3)
+    return out
 
 
 # How the CPU allocator says it: a plain RuntimeError ("DefaultCPUAllocator: can't allocate

@@ -19,7 +19,7 @@ import torch
 
 from models.sam.automatic import AutomaticMaskGenerator
 from server.domain import EmbedResult, Image, ModelInfo, PromptMasks, SegmentRequest, SegmentResult
-from server.engine.batcher import Batcher
+from server.engine.batcher import Batcher, with_queues
 from server.engine.cache import EmbeddingCache, ImageEmbedding, LowResStore
 from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.engine.stages import DecodeItem, EncodeItem, SamStages
@@ -69,8 +69,14 @@ class SamService:
         self.worker = worker
 
     async def _embedding(
-        self, image: Image | None, image_id: str | None, deadline: float | None
+        self,
+        image: Image | None,
+        image_id: str | None,
+        deadline: float | None,
+        timing: dict[str, float] | None = None,
     ) -> tuple[ImageEmbedding, bool]:
+        """The image's embedding, cached or encoded; `timing` gets the encoder's `queue`
+        wait when this call's own encode ran (not for a hit, nor one shared with another)."""
         sam = self.parts
         if image is None:
             assert image_id is not None
@@ -91,19 +97,22 @@ class SamService:
             item = EncodeItem(
                 image.image_id, image.pixels, original_size=(image.height, image.width)
             )
-            return await sam.encoder.submit(item, admit_by=deadline)
+            return await sam.encoder.submit(item, admit_by=deadline, timing=timing)
 
         return await self.cache.get_or_compute(image.image_id, compute, deadline)
 
     async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
         started = time.perf_counter()
-        entry, cached = await self._embedding(image, None, deadline)
+        encode_timing: dict[str, float] = {}
+        entry, cached = await self._embedding(image, None, deadline, encode_timing)
         return EmbedResult(
             image_id=entry.image_id,
             width=entry.original_size[1],
             height=entry.original_size[0],
             cached=cached,
-            timing_ms={"encode": _ms(time.perf_counter() - started)},
+            timing_ms=with_queues(
+                {"encode": _ms(time.perf_counter() - started)}, {"encode": encode_timing}
+            ),
         )
 
     def lookup(self, image_id: str) -> EmbedResult:
@@ -125,9 +134,13 @@ class SamService:
         image = request.image
         if image is not None:  # refused before any encoder work is spent
             self._mask_memory(request, (image.height, image.width))
-        entry, cached = await self._embedding(request.image, request.image_id, request.deadline)
+        encode_timing: dict[str, float] = {}
+        entry, cached = await self._embedding(
+            request.image, request.image_id, request.deadline, encode_timing
+        )
         held = self._mask_memory(request, entry.original_size)
         encoded = time.perf_counter()
+        decode_timing: dict[str, float] = {}
         item = DecodeItem(
             entry,
             request.prompts,
@@ -137,8 +150,9 @@ class SamService:
             request.output,
         )
         results = await sam.decoder.submit(
-            item, cost=len(request.prompts), memory=held, deadline=request.deadline
-        )
+            item, cost=len(request.prompts), memory=held, deadline=request.deadline,
+            timing=decode_timing,
+        )  # fmt: skip
         for result in results:
             if result.low_res is not None:
                 logits = result.low_res  # [K, m, m]; the store keeps a copy of each mask's
@@ -154,7 +168,10 @@ class SamService:
             height=entry.original_size[0],
             cached=cached,
             results=results,
-            timing_ms={"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
+            timing_ms=with_queues(
+                {"encode": _ms(encoded - started), "decode": _ms(done - encoded)},
+                {"encode": encode_timing, "decode": decode_timing},
+            ),
         )
 
     def _mask_memory(self, request: SegmentRequest, size: tuple[int, int]) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from models.swin import IMAGENET_CLASSES
 from server.domain import ClassifyResult, Image, ModelInfo, Prediction
-from server.engine.batcher import Batcher
+from server.engine.batcher import Batcher, with_queues
 from server.engine.stages import ClassifyItem, SwinStage, TopK
 
 
@@ -32,12 +32,14 @@ class SwinService:
         self, image: Image, top_k: int, deadline: float | None = None
     ) -> ClassifyResult:
         started = time.perf_counter()
-        top = await self.parts.batcher.submit(ClassifyItem(image.pixels, top_k), deadline=deadline)
+        timing: dict[str, float] = {}
+        top = await self.parts.batcher.submit(
+            ClassifyItem(image.pixels, top_k), deadline=deadline, timing=timing
+        )
         names = IMAGENET_CLASSES
         predictions = [
             Prediction(label=names[i] if i < len(names) else str(i), index=i, score=s)
             for s, i in zip(top.scores, top.indices, strict=True)
         ]
-        return ClassifyResult(
-            predictions, timing_ms={"classify": _ms(time.perf_counter() - started)}
-        )
+        took = {"classify": _ms(time.perf_counter() - started)}
+        return ClassifyResult(predictions, timing_ms=with_queues(took, {"classify": timing}))

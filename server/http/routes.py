@@ -135,7 +135,8 @@ def _release(state: ServeState, image: Image | None) -> None:
         state.pixels.release_array(image.pixels)  # type: ignore[arg-type]
 
 
-_PHASES = ("encode", "decode", "generate", "classify")
+_PHASES = ("encode", "decode", "generate", "classify", "encode_queue", "decode_queue",
+           "classify_queue")  # fmt: skip
 
 
 def _record_timing(request: Request, state: ServeState, timing: dict[str, float]) -> None:

@@ -53,6 +53,10 @@ def test_points_multipart(client, jpeg_bytes):
     check_masks(body, 320, 240, per_result=1)
     assert body["model"] == {"name": "sam_vit_tiny", "weights": "random", "precision": "fp32"}
     assert {"encode", "decode", "total"} <= set(body["timing_ms"])
+    # the waits for a batch are parts of their phases
+    timing = body["timing_ms"]
+    assert 0 <= timing["decode_queue"] <= timing["decode"]
+    assert 0 <= timing.get("encode_queue", 0) <= timing["encode"]
     assert r.headers["x-request-id"]
 
 

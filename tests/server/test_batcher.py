@@ -90,6 +90,30 @@ def test_concurrent_items_are_batched_and_each_gets_its_own_result(executor):
     assert rec.depths[-1] == 0
 
 
+def test_each_item_learns_how_long_it_waited_for_its_batch(executor):
+    """`timing` gets the queue wait: nothing for the first item on an idle worker, at least
+    the running batch's time for one queued behind it."""
+    worker = Worker(delay_s=0.05)
+
+    async def main():
+        batcher, _ = make(worker, executor, max_batch_cost=1)
+        batcher.start()
+        first: dict[str, float] = {}
+        second: dict[str, float] = {}
+        started = time.monotonic()
+        results = await asyncio.gather(
+            batcher.submit(2, timing=first), batcher.submit(3, timing=second)
+        )
+        took = time.monotonic() - started
+        await batcher.close()
+        return results, first, second, took
+
+    results, first, second, took = run(main())
+    assert results == [4, 9]
+    assert 0 <= first["queue"] < 0.04  # dispatched at once: the worker was idle
+    assert 0.04 <= second["queue"] <= took  # behind the first batch's 50 ms
+
+
 def test_costs_bound_a_batch(executor):
     worker = Worker()
 

@@ -157,6 +157,14 @@ def test_segment_continues_the_clients_trace(traced, jpeg_bytes):
         ms = (derived.end_time - derived.start_time) / 1e6
         assert ms == pytest.approx(timing[phase], abs=0.01)
     assert encode.end_time == decode.start_time
+    # each phase's wait for a batch, from the engine's timing, at the phase's start
+    assert timing["decode_queue"] <= timing["decode"]
+    waited = one(spans, "engine.decode.queue")
+    assert waited.parent is not None and waited.parent.span_id == decode.context.span_id
+    assert waited.start_time == decode.start_time and waited.end_time is not None
+    assert (waited.end_time - waited.start_time) / 1e6 == pytest.approx(
+        timing["decode_queue"], abs=0.01
+    )
 
 
 def test_without_traceparent_a_new_trace_starts(traced, jpeg_bytes, caplog):

@@ -7,9 +7,17 @@ a user is best served by one error that lists every kind of problem at once, not
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 SHOWN = 5  # keys quoted per kind of problem
+
+
+def non_tensor_entries(state: dict[Any, Any]) -> list[str]:
+    """The keys of a loaded dict that are not a name mapped to a tensor: a file that is a
+    pickle of something else, read before any key or shape is compared."""
+    return [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
 
 
 def fit_problems(

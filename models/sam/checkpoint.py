@@ -20,7 +20,7 @@ from models.sam.image_encoder import Attention as EncoderAttention
 from models.sam.image_encoder import ImageEncoderViT
 from models.sam.prompt_encoder import PositionEmbeddingRandom
 from models.sam.sam import Sam
-from models.state_fit import fit_problems
+from models.state_fit import fit_problems, non_tensor_entries
 
 __all__ = ["CheckpointError", "init_random", "load_sam"]
 
@@ -78,7 +78,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
             f"SAM checkpoint {path}: expected a state dict (dict of tensors), "
             f"got {type(state).__name__}"
         )
-    bad = [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+    bad = non_tensor_entries(state)
     if bad:
         raise CheckpointError(
             f"SAM checkpoint {path}: not a state dict of tensors; {len(bad)} entries are not "

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from models.sam.checkpoint import init_random as init_random_sam
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2
-from models.state_fit import fit_problems
+from models.state_fit import fit_problems, non_tensor_entries
 
 __all__ = [
     "IMAGE_PREFIXES",
@@ -138,7 +138,7 @@ def _read_model_state(path: Path) -> dict[str, Tensor]:
             f"SAM 2 checkpoint {path}: expected Meta's format {{'model': state_dict}}, got {got}"
         )
     state = blob["model"]
-    bad = [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+    bad = non_tensor_entries(state)
     if bad:
         raise Sam2CheckpointError(
             f"SAM 2 checkpoint {path}: {len(bad)} entries of 'model' are not tensors, "

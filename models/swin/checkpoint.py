@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from models.sam.checkpoint import CheckpointError
-from models.state_fit import fit_problems
+from models.state_fit import fit_problems, non_tensor_entries
 from models.swin.config import SwinConfig
 from models.swin.model import SwinTransformer, WindowAttention
 
@@ -77,7 +77,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
             f"Swin checkpoint {path}: expected a state dict (dict of tensors), "
             f"got {type(state).__name__}{' (empty)' if isinstance(state, dict) else ''}"
         )
-    bad = [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+    bad = non_tensor_entries(state)
     if bad:
         raise CheckpointError(
             f"Swin checkpoint {path}: not a state dict of tensors; {len(bad)} entries are not "

@@ -10,13 +10,18 @@ device; each carries a manifest of its full key, so one that no longer matches (
 weights, torch or code) is rebuilt with a log line saying what changed, and one that
 fails to load or run (a truncated copy) is rebuilt, saying why.
 
-Limits: shapes are static (one package per batch bucket; other sizes run eagerly), and
-a Python custom op (our Triton attention, `models.sam.fused_attention`) cannot be called
+One package serves every batch size of a stage: it is exported with a dynamic batch
+dimension (up to `MAX_BATCH`), so a start loads one file per model however many buckets
+it warms, and a cold start builds one (each build ran C++ and Triton compilers for about
+100 s on an H100 machine). Limits: the other dimensions are static, buckets not prepared
+run eagerly, and a Python custom op (our Triton attention, `models.sam.fused_attention`) cannot be called
 from the packaged C++; such a model must use SDPA when packaged.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import json
@@ -93,15 +98,47 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "+-." else "_" for c in text)
 
 
+@functools.cache
+def _share_cxx_runtime() -> None:
+    """Put the process's libstdc++ in the global symbol scope, once, before a package loads.
+
+    A package's `.so` carries its own copies of the C++ templates it uses (std::regex, in
+    the device-string parser its constructor runs) and, when built with a compiler that
+    does not link libstdc++ (the GPU image's `CXX=/opt/gcc/bin/g++`), no dependency on it.
+    torch loads libstdc++ privately (Python's extensions are opened RTLD_LOCAL), so the
+    package's copies bound to themselves and met locale facets made by the real library:
+    a segmentation fault in `regex_traits::transform_primary` at load, for every package,
+    CPU or CUDA (bench/gpu_aot_diag.sh, docs/BENCHMARKS.md). Opening the library again
+    with RTLD_GLOBAL makes the package bind to the one the process already uses, as an
+    LD_PRELOAD of it did on that machine.
+    """
+    name = ctypes.util.find_library("stdc++") or "libstdc++.so.6"
+    try:
+        ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
+    except OSError as exc:  # a static or absent runtime: nothing to share
+        log.debug("libstdc++ not opened globally (%s)", exc)
+
+
+def load_package(package: Path) -> Callable[..., Tensor]:
+    """`aoti_load_package`, after making the C++ runtime one for the package and torch."""
+    _share_cxx_runtime()
+    return torch._inductor.aoti_load_package(str(package))  # type: ignore[no-any-return]
+
+
+MAX_BATCH = 256  # the largest batch a package accepts (the settings' own limit)
+
+
 class AotStore:
     """Packages of one model (one key) in `folder`; `prepare` loads one or builds it."""
 
     def __init__(self, folder: Path, key: PackageKey) -> None:
         self.key = key if key.code else replace(key, code=code_version())
         self.folder = folder / _slug(key.model) / _slug(key.variant) / _slug(key.device)
+        self._loaded: dict[Path, Callable[[Tensor], Tensor]] = {}
 
     def path(self, stage: str, shape: tuple[int, ...]) -> Path:
-        return self.folder / f"{_slug(stage)}-{'x'.join(map(str, shape))}.pt2"
+        """The package of `stage` for inputs of `shape`, whatever its batch size (`N`)."""
+        return self.folder / f"{_slug(stage)}-{'x'.join(['N', *map(str, shape[1:])])}.pt2"
 
     def why_rebuild(self, package: Path) -> str | None:
         """Why the package at `package` cannot be used as it is; None when it can."""
@@ -120,25 +157,35 @@ class AotStore:
     ) -> tuple[Callable[[Tensor], Tensor], str]:
         """The packaged `module` for `example`'s shape and how it was got (for the log)."""
         package = self.path(stage, tuple(example.shape))
-        why = self.why_rebuild(package)
         started = time.perf_counter()
         fn: Callable[[Tensor], Tensor]
+        if package in self._loaded:  # another bucket of this stage loaded it already
+            fn = self._loaded[package]
+            with torch.inference_mode():
+                fn(example)
+            return fn, f"shared package, checked in {time.perf_counter() - started:.2f}s"
+        why = self.why_rebuild(package)
         if why is None:
             try:
-                fn = torch._inductor.aoti_load_package(str(package))
+                fn = load_package(package)
                 with torch.inference_mode():
                     fn(example)  # a truncated .so can load and then fail: check it runs
+                self._loaded[package] = fn
                 return fn, f"loaded in {time.perf_counter() - started:.2f}s"
             except Exception as exc:  # any failure to load or run means: build it again
                 why = f"corrupt ({type(exc).__name__}: {str(exc)[:120]})"
         log.info("AOT package %s: building (%s)", package.name, why)
         fn = self._build(package, module, example)
+        self._loaded[package] = fn
         return fn, f"built in {time.perf_counter() - started:.1f}s ({why})"
 
     def _build(self, package: Path, module: nn.Module, example: Tensor) -> Callable[..., Tensor]:
         package.parent.mkdir(parents=True, exist_ok=True)
+        # exported from a batch of two: an example of one would be specialised to one
+        two = example[:1].expand(2, *example.shape[1:]).contiguous()
+        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
         with torch.no_grad():
-            exported = torch.export.export(module, (example,))
+            exported = torch.export.export(module, (two,), dynamic_shapes=({0: batch},))
         # written aside and renamed: a process killed mid-build, or two replicas building
         # at once, never leave a half-written package under the real name
         partial = package.with_name(f".{package.name}.{os.getpid()}.tmp.pt2")
@@ -148,7 +195,7 @@ class AotStore:
         partial_manifest = manifest.with_name(f".{manifest.name}.{os.getpid()}.tmp")
         partial_manifest.write_text(json.dumps(asdict(self.key), indent=1))
         os.replace(partial_manifest, manifest)
-        return torch._inductor.aoti_load_package(str(package))
+        return load_package(package)
 
 
 class AotBuckets:

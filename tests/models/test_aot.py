@@ -2,7 +2,8 @@
 package is named with what changed; a corrupt one is rebuilt, saying why.
 
 Each build runs the C++ compiler (tens of seconds on a busy 2-core machine): the module
-builds two packages, one per path that must build.
+builds two packages, one per path that must build. A package has a dynamic batch
+dimension: one per stage serves every bucket.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def test_a_package_round_trip_gives_the_eager_outputs(model, key, folder, exampl
         # a shape never prepared runs eagerly rather than failing
         one = example[:1]
         assert torch.equal(again(one), model(one))
+        # one package serves every batch size: a second bucket shares it, nothing is built
+        assert again.prepare(one).startswith("shared package")
+        assert torch.allclose(again(one), model(one), atol=1e-4, rtol=1e-4)
+        four = torch.cat([example, example.flip(0)])
+        assert again.prepare(four).startswith("shared package")
+        assert torch.allclose(again(four), model(four), atol=1e-4, rtol=1e-4)
+        assert len(list(folder.rglob("*.pt2"))) == 1
 
 
 def test_the_weights_and_the_code_are_in_the_key(model, key):

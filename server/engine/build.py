@@ -61,7 +61,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)
         window_attention="triton" if attention == "triton" else "sdpa",
         compile_mode=compile_mode,
-        cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
+        # An AOT package launches its kernels from C++ already, and AOTInductor's runner
+        # does not survive stream capture (capture invalidated on an H100, issue 21).
+        cuda_graphs=settings.cuda_graphs and cuda and compile_mode not in ("none", "aot"),
     )
 
 

@@ -14,20 +14,20 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 CACHE=/tmp/aot-cache
-rm -rf "$CACHE"
+[ -n "${SKIP_COLD:-}" ] || rm -rf "$CACHE"
 SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$CACHE" ${EXTRA_ENV:-})
 {
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
   started=$(date +%s%N)
-  env "${SERVER_ENV[@]}" timeout "${COMPILE_TIMEOUT:-330}" python3 -m server compile > "$OUT/compile.log" 2>&1
+  [ -n "${SKIP_COLD:-}" ] || env "${SERVER_ENV[@]}" timeout "${COMPILE_TIMEOUT:-330}" python3 -m server compile > "$OUT/compile.log" 2>&1
   rc=$?
   echo "cold: python -m server compile rc=$rc (124: cut at ${COMPILE_TIMEOUT:-330} s) in $(( ($(date +%s%N) - started) / 1000000 )) ms"
   grep -o '"message": "start-up [^"]*"' "$OUT/compile.log" | tail -1
   grep -c '"message": "AOT [^"]*: built in' "$OUT/compile.log" | sed 's/^/AOT packages built: /'
   for run in 1 2; do
-    timeout 50 python3 -m bench.startup --timeout 45 --log "$OUT/warm$run.log" \
+    timeout 200 python3 -m bench.startup --timeout "${WARM_TIMEOUT:-120}" --log "$OUT/warm$run.log" \
       --env "${SERVER_ENV[@]}" 2>&1 | tail -1 | sed "s/^/warm start $run: /"
-    grep -o '"message": "AOT [^"]*"' "$OUT/warm$run.log" | head -20
+    grep -o '"message": "[^"]*"' "$OUT/warm$run.log" | grep -E "AOT|start-up|warmed|ready" | head -40
   done
   du -sh "$CACHE"/aot
 } 2>&1 | tee "$OUT/summary.txt"

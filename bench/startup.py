@@ -71,10 +71,12 @@ def measure(env: dict[str, str], timeout_s: float, keep_log: Path | None) -> dic
             peak = _peak_rss_bytes(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        text = Path(out.name).read_text()
-        if keep_log is not None:
-            keep_log.write_text(text)
+            try:
+                proc.wait(timeout=60)
+            finally:  # kept when the start failed too: that log says how far it got
+                text = Path(out.name).read_text()
+                if keep_log is not None:
+                    keep_log.write_text(text)
         steps = [line for line in text.splitlines() if '"start-up ' in line]
     return {
         "ready_s": round(seconds, 1),

@@ -82,7 +82,7 @@ class _Spinner:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()
@@ -126,6 +126,17 @@ def main() -> None:
             whole = _median_ms(lambda items=items: stages.decode(items), args.iters)
             low_res, iou = stages._run_decoder(embeddings, sets)
             decoder = _median_ms(lambda e=embeddings, s=sets: stages._run_decoder(e, s), args.iters)
+            # the same batch without the decoder's CUDA graphs (the compiled decoder alone),
+            # and how far the graphs' answer is from it
+            graphs, stages._graphs = stages._graphs, None
+            compiled_ms = _median_ms(
+                lambda e=embeddings, s=sets: stages._run_decoder(e, s), args.iters
+            )
+            plain_low_res, plain_iou = stages._run_decoder(embeddings, sets)
+            stages._graphs = graphs
+            graph_diff = max(
+                (low_res - plain_low_res).abs().max().item(), (iou - plain_iou).abs().max().item()
+            )
 
             def masks(
                 items: list[DecodeItem] = items,
@@ -145,6 +156,9 @@ def main() -> None:
                     "clicks": n,
                     "batch_ms": whole,
                     "decoder_ms": decoder,
+                    "decoder_no_graph_ms": compiled_ms,
+                    "graph_vs_no_graph_max_abs": graph_diff,
+                    "graphed": graphs is not None,
                     "masks_ms": mask_ms,
                     "runs_ms": runs_ms,
                     "contended_ms": contended,

@@ -26,6 +26,8 @@ from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
 from models.sam import transforms as sam_tf
 from models.sam.automatic_memory import upscale_bytes
+from models.sam.decoder_graphs import DecoderGraphs
+from models.sam.prompts import PromptBatch
 from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
 from server.domain import Prompt, PromptMasks
@@ -33,6 +35,8 @@ from server.engine.cache import ImageEmbedding
 from server.engine.runs import mask_runs
 
 log = logging.getLogger(__name__)
+
+GRAPHED_SETS = 64  # decoder batches up to this many prompt sets replay a CUDA graph
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -162,6 +166,19 @@ class SamStages:
         self.compiled = decoder_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None  # the warm-up's, for the decoder's
         self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)  # type: ignore[arg-type]
+        # one CUDA graph per (prompt sets, tokens) bucket up to GRAPHED_SETS sets; larger
+        # batches (segment everything's) run the compiled decoder
+        graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS]
+        self._graphs: DecoderGraphs | None = None
+        if options.cuda_graphs and self.compiled and device.type == "cuda" and graphed:
+            self._graphs = DecoderGraphs(
+                self._decode_unpadded_tokens,
+                embedding_shape=(config.prompt_embed_dim, *(config.embedding_size,) * 2),
+                mask_size=4 * config.embedding_size,
+                dtype=self.dtype,
+                device=device,
+                set_buckets=graphed,
+            )
 
     @torch.inference_mode()
     def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
@@ -226,12 +243,21 @@ class SamStages:
         mask_size = 4 * self.config.embedding_size if self.compiled else None
         # no image_index: row p of the stack is set p's embedding, not gathered again
         prompts = pack_prompts(sets, None, self.device, mask_size)
+        if self._graphs is not None:
+            graphed = self._graphs.run(embeddings, prompts)
+            if graphed is not None:
+                return graphed
+        low_res, iou = self._decode_unpadded_tokens(torch.stack(embeddings), prompts)
+        return low_res.float(), iou.float()
+
+    def _decode_unpadded_tokens(
+        self, embeddings: torch.Tensor, prompts: PromptBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # Without duck shaping, sizes that happen to be equal when a graph is traced (2 sets
         # of 2 tokens) are not assumed equal, so no graph holds only for P == T and warm-up
         # traces one graph fewer (3, not 4).
         with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            low_res, iou = self._decode(torch.stack(embeddings), prompts)
-        return low_res.float(), iou.float()
+            return self._decode(embeddings, prompts)  # type: ignore[return-value]
 
     def _slice_prompts(self, masks: int, size: tuple[int, int]) -> int:
         """How many prompts' masks (`masks` each) are upscaled at once within work_bytes."""
@@ -425,6 +451,10 @@ class SamStages:
         for prompt in prompts:
             # compiled, a refinement click (mask_input) runs the same graph: see decode
             self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
+        if self._graphs is not None and bucket in self._graphs.set_buckets:
+            with torch.inference_mode():
+                took = self._graphs.capture(bucket)
+            log.info("captured decoder graphs for %d prompt sets in %.2fs", bucket, took)
         log.info("warmed decoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
 

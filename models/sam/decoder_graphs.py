@@ -1,0 +1,177 @@
+"""CUDA graphs of SAM's compiled mask decoder, one per (prompt sets, tokens) bucket.
+
+Why: a decoder batch is small GPU work (a few hundred microseconds for eight clicks on an
+H100) behind hundreds of kernel launches and the compiled function's guards, which took
+4 to 5 ms per batch of the engine's one decoder thread (docs/BENCHMARKS.md, issue 19).
+A graph replays the whole decoder as one launch.
+
+A graph needs fixed shapes and fixed addresses, so every batch is copied into static
+buffers padded to a bucket: P prompt sets up to the next captured set count (the rows
+past P keep an earlier batch's data and their outputs are dropped: rows never mix), and
+T tokens up to the next token bucket (the extra tokens are flagged invalid, so attention
+masks them out exactly as it does the padding `pack_prompts` already adds). A batch no
+graph fits (more sets or tokens than any bucket) returns None: the caller runs the
+compiled decoder as before.
+
+With `graphs=False` (the CPU) the same buffers are filled and the decoder is called on
+them directly: the copying and padding that a replay depends on are what the CPU tests
+check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from models.sam.prompt_encoder import LABEL_NOT_A_POINT, LABEL_PAD
+from models.sam.prompts import PromptBatch
+
+__all__ = ["TOKEN_BUCKETS", "DecoderGraphs"]
+
+log = logging.getLogger(__name__)
+
+# 2: one click (its point and the not-a-point token) or a box; 4: up to three clicks, or a
+# box and a click; 8: up to seven clicks. Longer prompt lists run the compiled decoder.
+TOKEN_BUCKETS = (2, 4, 8)
+
+Decode = Callable[[Tensor, PromptBatch], tuple[Tensor, Tensor]]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph | None
+    low_res: Tensor  # the outputs of the captured call, overwritten by each replay
+    iou: Tensor
+
+
+class DecoderGraphs:
+    """Static buffers for the largest bucket, and one graph per (sets, tokens) bucket.
+
+    The buffers are shared by every graph: a bucket of P sets uses their first P rows (a
+    contiguous slice, the same strides a fresh tensor would have). Graphs replay one at a
+    time, on the decoder's one thread.
+    """
+
+    def __init__(
+        self,
+        decode: Decode,
+        *,
+        embedding_shape: tuple[int, int, int],
+        mask_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        set_buckets: Sequence[int],
+        token_buckets: Sequence[int] = TOKEN_BUCKETS,
+        graphs: bool = True,
+    ) -> None:
+        if not set_buckets:
+            raise ValueError("DecoderGraphs needs at least one set bucket")
+        self.decode = decode
+        self.device = device
+        self.graphs = graphs and device.type == "cuda"
+        self.set_buckets = sorted(set(set_buckets))
+        self.token_buckets = sorted(set(token_buckets))
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._captured: dict[tuple[int, int], _Captured] = {}
+        rows = self.set_buckets[-1]
+        with torch.inference_mode():  # as served: dynamo's guards tell the two apart
+            self._embeddings = torch.zeros((rows, *embedding_shape), dtype=dtype, device=device)
+            self._mask = torch.zeros((rows, 1, mask_size, mask_size), device=device)
+            self._has_mask = torch.zeros(rows, dtype=torch.bool, device=device)
+            self._tokens = {t: self._token_buffers(rows, t) for t in self.token_buckets}
+
+    def _token_buffers(self, rows: int, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(points, labels, valid) of `tokens` tokens; until a batch fills a row, it holds a
+        single not-a-point token, so no row's attention is over nothing but padding."""
+        points = torch.zeros((rows, tokens, 2), device=self.device)
+        labels = torch.full((rows, tokens), LABEL_PAD, dtype=torch.int64, device=self.device)
+        labels[:, 0] = LABEL_NOT_A_POINT
+        return points, labels, labels != LABEL_PAD
+
+    def bucket(self, sets: int, tokens: int) -> tuple[int, int] | None:
+        """The smallest (sets, tokens) bucket that holds a batch, or None."""
+        s = next((b for b in self.set_buckets if b >= sets), None)
+        t = next((b for b in self.token_buckets if b >= tokens), None)
+        return None if s is None or t is None else (s, t)
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._captured)
+
+    def _inputs(self, sets: int, tokens: int) -> tuple[Tensor, PromptBatch]:
+        points, labels, valid = self._tokens[tokens]
+        return self._embeddings[:sets], PromptBatch(
+            image_index=None,
+            points=points[:sets],
+            point_labels=labels[:sets],
+            token_valid=valid[:sets],
+            mask_input=self._mask[:sets],
+            has_mask_input=self._has_mask[:sets],
+        )
+
+    def capture(self, sets: int, warmup_runs: int = 2) -> float:
+        """Capture every token bucket for a batch of `sets` prompt sets; seconds taken.
+
+        The decoder runs a few times first on a side stream (compiling the shapes it has
+        not met), then once under capture.
+        """
+        if sets not in self.set_buckets:
+            raise ValueError(f"{sets} is not a set bucket {self.set_buckets}")
+        started = time.perf_counter()
+        for tokens in self.token_buckets:
+            embeddings, prompts = self._inputs(sets, tokens)
+            if not self.graphs:
+                low_res, iou = self.decode(embeddings, prompts)
+                self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
+                continue
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(warmup_runs):
+                    self.decode(embeddings, prompts)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                low_res, iou = self.decode(embeddings, prompts)
+            self._captured[(sets, tokens)] = _Captured(graph, low_res, iou)
+        return time.perf_counter() - started
+
+    def run(
+        self, embeddings: Sequence[Tensor], prompts: PromptBatch
+    ) -> tuple[Tensor, Tensor] | None:
+        """Decode set p against `embeddings[p]` through a graph: low-res logits `[P, 4, m, m]`
+        and IoU `[P, 4]` (fresh tensors, not the graph's), or None when none fits."""
+        sets, tokens = prompts.points.shape[:2]
+        key = self.bucket(sets, tokens)
+        if key is None or key not in self._captured or prompts.image_index is not None:
+            return None
+        if prompts.mask_input is None or prompts.has_mask_input is None:
+            raise ValueError("a graphed decoder needs the mask input always present")
+        points, labels, valid = self._tokens[key[1]]
+        torch.stack(list(embeddings), out=self._embeddings[:sets])
+        points[:sets, :tokens].copy_(prompts.points)
+        labels[:sets, :tokens].copy_(prompts.point_labels)
+        valid[:sets, :tokens].copy_(prompts.token_valid)
+        if tokens < key[1]:
+            points[:sets, tokens:].zero_()
+            labels[:sets, tokens:].fill_(LABEL_PAD)
+            valid[:sets, tokens:].fill_(False)
+        self._mask[:sets].copy_(prompts.mask_input)
+        self._has_mask[:sets].copy_(prompts.has_mask_input)
+        captured = self._captured[key]
+        if captured.graph is not None:
+            captured.graph.replay()
+            low_res, iou = captured.low_res, captured.iou
+        else:
+            low_res, iou = self.decode(*self._inputs(*key))
+        # copies: the next replay overwrites the graph's outputs
+        return _fresh_float(low_res[:sets]), _fresh_float(iou[:sets])
+
+
+def _fresh_float(t: Tensor) -> Tensor:
+    return t.float() if t.dtype != torch.float32 else t.clone()

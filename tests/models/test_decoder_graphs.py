@@ -1,0 +1,99 @@
+"""The decoder's graph buffers: a batch copied into the padded static buffers (sets padded
+to a bucket, tokens padded to a token bucket) decodes to what the decoder gives the batch
+as it is. On the CPU no graph is captured, but the buffers, slices and padding a replay
+reads are the same ones (models.sam.decoder_graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from models.sam import PromptSet, Sam, pack_prompts
+from models.sam.decoder_graphs import DecoderGraphs
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def embeddings(tiny_sam: Sam) -> Tensor:
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        return tiny_sam.encode(torch.randn(2, 3, 256, 256, generator=g))
+
+
+@pytest.fixture()
+def graphs(tiny_sam: Sam) -> DecoderGraphs:
+    size = tiny_sam.prompt_encoder.image_embedding_size[0]
+    g = DecoderGraphs(
+        tiny_sam.decode,
+        embedding_shape=(256, size, size),
+        mask_size=4 * size,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        set_buckets=[1, 2, 4, 8],
+    )
+    with torch.inference_mode():
+        for sets in g.set_buckets:
+            g.capture(sets)
+    return g
+
+
+def _sets(n: int, seed: int, *, points: int = 1, mask: bool = False) -> list[PromptSet]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        box = None if k % 3 else torch.tensor([20.0, 30.0, 120.0, 160.0]) + k
+        labels = torch.randint(0, 2, (points,), generator=g)
+        m = torch.randn(1, 64, 64, generator=g) * 3 if mask and k % 2 else None
+        out.append(PromptSet(torch.rand(points, 2, generator=g) * 250, labels, box, m))
+    return out
+
+
+def _check(tiny_sam: Sam, graphs: DecoderGraphs, embeddings: Tensor, sets: list[PromptSet]):
+    rows = [embeddings[k % 2] for k in range(len(sets))]
+    prompts = pack_prompts(sets, None, "cpu", mask_size=64)
+    with torch.inference_mode():
+        out = graphs.run(rows, prompts)
+        assert out is not None
+        want = tiny_sam.decode(torch.stack(rows), prompts)
+    for got, expected in zip(out, want, strict=True):
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert torch.allclose(got, expected, atol=TOL, rtol=TOL), (got - expected).abs().max()
+    return out
+
+
+def test_buckets_cover_what_they_should(graphs: DecoderGraphs) -> None:
+    assert graphs.captured == [(s, t) for s in (1, 2, 4, 8) for t in (2, 4, 8)]
+    assert graphs.bucket(3, 3) == (4, 4) and graphs.bucket(1, 2) == (1, 2)
+    assert graphs.bucket(9, 2) is None and graphs.bucket(2, 9) is None
+
+
+def test_padded_sets_and_tokens_decode_as_the_batch_alone(tiny_sam, graphs, embeddings) -> None:
+    _check(tiny_sam, graphs, embeddings, _sets(3, 1))  # 3 sets in the 4 bucket, 2-3 tokens
+    _check(tiny_sam, graphs, embeddings, _sets(5, 2, points=3, mask=True))  # 8 bucket, 4
+    _check(tiny_sam, graphs, embeddings, _sets(1, 3, points=6))  # 7 tokens in the 8 bucket
+
+
+def test_a_smaller_batch_after_a_larger_one_is_not_mixed_with_it(
+    tiny_sam, graphs, embeddings
+) -> None:
+    # rows and tokens the first batch filled are stale for the second: they must not leak
+    _check(tiny_sam, graphs, embeddings, _sets(8, 4, points=5, mask=True))
+    first = _check(tiny_sam, graphs, embeddings, _sets(5, 5, points=1))
+    again = _check(tiny_sam, graphs, embeddings, _sets(5, 5, points=1))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_batch_no_bucket_holds_is_left_to_the_caller(graphs, embeddings) -> None:
+    too_many = pack_prompts(_sets(9, 6), None, "cpu", mask_size=64)
+    too_long = pack_prompts(_sets(1, 7, points=8), None, "cpu", mask_size=64)
+    with torch.inference_mode():
+        assert graphs.run([embeddings[0]] * 9, too_many) is None
+        assert graphs.run([embeddings[0]], too_long) is None
+
+
+def test_the_graphs_need_the_mask_input_always_present(graphs, embeddings) -> None:
+    bare = pack_prompts(_sets(2, 8), None, "cpu")
+    with torch.inference_mode(), pytest.raises(ValueError, match="mask input"):
+        graphs.run([embeddings[0]] * 2, bare)

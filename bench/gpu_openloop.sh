@@ -107,5 +107,13 @@ per_step=$((WARMUP + SECONDS_PER_RATE + 7))
 python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \
   "$URL" > "$OUT/metrics.txt" 2>&1
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpu.csv" 2>&1
+if [ -n "${DUMP_STACKS:-}" ]; then  # every engine thread's Python stack (faulthandler)
+  for pid in $(grep -o '"engine-[0-9]* process [0-9]* started' "$OUT/server.log" | awk '{print $3}'); do
+    kill -USR1 "$pid" 2> /dev/null
+  done
+  sleep 2
+  grep -E '^(Thread|Current thread|  File)' "$OUT/server.log" > "$OUT/stacks.txt"
+fi
+grep -E '"level": "(error|critical)"|Traceback|Error' "$OUT/server.log" | head -50 > "$OUT/errors.txt"
 stop_server
 echo "total $(($(date +%s) - started)) s" | tee -a "$OUT/openloop.txt"

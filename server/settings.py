@@ -84,6 +84,8 @@ class Settings(BaseSettings):
     aot: AOTInductor packages of the encoders in SERVE_COMPILE_CACHE_DIR (models/aot.py)"""
     cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
     """one CUDA graph per warmed batch bucket (CUDA with compile only)"""
+    decoder_graphs: bool = True
+    """CUDA graphs of SAM's decoder too, per (prompt sets, tokens) bucket (with cuda_graphs)"""
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
     """folder for persistent inductor/Triton caches, so restarts skip most compilation"""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -321,6 +322,9 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     tracing.setup(role)
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
+    # `kill -USR1 <engine pid>`: every thread's Python stack to the log, for a hung engine
+    # (a blocked event loop cannot log anything itself)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = EngineServer(settings, address, Metrics(role))
 
     async def main() -> None:

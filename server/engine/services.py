@@ -266,6 +266,7 @@ class Engine:
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
             aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
+            decoder_graphs=s.decoder_graphs,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(

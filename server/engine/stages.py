@@ -142,6 +142,7 @@ class SamStages:
         rle_on_device: bool = False,
         work_bytes: int = 256 * 1024**2,
         aot: AotStore | None = None,
+        decoder_graphs: bool = True,
     ) -> None:
         self.model = model
         self.rle_on_device = rle_on_device
@@ -168,9 +169,9 @@ class SamStages:
         self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)  # type: ignore[arg-type]
         # one CUDA graph per (prompt sets, tokens) bucket up to GRAPHED_SETS sets; larger
         # batches (segment everything's) run the compiled decoder
-        graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS]
+        graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS] or [1]
         self._graphs: DecoderGraphs | None = None
-        if options.cuda_graphs and self.compiled and device.type == "cuda" and graphed:
+        if decoder_graphs and options.cuda_graphs and self.compiled and device.type == "cuda":
             self._graphs = DecoderGraphs(
                 self._decode_unpadded_tokens,
                 embedding_shape=(config.prompt_embed_dim, *(config.embedding_size,) * 2),
@@ -469,6 +470,7 @@ class SwinStage:
         options: OptimizeOptions,
         buckets: Sequence[int],
         aot: AotStore | None = None,
+        decoder_graphs: bool = True,
     ) -> None:
         self.model = model
         self.config = config

@@ -62,7 +62,7 @@ from server.engine.workers import StageWorkers
 from server.errors import ServiceError
 from server.progress import StartupProgress
 from server.settings import Settings
-from server.settings_cli import sam_model_names
+from server.settings_cli import sam2_problems, sam_model_names
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,9 @@ class Engine:
         """SAM 2.1 through the same batchers and service as SAM (`Sam2Stages`); no segment
         everything yet (501), fp32 eager on the CPU, bf16 and compiled on CUDA."""
         s = self.settings
+        problems = sam2_problems(s)  # `python -m server` said so before; `build_app` callers
+        if problems:
+            raise ValueError("; ".join(problems))
         opts = self.options
         model = load_sam2(SAM2_CONFIGS[s.sam_model], s.sam_checkpoint, seed=s.seed)
         model = model.to(self.device, opts.dtype)

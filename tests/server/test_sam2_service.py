@@ -177,6 +177,11 @@ def test_refinement_with_a_handle(http: httpx.Client, model: Sam2) -> None:
     )
     assert_same_masks(masks_of(refined), masks)
     np.testing.assert_allclose(scores_of(refined), scores, atol=1e-4)
+    # the previous round's logits alone, no click (an empty point list, as Meta's predictor)
+    alone = segment(http, image_id=first["image_id"], mask_input=handles[2])
+    masks, scores, _ = reference(model, image, mask_input=low_res[2:3][None])
+    assert_same_masks(masks_of(alone), masks)
+    np.testing.assert_allclose(scores_of(alone), scores, atol=1e-4)
     # a handle on another image is refused, as for SAM
     truck_id = http.post("/v1/embed", files={"image": ("t.jpg", TRUCK, "image/jpeg")}).json()
     r = http.post("/v1/segment", json={"image_id": truck_id["image_id"], "point_coords":
@@ -222,6 +227,37 @@ def test_concurrent_requests_on_two_photos_equal_each_alone(http: httpx.Client) 
         for n in range(len(body["results"])):
             assert_same_masks(masks_of(body, n), masks_of(alone, n))
             np.testing.assert_allclose(scores_of(body, n), scores_of(alone, n), atol=1e-5)
+
+
+ENTRY_BYTES = 1024**2  # sam2_test_tiny in fp32: embedding 256 KiB, s0 512 KiB, s1 256 KiB
+
+
+def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
+    make_server: Any, model: Sam2
+) -> None:
+    """A device tier of 1.5 entries holds one image (the embedding alone would let six
+    fit); with a host tier the evicted image's features come back whole for a click."""
+    device_only = make_server(sam_model=MODEL, enable_swin=False,
+                              embedding_cache_bytes=3 * ENTRY_BYTES // 2)  # fmt: skip
+    with httpx.Client(base_url=device_only.url, timeout=60) as http:
+        dog = http.post("/v1/embed", files={"image": ("d.jpg", DOG, "image/jpeg")}).json()
+        http.post("/v1/embed", files={"image": ("t.jpg", TRUCK, "image/jpeg")})
+        r = http.post("/v1/segment", json={"image_id": dog["image_id"],
+                      "point_coords": [[400, 250]], "point_labels": [1]})  # fmt: skip
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_image_id"
+    tiered = make_server(sam_model=MODEL, enable_swin=False,
+                         embedding_cache_bytes=3 * ENTRY_BYTES // 2,
+                         embedding_cache_host_bytes=4 * ENTRY_BYTES)  # fmt: skip
+    with httpx.Client(base_url=tiered.url, timeout=60) as http:
+        dog = http.post("/v1/embed", files={"image": ("d.jpg", DOG, "image/jpeg")}).json()
+        http.post("/v1/embed", files={"image": ("t.jpg", TRUCK, "image/jpeg")})
+        body = segment(http, image_id=dog["image_id"], point_coords=[[400, 250]],
+                       point_labels=[1], multimask_output=True)  # fmt: skip
+        metrics = http.get("/metrics").text
+    assert re.search(r'serve_embedding_cache_events_total{[^}]*event="host_hit"[^}]*} 1\.0\n', metrics)
+    masks, scores, _ = reference(model, pixels(DOG), [[400, 250]], [1], multimask=True)
+    assert_same_masks(masks_of(body), masks)
+    np.testing.assert_allclose(scores_of(body), scores, atol=1e-4)
 
 
 def test_what_sam2_does_not_do_yet_is_a_clear_501(http: httpx.Client) -> None:

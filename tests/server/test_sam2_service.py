@@ -254,7 +254,8 @@ def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
         body = segment(http, image_id=dog["image_id"], point_coords=[[400, 250]],
                        point_labels=[1], multimask_output=True)  # fmt: skip
         metrics = http.get("/metrics").text
-    assert re.search(r'serve_embedding_cache_events_total{[^}]*event="host_hit"[^}]*} 1\.0\n', metrics)
+    host_hits = r'serve_embedding_cache_events_total{[^}]*event="host_hit"[^}]*} 1\.0\n'
+    assert re.search(host_hits, metrics), metrics
     masks, scores, _ = reference(model, pixels(DOG), [[400, 250]], [1], multimask=True)
     assert_same_masks(masks_of(body), masks)
     np.testing.assert_allclose(scores_of(body), scores, atol=1e-4)

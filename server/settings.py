@@ -26,6 +26,16 @@ CPU_DEFAULTS: dict[str, int] = {
 }
 
 
+# Other spellings of the SAM 2.1 names: the issue's `b+` (Meta's file and yaml names) and
+# the one-letter forms; a name is stored as the model registry's (`models.sam2`).
+SAM_MODEL_ALIASES: dict[str, str] = {
+    "sam2.1_hiera_t": "sam2.1_hiera_tiny",
+    "sam2.1_hiera_s": "sam2.1_hiera_small",
+    "sam2.1_hiera_b+": "sam2.1_hiera_base_plus",
+    "sam2.1_hiera_l": "sam2.1_hiera_large",
+}
+
+
 def available_cores() -> int:
     """Cores this process may run on: its affinity, capped by a cgroup v2 CPU quota."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -51,9 +61,10 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where the models run: auto (CUDA when a GPU is visible, else the CPU), cpu or cuda"""
     sam_model: str = "vit_b"
-    """SAM encoder size: vit_b, vit_l, vit_h (vit_tiny for development)"""
+    """SAM encoder size: vit_b, vit_l, vit_h; SAM 2.1: sam2.1_hiera_tiny, _small, _base_plus
+    (or _b+), _large (vit_tiny, sam2_test_tiny: tests and development)"""
     sam_checkpoint: Path | None = None
-    """Meta's SAM .pth; unset: seeded random weights (masks mean nothing)"""
+    """Meta's SAM .pth or SAM 2.1 .pt; unset: seeded random weights (masks mean nothing)"""
     swin_model: str = "swin_tiny_patch4_window7_224"
     """Swin classifier: swin_tiny_/small_/base_patch4_window7_224 (swin_test: tests)"""
     swin_checkpoint: Path | None = None
@@ -254,6 +265,12 @@ class Settings(BaseSettings):
         if self.http_workers is not None:
             return self.http_workers
         return max(1, min(8, available_cores() - 1))
+
+    @field_validator("sam_model")
+    @classmethod
+    def _canonical_sam_model(cls, value: str) -> str:
+        """`sam2.1_hiera_b+` and the one-letter SAM 2.1 names become the registry's."""
+        return SAM_MODEL_ALIASES.get(value, value)
 
     @field_validator("batch_buckets")
     @classmethod

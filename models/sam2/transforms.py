@@ -7,14 +7,23 @@ from the low-resolution logits straight to the original size, with no padding to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.images import Size, normalizer, split_images
 from models.sam2.config import Sam2Config
 
-__all__ = ["postprocess_masks", "preprocess_image", "scale_boxes", "scale_points"]
+__all__ = [
+    "postprocess_masks",
+    "preprocess_image",
+    "preprocess_images",
+    "scale_boxes",
+    "scale_points",
+]
 
 
 def preprocess_image(image: np.ndarray, config: Sam2Config) -> Tensor:
@@ -33,6 +42,35 @@ def preprocess_image(image: np.ndarray, config: Sam2Config) -> Tensor:
     mean = torch.tensor(config.pixel_mean).reshape(1, 3, 1, 1)
     std = torch.tensor(config.pixel_std).reshape(1, 3, 1, 1)
     return (x - mean) / std
+
+
+def preprocess_images(
+    images: Sequence[Tensor] | Tensor,
+    config: Sam2Config,
+    device: torch.device | str,
+    sizes: Sequence[Size] | None = None,
+) -> Tensor:
+    """uint8 images of any sizes -> one normalised `[B, 3, S, S]` fp32 batch on `device`.
+
+    images: `[H, W, 3]` uint8 tensors, or a jagged nested `[B, j, 3]` tensor with `sizes`
+    (as `models.sam.transforms.preprocess_images` takes them). Each image goes through the
+    same steps as `preprocess_image` (so the served batch equals the one-image reference),
+    on the device; with no padding, every image fills its square.
+    """
+    S = config.image_size
+    views = split_images(images, sizes)
+    mean, std = normalizer(str(device), config.pixel_mean, config.pixel_std)
+    batch = torch.empty(len(views), 3, S, S, device=device)
+    for k, image in enumerate(views):
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(
+                f"image {k}: expected uint8 [H, W, 3], got {image.dtype} {tuple(image.shape)}"
+            )
+        x = image.to(device, non_blocking=True).permute(2, 0, 1)[None].float() / 255.0
+        if tuple(x.shape[2:]) != (S, S):
+            x = F.interpolate(x, (S, S), mode="bilinear", align_corners=False, antialias=True)
+        batch[k] = (x[0] - mean) / std
+    return batch
 
 
 def scale_points(points: Tensor, original_hw: tuple[int, int], config: Sam2Config) -> Tensor:

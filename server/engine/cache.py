@@ -36,12 +36,29 @@ class ImageEmbedding:
 
     image_id: str
     embedding: torch.Tensor  # [C, h, w] on the model's device (or host, in the host tier)
-    input_size: tuple[int, int]  # (h, w) after resize-longest-side, before padding
+    input_size: tuple[int, int]  # (h, w) after the model's resize, before any padding
     original_size: tuple[int, int]  # (H, W) of the decoded image
+    # SAM 2's decoder also reads the encoder's projected stride-4 and stride-8 features
+    # (s0 [C/8, 4h, 4w], s1 [C/4, 2h, 2w]): cached with the embedding, since a click
+    # without them would need the encoder again. SAM has none.
+    high_res: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.embedding, *self.high_res)
 
     @property
     def nbytes(self) -> int:
-        return self.embedding.numel() * self.embedding.element_size()
+        """Every tensor the entry holds: SAM 2's high-res features are 3x its embedding
+        (6 of 8 MiB in bf16 at 1024 px), so a budget counting the embedding alone would
+        hold 4x its bytes."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> ImageEmbedding:
+        """The same entry with every tensor through `move` (between the cache's tiers)."""
+        return replace(
+            self, embedding=move(self.embedding), high_res=tuple(move(t) for t in self.high_res)
+        )
 
 
 class _Tier:
@@ -121,7 +138,7 @@ class EmbeddingCache:
         # A blocking copy (~2 MB, well under a millisecond from pinned memory): this runs on
         # the event loop's thread and stream, and the decoder's thread reads the result on
         # another stream, which would not wait for an asynchronous copy here.
-        entry = replace(hosted, embedding=hosted.embedding.to(self.device))
+        entry = hosted.moved(lambda t: t.to(self.device))
         self.put(entry)
         return entry
 
@@ -133,12 +150,14 @@ class EmbeddingCache:
         for old in self.device_tier.insert(entry):
             self.observer.cache_event("eviction")
             if self.host_tier.max_bytes >= old.nbytes:
-                host = old.embedding.to("cpu")
-                host = host.pin_memory() if self._pin else host.clone()
-                for gone in self.host_tier.insert(replace(old, embedding=host)):
+                for gone in self.host_tier.insert(old.moved(self._to_host)):
                     self.observer.cache_event("host_eviction")
                     del gone
         self._report()
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = tensor.to("cpu")
+        return host.pin_memory() if self._pin else host.clone()
 
     async def get_or_compute(
         self,

@@ -31,7 +31,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from models.sam import SAM_CONFIGS
+from models.sam import SAM_CONFIGS, CheckpointError
+from models.sam2 import Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
 from server import tracing
 from server.domain import Image
@@ -159,6 +160,11 @@ class EngineServer:
             metrics.ready.set(1)
             log.info("ready after %.1fs (%.1fs since process start)",
                      time.perf_counter() - started, progress.elapsed())  # fmt: skip
+        except (CheckpointError, Sam2CheckpointError) as exc:
+            # a wrong file: its message names the file and the problem; a traceback would
+            # only bury it
+            self.failure = f"start-up failed: {type(exc).__name__}: {exc}"
+            log.error(self.failure)
         except Exception as exc:
             self.failure = f"start-up failed: {type(exc).__name__}: {exc}"
             log.exception("start-up failed")

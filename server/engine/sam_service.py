@@ -44,11 +44,12 @@ def _ms(seconds: float) -> float:
 
 @dataclass
 class SamParts:
-    stages: SamStages
+    stages: SamStages  # or its SAM 2 counterpart, `Sam2Stages`
     info: ModelInfo
     encoder: Batcher[EncodeItem, ImageEmbedding]
     decoder: Batcher[DecodeItem, list[PromptMasks]]
-    everything: EverythingRunner
+    everything: EverythingRunner | None  # None: this model has no segment everything yet
+    sam2: bool = False  # SAM 2.1: its entries hold high-res features beside the embedding
 
 
 class SamService:
@@ -195,6 +196,13 @@ class SamService:
 
     async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
         """The cached embedding as a float16 `.npy` `[1, C, h, w]` (for browser decoders)."""
+        if self.parts.sam2:
+            raise ServiceError(
+                501,
+                "not_implemented",
+                f"{self.parts.info.name}: the embedding download is SAM's; a SAM 2 decoder "
+                "also needs the two high-resolution feature maps, which it does not export",
+            )
         entry = self.cache.get(image_id)
         if entry is None:
             raise ServiceError(
@@ -219,16 +227,23 @@ class SamService:
         deadline: float | None = None,
     ) -> tuple[ImageEmbedding, EverythingMasks, dict[str, float]]:
         """Every object in the image: SAM's automatic mask generation on the worker."""
-        sam = self.parts
-        generator = sam.everything.generator(fields)
+        runner = self.parts.everything
+        if runner is None:
+            raise ServiceError(
+                501,
+                "not_implemented",
+                f"segment everything is not available for {self.parts.info.name} yet; "
+                "/v1/segment with points or boxes is",
+            )
+        generator = runner.generator(fields)
         size = (image.height, image.width) if image is not None else None
         if size is not None:  # refuse before encoding what could not be finished
-            _check_everything(sam.everything, generator, size)
+            _check_everything(runner, generator, size)
         started = time.perf_counter()
         entry, _ = await self._embedding(image, image_id, deadline)
         encoded = time.perf_counter()
-        _check_everything(sam.everything, generator, entry.original_size)
+        _check_everything(runner, generator, entry.original_size)
         pixels = image.pixels if image is not None else None
-        masks = await sam.everything.run(generator, entry, pixels, output, deadline)
+        masks = await runner.run(generator, entry, pixels, output, deadline)
         timing = {"encode": _ms(encoded - started), "generate": _ms(time.perf_counter() - encoded)}
         return entry, masks, timing

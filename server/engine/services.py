@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from models.aot import AotStore, PackageKey, device_name, weights_hash
 from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
+from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.swin import SWIN_CONFIGS, load_swin
 from server.domain import (
     ClassifyResult,
@@ -45,6 +47,7 @@ from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, L
 from server.engine.everything import EverythingMasks, EverythingRunner
 from server.engine.faults import Faults
 from server.engine.fidelity import FidelityReport, measure_served
+from server.engine.sam2_stages import Sam2Stages
 from server.engine.sam_service import SamParts, SamService
 from server.engine.stages import (
     ClassifyItem,
@@ -59,6 +62,7 @@ from server.engine.workers import StageWorkers
 from server.errors import ServiceError
 from server.progress import StartupProgress
 from server.settings import Settings
+from server.settings_cli import sam2_problems, sam_model_names
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +252,10 @@ class Engine:
 
     def _load_sam(self) -> SamParts:
         s = self.settings
+        if s.sam_model in SAM2_CONFIGS:
+            return self._load_sam2()
         if s.sam_model not in SAM_CONFIGS:
-            raise ValueError(f"unknown SERVE_SAM_MODEL {s.sam_model!r}; one of {list(SAM_CONFIGS)}")
+            raise ValueError(f"unknown SERVE_SAM_MODEL {s.sam_model!r}; one of {sam_model_names()}")
         config = SAM_CONFIGS[s.sam_model]
         opts = self.options
         model = load_sam(config, s.sam_checkpoint, seed=s.seed).to(self.device, opts.dtype)
@@ -269,6 +275,53 @@ class Engine:
             decoder_graphs=s.decoder_graphs,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
+        everything = EverythingRunner(
+            model,
+            self.workers["everything"],
+            max_bytes=s.everything_max_bytes,
+            max_concurrent=s.everything_max_concurrent,
+            max_waiting=s.everything_max_waiting,
+            max_masks=s.everything_max_masks,
+            max_work_bytes=s.everything_work_bytes,
+            rle_on_device=self.rle_on_device,
+        )
+        return self._sam_parts(stages, info, everything)
+
+    def _load_sam2(self) -> SamParts:
+        """SAM 2.1 through the same batchers and service as SAM (`Sam2Stages`); no segment
+        everything yet (501), fp32 eager on the CPU, bf16 and compiled on CUDA."""
+        s = self.settings
+        problems = sam2_problems(s)  # `python -m server` said so before; `build_app` callers
+        if problems:
+            raise ValueError("; ".join(problems))
+        opts = self.options
+        model = load_sam2(SAM2_CONFIGS[s.sam_model], s.sam_checkpoint, seed=s.seed)
+        model = model.to(self.device, opts.dtype)
+        if s.sam_checkpoint is None:
+            log.warning(
+                "SAM 2 %s has seeded RANDOM weights (seed %d): masks mean nothing",
+                s.sam_model,
+                s.seed,
+            )
+        encoder_buckets = s.buckets_up_to(s.max_batch_size)
+        stages = Sam2Stages(
+            model, self.device, opts, encoder_buckets,
+            s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
+            work_bytes=s.everything_work_bytes,
+        )  # fmt: skip
+        # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
+        info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")
+        return self._sam_parts(stages, info, None, sam2=True)
+
+    def _sam_parts(
+        self,
+        stages: SamStages,
+        info: ModelInfo,
+        everything: EverythingRunner | None,
+        sam2: bool = False,
+    ) -> SamParts:
+        """The encoder's and decoder's batchers over `stages`, SAM's or SAM 2's alike."""
+        s = self.settings
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
             "sam_encoder",
             self._stage_fn("sam_encoder", stages.encode),
@@ -282,17 +335,7 @@ class Engine:
             max_batch_memory=s.segment_max_bytes,
             **self._batcher_args("sam_decoder"),  # type: ignore[arg-type]
         )
-        everything = EverythingRunner(
-            model,
-            self.workers["everything"],
-            max_bytes=s.everything_max_bytes,
-            max_concurrent=s.everything_max_concurrent,
-            max_waiting=s.everything_max_waiting,
-            max_masks=s.everything_max_masks,
-            max_work_bytes=s.everything_work_bytes,
-            rle_on_device=self.rle_on_device,
-        )
-        return SamParts(stages, info, encoder, decoder, everything)
+        return SamParts(stages, info, encoder, decoder, everything, sam2=sam2)
 
     def _load_swin(self) -> SwinParts:
         s = self.settings

@@ -1,0 +1,216 @@
+"""SAM 2.1's encoder and decoder stages: `SamStages`' batching and mask handling, SAM 2's model.
+
+What differs from SAM, and only that, is here:
+- pre-processing stretches every image to the model's square (`models.sam2.transforms`: no
+  letterbox, no padding), so prompts scale by (S / W, S / H) and every entry's input size
+  is the square;
+- the encoder yields the image embedding and two high-resolution feature maps; all three
+  are cached together (`ImageEmbedding.high_res`) and gathered per prompt set, like the
+  embedding, for one `Sam2.decode_batch` call over the prompts of many requests;
+- a single-mask answer takes SAM 2's stability fallback (`select_masks`), as Meta's
+  predictor does, and masks come back with one bilinear resize to the image's size;
+- the low-res logits kept for a refinement handle are clamped to [-32, 32], as Meta's
+  predictor returns them for its next round's `mask_input`.
+
+The score sort, the upscaling in slices, the RLE runs on the device and the warm-up are
+`SamStages`' own. `SamStages.__init__` is not called: it builds SAM's encoder and decoder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.fidelity import FidelityPrompt, SamOutputs
+from models.images import as_pixel_tensor, nested_pixels
+from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
+from models.sam import PromptSet, pack_prompts
+from models.sam.prompts import PromptBatch
+from models.sam2 import Sam2, Sam2Features
+from models.sam2 import transforms as sam2_tf
+from models.sam2.mask_decoder import select_masks
+from server.domain import Prompt, PromptMasks
+from server.engine.cache import ImageEmbedding
+from server.engine.stages import DecodeItem, EncodeItem, SamStages, bucket_for, pad_batch
+
+log = logging.getLogger(__name__)
+
+# Meta's predictor clamps the low-res logits it hands back for the next round to this range
+LOW_RES_CLAMP = 32.0
+
+
+class Sam2Stages(SamStages):
+    """The SAM 2 encoder and decoder stages over one loaded `Sam2`."""
+
+    def __init__(
+        self,
+        model: Sam2,
+        device: torch.device,
+        options: OptimizeOptions,
+        encoder_buckets: Sequence[int],
+        decoder_buckets: Sequence[int],
+        rle_on_device: bool = False,
+        work_bytes: int = 256 * 1024**2,
+    ) -> None:
+        self.sam2 = model
+        self.sam2_config = model.config
+        # SAM's view of the same sizes (input square, 4x-embedding low-res masks, multimask
+        # count, threshold), which the inherited mask handling reads
+        self.config = model.config.prompt_config()
+        self.rle_on_device = rle_on_device
+        self.work_bytes = work_bytes
+        self.device = device
+        self.dtype = options.dtype
+        self.encoder_buckets = list(encoder_buckets)
+        self.decoder_buckets = list(decoder_buckets)
+        if options.compile_mode == "aot":  # settings_cli refuses it first; a clear stop here
+            raise ValueError("SAM 2 has no AOT packages: use SERVE_COMPILE_MODE=default or none")
+        # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket;
+        # the outputs of a graph replay are overwritten by the next: `encode` copies them.
+        self._encode = GraphedBuckets(
+            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),  # type: ignore[arg-type]
+            enabled=options.cuda_graphs,
+        )
+        self.encoder_compiled = options.compile_mode != "none"
+        self.compiled = options.compile_mode != "none"  # the decoder
+        self._warm_entry: ImageEmbedding | None = None
+        self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
+
+    def _encode_tensors(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`[B, 3, S, S]` -> embedding `[B, D, h, w]`, s0 `[B, D/8, 4h, 4w]`,
+        s1 `[B, D/4, 2h, 2w]`: tensors, so a CUDA graph can hold them."""
+        features = self.sam2.encode(images)
+        s0, s1 = features.high_res
+        return features.image_embed, s0, s1
+
+    def _decode_tensors(
+        self, embed: Tensor, s0: Tensor, s1: Tensor, prompts: PromptBatch
+    ) -> tuple[Tensor, Tensor]:
+        """Set p against row p of the features: low-res logits `[P, 4, 4h, 4w]`, IoU `[P, 4]`.
+
+        Column 0 is the single-mask answer after SAM 2's stability fallback (the best
+        multimask candidate where token 0 is unstable); columns 1-3 the multimask answer.
+        """
+        masks, iou, _ = self.sam2.decode_batch(Sam2Features(embed, (s0, s1)), prompts)
+        cfg = self.sam2_config
+        single, single_iou = select_masks(
+            masks, iou, False, cfg.stability_delta, cfg.stability_thresh
+        )
+        return torch.cat([single, masks[:, 1:]], dim=1), torch.cat([single_iou, iou[:, 1:]], 1)
+
+    @torch.inference_mode()
+    def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
+        pixels = [as_pixel_tensor(i.pixels) for i in items]
+        sizes = [(int(p.shape[0]), int(p.shape[1])) for p in pixels]
+        nested = nested_pixels(pixels, self.device)
+        batch = sam2_tf.preprocess_images(nested, self.sam2_config, self.device, sizes)
+        bucket = bucket_for(len(items), self.encoder_buckets)
+        embed, s0, s1 = self._encode(pad_batch(batch, bucket).to(self.dtype))
+        square = (self.sam2_config.image_size, self.sam2_config.image_size)
+        return [
+            ImageEmbedding(
+                item.image_id,
+                embed[k].clone(),
+                square,
+                item.size(),
+                high_res=(s0[k].clone(), s1[k].clone()),
+            )
+            for k, item in enumerate(items)
+        ]
+
+    def _prompt_set(
+        self, prompt: Prompt, entry: ImageEmbedding, mask_input: torch.Tensor | None
+    ) -> PromptSet:
+        """Clip pixel coordinates to the image, then scale x by S / W and y by S / H.
+
+        In float32 and in Meta's order (normalise, then scale: `transforms.scale_points`),
+        on numpy for the reason `SamStages._prompt_set` gives.
+        """
+        height, width = entry.original_size
+        limit = np.array([width, height], dtype=np.float32)
+        side = np.float32(self.sam2_config.image_size)
+
+        def to_input(xy: np.ndarray) -> np.ndarray:
+            clipped = np.clip(xy.reshape(-1, 2), np.float32(0), limit)
+            return (clipped / limit * side).astype(np.float32)
+
+        box = None
+        if prompt.box is not None:
+            box = to_input(np.asarray(prompt.box, dtype=np.float32)).reshape(4)
+        return PromptSet(
+            points=to_input(np.asarray(prompt.points, dtype=np.float32)),
+            labels=np.asarray(prompt.labels, dtype=np.int64),
+            box=box,
+            mask_input=mask_input,
+        )
+
+    @torch.inference_mode()
+    def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:
+        # one row of each feature per prompt set, as SamStages.decode stacks embeddings
+        rows: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        sets: list[PromptSet] = []
+        for item in items:
+            entry = item.embedding
+            if len(entry.high_res) != 2:
+                raise ValueError(f"image {entry.image_id} has no SAM 2 high-res features")
+            for prompt in item.prompts:
+                sets.append(self._prompt_set(prompt, entry, item.mask_input))
+                for row, tensor in zip(rows, entry.tensors, strict=True):
+                    row.append(tensor)
+        low_res, iou = self._run_sam2_decoder(*rows, sets)
+        return self._postprocess(items, low_res, iou)
+
+    def _run_sam2_decoder(
+        self, embeds: list[Tensor], s0: list[Tensor], s1: list[Tensor], sets: list[PromptSet]
+    ) -> tuple[Tensor, Tensor]:
+        """float32 low-res logits `[P, 4, 4h, 4w]` and IoU `[P, 4]` of set p on row p."""
+        mask_size = self.sam2_config.mask_input_size if self.compiled else None
+        prompts = pack_prompts(sets, None, self.device, mask_size)
+        # as SamStages._run_decoder: no duck shaping, so P == T is not a graph of its own
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            low_res, iou = self._decode_sets(
+                torch.stack(embeds), torch.stack(s0), torch.stack(s1), prompts
+            )
+        return low_res.float(), iou.float()
+
+    def _full_size_masks(
+        self, low_res: torch.Tensor, input_size: tuple[int, int], size: tuple[int, int]
+    ) -> torch.Tensor:
+        """Low-res logits `[P, K, m, m]` -> bool masks `[P, K, H, W]`: one bilinear resize
+        straight to the image's size (SAM 2 has no padding to crop), a slice of prompts at
+        a time within `work_bytes` as `SamStages._full_size_masks` does."""
+        P, K = low_res.shape[:2]
+        step = self._slice_prompts(K, size)
+        threshold = self.sam2_config.mask_threshold
+
+        def masks(part: slice) -> torch.Tensor:
+            logits = F.interpolate(low_res[part], size, mode="bilinear", align_corners=False)
+            return logits.gt(threshold)
+
+        if step >= P:
+            return masks(slice(None))
+        out = torch.empty((P, K, *size), dtype=torch.bool, device=low_res.device)
+        for start in range(0, P, step):
+            out[start : start + step] = masks(slice(start, start + step))
+        return out
+
+    def _sorted_masks(
+        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """`SamStages._sorted_masks`, with the kept low-res logits clamped as Meta's are."""
+        masks, kept = super()._sorted_masks(items, low_res, iou)
+        clamped = [None if k is None else k.clamp(-LOW_RES_CLAMP, LOW_RES_CLAMP) for k in kept]
+        return masks, clamped
+
+    def fidelity_outputs(
+        self, photo: torch.Tensor, prompts: Sequence[FidelityPrompt]
+    ) -> SamOutputs:
+        """Not measured for SAM 2 yet (`models.fidelity` compares against SAM's runner);
+        `SERVE_FIDELITY_CHECK` with a SAM 2 model is refused before start-up."""
+        raise NotImplementedError("the start-up fidelity check does not cover SAM 2 yet")

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from models.int8_gemm import int8_linear, quantize_rows
 
 __all__ = [
+    "INT8_MAX_ERROR",
+    "INT8_MAX_KEPT",
     "Fp8RowwiseLinear",
     "Int8DynamicLinear",
     "Int8Kernel",
@@ -52,6 +54,9 @@ __all__ = [
 Quantization = Literal["none", "int8", "fp8"]
 # "fused": models.int8_gemm (Triton on CUDA); "int_mm": torch._int_mm, then the epilogue
 Int8Kernel = Literal["fused", "int_mm"]
+# core: our layers (int8: the fused kernel and the per-layer choice); int_mm: our layers
+# through torch._int_mm, every layer (the earlier int8, for comparison); torchao: quantize_
+QuantBackend = Literal["core", "int_mm", "torchao"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -166,29 +171,55 @@ def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear]
     )
 
 
+# The per-layer choice (models.int8_select): a layer stays in float when its int8 output is
+# off by more than this (relative, on sample images), for at most this fraction of layers.
+# Random Swin-T weights on the real photos: fc2 (after GELU) 0.012-0.015, the rest
+# 0.009-0.011 (the same order on `smooth_images`, Spearman 0.97).
+INT8_MAX_ERROR = 0.0125
+INT8_MAX_KEPT = 0.125
+
+
 def quantize_linears(
     module: nn.Module,
     kind: Quantization,
     include: Callable[[str, nn.Linear], bool],
     *,
-    int8_kernel: Int8Kernel = "fused",
+    backend: QuantBackend = "core",
+    calibrate: Callable[[nn.Module], object] | None = None,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
-    they are. With int8, an MLP's GELU moves into its first product (`fuse_gelu`).
+    they are. int8 with the `core` backend: the fused kernel, and when `calibrate` is given
+    (it runs `module` on sample inputs), the layers whose measured int8 error is worst stay
+    in float (`models.int8_select`); `int_mm`: `torch._int_mm`, every accepted layer (the
+    earlier path, kept for comparison). With int8, an MLP's GELU moves into its first
+    product (`fuse_gelu`).
     """
     if kind == "none":
         return []
+
+    def quantizable(name: str, layer: nn.Linear) -> bool:
+        return _quantizable(name, layer, include)
+
+    accepted: Callable[[str, nn.Linear], bool] = quantizable
+
+    if kind == "int8" and backend == "core" and calibrate is not None:
+        from models.int8_select import int8_include
+
+        accepted, _ = int8_include(
+            module, lambda: calibrate(module), quantizable,
+            max_error=INT8_MAX_ERROR, max_kept=INT8_MAX_KEPT,
+        )  # fmt: skip
+    kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"
     swapped = []
     for name, child in list(module.named_modules()):
         for attr, layer in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
-            if not _quantizable(full, layer, include):
+            if not isinstance(layer, nn.Linear) or not accepted(full, layer):
                 continue
-            assert isinstance(layer, nn.Linear)
             new = (
-                Int8DynamicLinear(layer, kernel=int8_kernel)
+                Int8DynamicLinear(layer, kernel=kernel)
                 if kind == "int8"
                 else Fp8RowwiseLinear(layer)
             )
@@ -223,9 +254,6 @@ def fuse_gelu(module: nn.Module) -> list[str]:
             child.act = nn.Identity()
             fused.append(f"{name}.{attr}" if name else attr)
     return fused
-
-
-QuantBackend = Literal["core", "torchao"]
 
 
 def torchao_unsupported(kind: Quantization, device: torch.device) -> str | None:

@@ -139,7 +139,8 @@ def _kernel() -> Any:
         offs_am = tl.where(offs_m < M, offs_m, 0)
         offs_bn = tl.where(offs_n < N, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + offs_am[:, None] * stride_am + offs_k[None, :]
+        # row offsets in int64: M x N passes 2^31 from Swin-T's batch 2048 on
+        a_ptrs = A + offs_am.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         b_ptrs = B + offs_bn[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -166,9 +167,9 @@ def _kernel() -> Any:
             y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
         mask = mask_m[:, None] & mask_n[None, :]
         if HAS_RES:
-            r = tl.load(RES + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-            y = y + r.to(tl.float32)
-        c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :]
+            r_ptrs = RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
+            y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, y.to(C.dtype.element_ty), mask=mask)
 
     return int8_gemm_epilogue
@@ -183,7 +184,7 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
 
 
 @functools.cache
-def _autotuned() -> Any:
+def _autotuned(candidates: tuple[GemmConfig, ...] = HOPPER_CONFIGS) -> Any:
     """The kernel under `triton.autotune`, keyed by (size class of M, N, K). Results are kept
     in Triton's cache directory where this Triton can (`cache_results`): a restart with
     `SERVE_COMPILE_CACHE` (TRITON_CACHE_DIR) skips the tuning."""
@@ -195,7 +196,7 @@ def _autotuned() -> Any:
             num_stages=c.num_stages,
             num_warps=c.num_warps,
         )
-        for c in HOPPER_CONFIGS
+        for c in candidates
     ]
     options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": _prune}}
     accepted = inspect.signature(triton.autotune).parameters
@@ -227,9 +228,9 @@ def launch(
     """Run the kernel: `xq [M, K]` int8, `x_scale [M]`, `weight [N, K]` int8, `w_scale [N]`,
     `bias [N]`, `residual [M, N]` -> `[M, N]` in `out_dtype`.
 
-    Autotuned unless `config` is given (or under the interpreter, which takes
-    `DEFAULT_CONFIG`). Model code reaches it through `int8_linear`; called directly by
-    the tests and bench/int8_gemm.py.
+    Autotuned unless `config` is given (under the interpreter, which cannot time them,
+    among `DEFAULT_CONFIG` alone). Model code reaches it through `int8_linear`; called
+    directly by the tests and bench/int8_gemm.py.
     """
     import triton
 
@@ -255,10 +256,9 @@ def launch(
         residual.stride(0) if residual is not None else 0, out.stride(0),
     )  # fmt: skip
     flags = {"HAS_BIAS": bias is not None, "HAS_RES": residual is not None, "GELU": gelu}
-    if config is None and _interpreting():
-        config = DEFAULT_CONFIG
     if config is None:
-        tuned = _autotuned()
+        # the interpreter cannot time candidates: one, through the same autotuner
+        tuned = _autotuned((DEFAULT_CONFIG,) if _interpreting() else HOPPER_CONFIGS)
 
         def grid(meta: dict[str, Any]) -> tuple[int]:
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)

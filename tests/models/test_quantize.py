@@ -98,6 +98,12 @@ def test_prepared_encoder_stays_close(tiny_sam: Sam, quantization, tol):
     # int8 keeps its worst-measured layers in float (models.int8_select), at most this many
     kept = int(INT8_MAX_KEPT * (len(linears) + len(swapped))) if quantization == "int8" else 0
     assert len(linears) <= kept and len(swapped) >= 3 * kept
+    if quantization == "int8":  # GELU runs in lin1's epilogue wherever lin1 is int8
+        for b in blocks:
+            if isinstance(b.mlp.lin1, Int8DynamicLinear):
+                assert b.mlp.lin1.gelu and isinstance(b.mlp.act, nn.Identity)
+            else:
+                assert isinstance(b.mlp.act, nn.GELU)
     assert [b.attn.impl for b in blocks] == ["flex" if b.window == 0 else "sdpa" for b in blocks]
     images = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():

@@ -61,7 +61,7 @@ CASES = [
     (33, 96, 384, True, True, False, "bfloat16", (64, 128, 32, 2, 4)),  # fc1 + GELU, bf16
     (50, 384, 96, True, False, True, "bfloat16", (32, 32, 128, 2, 4)),  # fc2 + residual
     (16, 32, 16, True, False, False, "float16", (16, 16, 16, 1, 1)),  # the smallest tile
-    # no config: through the autotuner (its pruning, the EVEN_K heuristic; one candidate)
+    # no config: through the autotuner (its pruning and key; one candidate, K-masked loads)
     (90, 80, 48, True, True, False, "float32", None),  # K = 80: 32 does not divide it
     (65, 96, 288, True, False, True, "bfloat16", None),
 ]

@@ -134,8 +134,8 @@ def _kernel() -> Any:
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # rows / columns past the end read row 0 / column 0 again (no mask in the loop);
-        # the store below is masked, so they are computed and dropped
+        # rows / columns past the end read row 0 / column 0 again (no M or N mask in the
+        # loop); the store below is masked, so they are computed and dropped
         offs_am = tl.where(offs_m < M, offs_m, 0)
         offs_bn = tl.where(offs_n < N, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
@@ -144,8 +144,8 @@ def _kernel() -> Any:
         b_ptrs = B + offs_bn[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            # masked along K only (as Triton's matmul tutorial): K is a multiple of 16 here,
-            # which Triton knows, so the loads stay 16-byte vectors and pipeline alike
+            # masked along K only (as Triton's matmul tutorial): our layers' K is a multiple
+            # of 16, which Triton is told, so the loads stay 16-byte vectors
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
             b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0)

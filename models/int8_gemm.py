@@ -34,6 +34,7 @@ from torch import Tensor
 
 __all__ = [
     "GemmConfig",
+    "fused_supported",
     "int8_linear",
     "int8_linear_reference",
     "launch",
@@ -53,6 +54,16 @@ def triton_gemm_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def fused_supported(device: torch.device) -> bool:
+    """Whether the kernel runs on `device`: CUDA with Triton, and int8 tensor cores of the
+    kind Triton generates for (compute capability 8.0 on: Ampere, Ada, Hopper). Elsewhere
+    `int8_linear` runs its torch reference (`torch._int_mm`)."""
+    if device.type != "cuda" or not triton_gemm_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -307,10 +318,10 @@ def int8_linear(
 ) -> Tensor:
     """`gelu?(xq x_scale (weight w_scale)^T + bias) + residual` as `out_dtype` `[M, N]`.
 
-    The Triton kernel on CUDA where Triton imports; the torch reference elsewhere (the
-    same numbers up to the erf's last bits).
+    The Triton kernel where it runs (`fused_supported`); the torch reference elsewhere
+    (the same numbers up to the erf's last bits and fused multiply-adds).
     """
-    if xq.is_cuda and triton_gemm_available():
+    if fused_supported(xq.device):
         return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu, out_dtype=out_dtype)
     return int8_linear_reference(xq, x_scale, weight, w_scale, bias, residual, gelu, out_dtype)
 

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import torch
 
-from models.int8_gemm import int8_linear, int8_linear_reference, quantize_rows
+from models.int8_gemm import (
+    fused_supported,
+    int8_linear,
+    int8_linear_reference,
+    quantize_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,6 +123,7 @@ def test_reference_is_the_float_product_of_the_dequantised_operands() -> None:
 def test_the_op_compiles_in_one_graph_and_gives_the_eager_result() -> None:
     """The op is opaque to torch.compile (fullgraph: no break around it); its fake
     implementation gives the shape and dtype; off CUDA it runs the torch reference."""
+    assert not fused_supported(torch.device("cpu"))
     xq, xs, wq, ws, bias, residual = _operands(45, 64, 48, seed=1)
 
     def fn(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -151,3 +151,43 @@ def test_quantize_rows_scales_each_token_by_its_absmax() -> None:
     assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [0, 0, 0]
     assert q[2].tolist() == [127, 0, -1]
     torch.testing.assert_close(s, torch.tensor([2.0, 1e-12, 300.0]) / 127)
+
+
+def test_kernel_compiles_for_hopper_to_int8_wgmma_and_wide_stores() -> None:
+    """No GPU here, but Triton compiles for one: every autotune candidate, for an H100
+    (sm_90), as the GPU will specialise it (pointers 16-byte aligned; N, K and the strides
+    multiples of 16). Each must become int8 warpgroup MMAs (`wgmma ... s32.s8.s8`, not a
+    fallback), fit the 227 KiB of shared memory a block may have, and store its bf16
+    output in 16-byte vectors (scalar stores halve the bandwidth of Swin's first stage,
+    whose output is 3x its input)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.int8_gemm import HOPPER_CONFIGS, _kernel
+
+    pointers = {"A": "*i8", "B": "*i8", "XS": "*fp32", "WS": "*fp32", "BIAS": "*bf16",
+                "RES": "*bf16", "C": "*bf16"}  # fmt: skip
+    ints = ["M", "N", "K", "M_BUCKET", "stride_am", "stride_bn", "stride_rm", "stride_cm"]
+    signature = {**pointers, **dict.fromkeys(ints, "i32")}
+    names = list(signature)
+    aligned = [*pointers, "N", "K", "stride_am", "stride_bn", "stride_rm", "stride_cm"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    for c in HOPPER_CONFIGS:
+        constexprs = {"HAS_BIAS": True, "HAS_RES": False, "GELU": True, "BLOCK_M": c.block_m,
+                      "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": 8}  # fmt: skip
+        source = ASTSource(_kernel(), {**signature, **dict.fromkeys(constexprs, "constexpr")},
+                           constexprs, attrs)  # fmt: skip
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": c.num_warps, "num_stages": c.num_stages},
+        )
+        ptx = compiled.asm["ptx"]
+        mma = set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
+        assert mma and all(m.endswith(".s32.s8.s8") for m in mma), (c, mma)
+        assert compiled.metadata.shared <= 227 * 1024, (c, compiled.metadata.shared)
+        stores = set(re.findall(r"st\.global\.[\w.]+", ptx))
+        assert stores == {"st.global.v4.b32"}, (c, stores)

@@ -26,10 +26,12 @@ from models.int8_gemm import quantize_rows
 
 __all__ = [
     "Int8Choice",
+    "Int8Measure",
     "calibration_run",
     "choose_float_layers",
     "int8_include",
     "int8_layer_errors",
+    "measure_int8",
     "smooth_images",
 ]
 
@@ -44,19 +46,31 @@ def _quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def int8_layer_errors(
+@dataclass(frozen=True)
+class Int8Measure:
+    """Per candidate layer: the relative error of its int8 product, and the mean of its
+    input over every token seen (float64; what bias correction needs)."""
+
+    errors: dict[str, float]
+    input_means: dict[str, Tensor]
+
+
+def measure_int8(
     module: nn.Module,
     run: Callable[[], object],
     candidates: Callable[[str, nn.Linear], bool],
-) -> dict[str, float]:
+) -> Int8Measure:
     """`||int8(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
-    the inputs it receives while `run()` runs the float `module` (no grad), in float64."""
+    the inputs it receives while `run()` runs the float `module` (no grad), in float64;
+    and each layer's mean input."""
     layers = {
         name: layer
         for name, layer in module.named_modules()
         if isinstance(layer, nn.Linear) and candidates(name, layer)
     }
     sums = {name: [0.0, 0.0] for name in layers}  # squared error, squared reference
+    totals: dict[str, Tensor] = {}
+    counts = dict.fromkeys(layers, 0)
     hooks = []
 
     def hook_for(name: str, layer: nn.Linear) -> Callable[..., None]:
@@ -71,6 +85,9 @@ def int8_layer_errors(
             want = torch.nn.functional.linear(x.float(), layer.weight.float())
             sums[name][0] += float((got.double() - want.double()).square().sum())
             sums[name][1] += float(want.double().square().sum())
+            total = x.double().sum(dim=0)
+            totals[name] = totals[name] + total if name in totals else total
+            counts[name] += x.shape[0]
 
         return measure
 
@@ -82,16 +99,29 @@ def int8_layer_errors(
     finally:
         for h in hooks:
             h.remove()
-    return {name: (err / max(ref, _EPS)) ** 0.5 for name, (err, ref) in sums.items()}
+    errors = {name: (err / max(ref, _EPS)) ** 0.5 for name, (err, ref) in sums.items()}
+    means = {name: totals[name] / counts[name] for name in totals}
+    return Int8Measure(errors, means)
+
+
+def int8_layer_errors(
+    module: nn.Module,
+    run: Callable[[], object],
+    candidates: Callable[[str, nn.Linear], bool],
+) -> dict[str, float]:
+    """`measure_int8`'s errors alone."""
+    return measure_int8(module, run, candidates).errors
 
 
 @dataclass(frozen=True)
 class Int8Choice:
-    """The outcome: layers to quantize, layers kept in float (worst first), their errors."""
+    """The outcome: layers to quantize, layers kept in float (worst first), their errors,
+    and each measured layer's mean input (for `Int8DynamicLinear(input_mean=...)`)."""
 
     quantized: tuple[str, ...]
     kept_float: tuple[str, ...]
     errors: dict[str, float]
+    input_means: dict[str, Tensor]
 
 
 def choose_float_layers(
@@ -114,10 +144,11 @@ def int8_include(
 ) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
     """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
     `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
-    errors = int8_layer_errors(module, run, candidates)
+    measured = measure_int8(module, run, candidates)
+    errors = measured.errors
     kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
     chosen = tuple(name for name in errors if name not in kept)
-    choice = Int8Choice(quantized=chosen, kept_float=kept, errors=errors)
+    choice = Int8Choice(chosen, kept, errors, measured.input_means)
     if kept:
         worst = ", ".join(f"{n} {errors[n]:.4f}" for n in kept)
         log.info("int8: %d of %d layers kept in float (error > %.4f): %s",

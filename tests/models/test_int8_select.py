@@ -135,3 +135,43 @@ def test_calibration_images_are_normalised_and_seeded() -> None:
     model = tiny_swin().to(torch.bfloat16)
     out = calibration_run(64, 2)(model)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 10) and out.dtype == torch.bfloat16
+
+
+def test_bias_correction_takes_the_weights_rounding_out_of_the_mean_output() -> None:
+    """Inputs with a mean far from zero (as a layer norm's affine output can have): the
+    weights' rounding shifts every token's output alike; with the mean input given, the
+    corrected bias removes that shift, and the error of the token-averaged output drops."""
+    g = torch.Generator().manual_seed(4)
+    linear = nn.Linear(96, 64)
+    offset = torch.randn(96, generator=g) * 3
+    x = torch.randn(4000, 96, generator=g) + offset
+    plain = Int8DynamicLinear(linear)
+    corrected = Int8DynamicLinear(linear, input_mean=x.double().mean(0))
+    assert corrected.bias is not None and corrected.bias.dtype == torch.float32
+    with torch.no_grad():
+        want = linear(x)
+        pooled_plain = rel(plain(x).mean(0), want.mean(0))
+        pooled_corrected = rel(corrected(x).mean(0), want.mean(0))
+        assert pooled_corrected < pooled_plain / 3
+        # per token, no worse than without the correction
+        assert rel(corrected(x), want) < rel(plain(x), want) * 1.01
+    # a Linear without a bias gets one holding the correction
+    no_bias = Int8DynamicLinear(nn.Linear(96, 64, bias=False), input_mean=offset)
+    assert no_bias.bias is not None and no_bias.bias.shape == (64,)
+
+
+def test_core_int8_corrects_biases_from_the_calibration_int_mm_does_not() -> None:
+    base = tiny_swin()
+    floats = {name: m for name, m in base.named_modules() if isinstance(m, nn.Linear)}
+    core, old = copy.deepcopy(base), copy.deepcopy(base)
+    include = lambda name, layer: ".blocks." in name  # noqa: E731
+    quantize_linears(core, "int8", include, calibrate=calibration_run(64, 2))
+    quantize_linears(old, "int8", include, backend="int_mm", calibrate=calibration_run(64, 2))
+    for model, corrected in ((core, True), (old, False)):
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Int8DynamicLinear)]
+        assert len(layers) >= 14
+        for name, layer in layers:
+            bias = floats[name].bias.detach()
+            assert layer.bias is not None
+            assert torch.equal(layer.bias, bias) is not corrected, name
+            assert rel(layer.bias, bias) < 0.5

@@ -48,21 +48,25 @@ def _quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Int8Measure:
-    """Per candidate layer: the relative error of its int8 product, and the mean of its
-    input over every token seen (float64; what bias correction needs)."""
+    """Per candidate layer: the relative error of its int8 product; the mean of its input
+    over every token seen (float64; for bias correction); and the input's second moment
+    `X^T X` (fp32 `[K, K]`, for GPTQ; `hessians=True` only: K^2 floats per layer)."""
 
     errors: dict[str, float]
     input_means: dict[str, Tensor]
+    hessians: dict[str, Tensor]
 
 
 def measure_int8(
     module: nn.Module,
     run: Callable[[], object],
     candidates: Callable[[str, nn.Linear], bool],
+    *,
+    hessians: bool = False,
 ) -> Int8Measure:
     """`||int8(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
     the inputs it receives while `run()` runs the float `module` (no grad), in float64;
-    and each layer's mean input."""
+    each layer's mean input, and with `hessians` its input's `X^T X`."""
     layers = {
         name: layer
         for name, layer in module.named_modules()
@@ -70,6 +74,7 @@ def measure_int8(
     }
     sums = {name: [0.0, 0.0] for name in layers}  # squared error, squared reference
     totals: dict[str, Tensor] = {}
+    moments: dict[str, Tensor] = {}
     counts = dict.fromkeys(layers, 0)
     hooks = []
 
@@ -88,6 +93,10 @@ def measure_int8(
             total = x.double().sum(dim=0)
             totals[name] = totals[name] + total if name in totals else total
             counts[name] += x.shape[0]
+            if hessians:
+                xf = x.float()
+                moment = xf.t() @ xf
+                moments[name] = moments[name] + moment if name in moments else moment
 
         return measure
 
@@ -101,7 +110,7 @@ def measure_int8(
             h.remove()
     errors = {name: (err / max(ref, _EPS)) ** 0.5 for name, (err, ref) in sums.items()}
     means = {name: totals[name] / counts[name] for name in totals}
-    return Int8Measure(errors, means)
+    return Int8Measure(errors, means, moments)
 
 
 def int8_layer_errors(
@@ -116,12 +125,14 @@ def int8_layer_errors(
 @dataclass(frozen=True)
 class Int8Choice:
     """The outcome: layers to quantize, layers kept in float (worst first), their errors,
-    and each measured layer's mean input (for `Int8DynamicLinear(input_mean=...)`)."""
+    and each measured layer's mean input and `X^T X` (for `Int8DynamicLinear`'s bias
+    correction and GPTQ rounding)."""
 
     quantized: tuple[str, ...]
     kept_float: tuple[str, ...]
     errors: dict[str, float]
     input_means: dict[str, Tensor]
+    hessians: dict[str, Tensor]
 
 
 def choose_float_layers(
@@ -141,14 +152,15 @@ def int8_include(
     *,
     max_error: float,
     max_kept: float = 0.25,
+    hessians: bool = False,
 ) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
     """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
     `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
-    measured = measure_int8(module, run, candidates)
+    measured = measure_int8(module, run, candidates, hessians=hessians)
     errors = measured.errors
     kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
     chosen = tuple(name for name in errors if name not in kept)
-    choice = Int8Choice(chosen, kept, errors, measured.input_means)
+    choice = Int8Choice(chosen, kept, errors, measured.input_means, measured.hessians)
     if kept:
         worst = ", ".join(f"{n} {errors[n]:.4f}" for n in kept)
         log.info("int8: %d of %d layers kept in float (error > %.4f): %s",

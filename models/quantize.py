@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.int8_gemm import int8_linear, quantize_rows
+from models.int8_gptq import gptq_int8
 
 __all__ = [
     "INT8_MAX_ERROR",
@@ -98,21 +99,23 @@ class Int8DynamicLinear(nn.Module):
         kernel: Int8Kernel = "fused",
         gelu: bool = False,
         input_mean: Tensor | None = None,
+        hessian: Tensor | None = None,
     ) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [N, K]
-        scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        if hessian is not None:  # GPTQ rounding (models.int8_gptq): the same scales
+            q, scale = gptq_int8(weight, hessian)
+        else:
+            scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
+            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         # [N, K] contiguous: K-major, what int8 tensor cores take (its .t() is col-major)
         self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("weight_scale", scale)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         if input_mean is not None:
             # Bias correction (Nagel et al., 2019): the weights' rounding shifts the output
-            # for the mean input by mean (W_q - W)^T, for every token alike, so it survives
-            # Swin's average pool where per-token errors average out (random Swin-T: the
-            # weights' rounding alone 0.022 relative logit error, the activations' 0.004).
-            # Taken out of the bias, in fp32: 0.022 -> 0.017 (means from smooth_images).
+            # for the mean input by mean (W_q - W)^T, every token alike (so it survives
+            # Swin's pooling; models/int8_gptq.py); taken out of the bias, in fp32.
             rounded = q.double() * scale.double()[:, None] - weight.double()
             shift = input_mean.to(rounded) @ rounded.t()  # [N]
             base = bias.double() if bias is not None else torch.zeros_like(shift)
@@ -207,9 +210,10 @@ def quantize_linears(
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
     they are. int8 with the `core` backend: the fused kernel, and when `calibrate` is given
     (it runs `module` on sample inputs), the layers whose measured int8 error is worst stay
-    in float (`models.int8_select`) and the others' biases are corrected for their weights'
-    rounding (`Int8DynamicLinear(input_mean=...)`); `int_mm`: `torch._int_mm`, every
-    accepted layer, uncorrected (the earlier path, kept for comparison). With int8, an
+    in float (`models.int8_select`), the others' weights are rounded by GPTQ and their
+    biases corrected for it (`Int8DynamicLinear(input_mean=..., hessian=...)`); `int_mm`:
+    `torch._int_mm`, every accepted layer, rounded to nearest (the earlier path, for
+    comparison). With int8, an
     MLP's GELU moves into its first product (`fuse_gelu`).
     """
     if kind == "none":
@@ -220,14 +224,15 @@ def quantize_linears(
 
     accepted: Callable[[str, nn.Linear], bool] = quantizable
     means: dict[str, Tensor] = {}
+    hessians: dict[str, Tensor] = {}
     if kind == "int8" and backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
 
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
-            max_error=INT8_MAX_ERROR, max_kept=INT8_MAX_KEPT,
+            max_error=INT8_MAX_ERROR, max_kept=INT8_MAX_KEPT, hessians=True,
         )  # fmt: skip
-        means = choice.input_means
+        means, hessians = choice.input_means, choice.hessians
     kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"
     swapped = []
     for name, child in list(module.named_modules()):
@@ -235,8 +240,9 @@ def quantize_linears(
             full = f"{name}.{attr}" if name else attr
             if not isinstance(layer, nn.Linear) or not accepted(full, layer):
                 continue
+            mean, hessian = means.get(full), hessians.pop(full, None)
             new = (
-                Int8DynamicLinear(layer, kernel=kernel, input_mean=means.get(full))
+                Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian)
                 if kind == "int8"
                 else Fp8RowwiseLinear(layer)
             )

@@ -8,8 +8,10 @@ than with trained weights.
     python -m bench.swin --images ../shared/data/images --batch-sizes 64 256 512
 
 int8 (issue 20): `bf16-int8-compile` is the earlier torch._int_mm path, `bf16-int8fused-compile`
-the fused Triton kernel on every block Linear, `bf16-int8fused-select-compile` the same with
-the per-layer choice (the worst-measured layers kept in bf16), as SERVE_QUANTIZATION=int8.
+the fused Triton kernel on every block Linear (weights rounded to nearest),
+`bf16-int8fused-gptq-compile` the same calibrated (GPTQ rounding, bias correction), and
+`bf16-int8fused-select-compile` that with the per-layer choice (the worst-measured layers
+kept in bf16): what SERVE_QUANTIZATION=int8 serves.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bench.common import (
     write_json,
 )
 from models.fidelity import swin_views
+from models.int8_select import calibration_run
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
 from models.quantize import Int8DynamicLinear, quantize_linears
 from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
@@ -60,6 +63,10 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "bf16-int8fused-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
     ),
+    # ... calibrated (8 smooth_images): GPTQ rounding and bias correction, every layer
+    "bf16-int8fused-gptq-compile": OptimizeOptions(
+        precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
+    ),
     # ... and the per-layer choice (models.int8_select): what SERVE_QUANTIZATION=int8 serves
     "bf16-int8fused-select-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
@@ -76,8 +83,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
 }
 
 
-# variants whose int8 takes every candidate layer (prepare_swin would measure and choose)
-EVERY_LAYER = {"bf16-int8fused-compile"}
+# variants whose int8 takes every candidate layer (prepare_swin would measure and choose):
+# uncalibrated (rounded to nearest), or calibrated as prepare_swin does but keeping none
+EVERY_LAYER = {"bf16-int8fused-compile": False, "bf16-int8fused-gptq-compile": True}
 
 
 def _block_linear(name: str, layer: torch.nn.Linear) -> bool:
@@ -90,7 +98,9 @@ def prepare(model: torch.nn.Module, variant: str, opts: OptimizeOptions) -> None
         prepare_swin(model, opts)
         return
     prepare_swin(model, replace(opts, quantization="none"))
-    quantize_linears(model, opts.quantization, _block_linear, backend=opts.quantization_backend)
+    calibrate = calibration_run(model.config.img_size, 8) if EVERY_LAYER[variant] else None
+    quantize_linears(model, opts.quantization, _block_linear, backend=opts.quantization_backend,
+                     calibrate=calibrate, max_kept=0.0)  # fmt: skip
 
 
 def agreement_inputs(photos: list[torch.Tensor], n: int, config) -> torch.Tensor:

@@ -204,17 +204,18 @@ def quantize_linears(
     *,
     backend: QuantBackend = "core",
     calibrate: Callable[[nn.Module], object] | None = None,
+    max_kept: float = INT8_MAX_KEPT,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
     they are. int8 with the `core` backend: the fused kernel, and when `calibrate` is given
     (it runs `module` on sample inputs), the layers whose measured int8 error is worst stay
-    in float (`models.int8_select`), the others' weights are rounded by GPTQ and their
-    biases corrected for it (`Int8DynamicLinear(input_mean=..., hessian=...)`); `int_mm`:
-    `torch._int_mm`, every accepted layer, rounded to nearest (the earlier path, for
-    comparison). With int8, an
-    MLP's GELU moves into its first product (`fuse_gelu`).
+    in float (at most `max_kept` of them; `models.int8_select`), the others' weights are
+    rounded by GPTQ and their biases corrected for it (`Int8DynamicLinear(input_mean=...,
+    hessian=...)`); `int_mm`: `torch._int_mm`, every accepted layer, rounded to nearest
+    (the earlier path, for comparison). With int8, an MLP's GELU moves into its first
+    product (`fuse_gelu`).
     """
     if kind == "none":
         return []
@@ -230,7 +231,7 @@ def quantize_linears(
 
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
-            max_error=INT8_MAX_ERROR, max_kept=INT8_MAX_KEPT, hessians=True,
+            max_error=INT8_MAX_ERROR, max_kept=max_kept, hessians=True,
         )  # fmt: skip
         means, hessians = choice.input_means, choice.hessians
     kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"

@@ -40,8 +40,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-int8|-fp8|-2:4][-torchao]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
-    e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers."""
+    """`bf16[-int8|-fp8|-2:4][-torchao|-int_mm]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
+    e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
+    `-int_mm` int8 through torch._int_mm on every layer (the fused kernel is the default)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
@@ -49,7 +50,7 @@ def _variant(name: str) -> OptimizeOptions:
     return OptimizeOptions(
         precision=parts[0],  # type: ignore[arg-type]
         quantization=quant,  # type: ignore[arg-type]
-        quantization_backend="torchao" if "torchao" in parts else "core",
+        quantization_backend=next((b for b in ("torchao", "int_mm") if b in parts), "core"),
         sparsity="2:4" if "2:4" in parts else "none",
         attention=next((a for a in ("flex", "triton") if a in parts), "sdpa"),  # type: ignore[arg-type]
         window_attention="triton" if "win" in parts else "sdpa",
@@ -73,6 +74,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-compile-triton-win",
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
+        "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
         "bf16-int8-torchao-compile-triton-win",
         "bf16-fp8-torchao-compile-triton-win",
     ]

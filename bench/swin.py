@@ -6,6 +6,12 @@ model sees. Random weights give small logit margins, which makes agreement harde
 than with trained weights.
 
     python -m bench.swin --images ../shared/data/images --batch-sizes 64 256 512
+
+int8 (issue 20): `bf16-int8-compile` is the earlier torch._int_mm path, `bf16-int8fused-compile`
+the fused Triton kernel on every block Linear (weights rounded to nearest),
+`bf16-int8fused-gptq-compile` the same calibrated (GPTQ rounding, bias correction), and
+`bf16-int8fused-select-compile` that with the per-layer choice (the worst-measured layers
+kept in bf16): what SERVE_QUANTIZATION=int8 serves.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,9 @@ from bench.common import (
     write_json,
 )
 from models.fidelity import swin_views
+from models.int8_select import calibration_run
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
+from models.quantize import Int8DynamicLinear, quantize_linears
 from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
 from models.swin import transforms as swin_tf
 
@@ -42,7 +51,24 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "bf16-eager": OptimizeOptions(precision="bf16"),
     "bf16-compile": OptimizeOptions(precision="bf16", compile_mode="default", cuda_graphs=True),
     "fp16-compile": OptimizeOptions(precision="fp16", compile_mode="default", cuda_graphs=True),
+    # int8, every block Linear, through torch._int_mm then the epilogue (the earlier path)
     "bf16-int8-compile": OptimizeOptions(
+        precision="bf16",
+        quantization="int8",
+        quantization_backend="int_mm",
+        compile_mode="default",
+        cuda_graphs=True,
+    ),
+    # int8 through the fused Triton kernel (models.int8_gemm), every block Linear
+    "bf16-int8fused-compile": OptimizeOptions(
+        precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
+    ),
+    # ... calibrated (8 smooth_images): GPTQ rounding and bias correction, every layer
+    "bf16-int8fused-gptq-compile": OptimizeOptions(
+        precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
+    ),
+    # ... and the per-layer choice (models.int8_select): what SERVE_QUANTIZATION=int8 serves
+    "bf16-int8fused-select-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
     ),
     "bf16-fp8-compile": OptimizeOptions(
@@ -55,6 +81,26 @@ VARIANTS: dict[str, OptimizeOptions] = {
         precision="fp16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
     ),
 }
+
+
+# variants whose int8 takes every candidate layer (prepare_swin would measure and choose):
+# uncalibrated (rounded to nearest), or calibrated as prepare_swin does but keeping none
+EVERY_LAYER = {"bf16-int8fused-compile": False, "bf16-int8fused-gptq-compile": True}
+
+
+def _block_linear(name: str, layer: torch.nn.Linear) -> bool:
+    return name.startswith("layers.") and ".blocks." in name  # prepare_swin's candidates
+
+
+def prepare(model: torch.nn.Module, variant: str, opts: OptimizeOptions) -> None:
+    """`prepare_swin`, or for `EVERY_LAYER` the same without the per-layer choice."""
+    if variant not in EVERY_LAYER:
+        prepare_swin(model, opts)
+        return
+    prepare_swin(model, replace(opts, quantization="none"))
+    calibrate = calibration_run(model.config.img_size, 8) if EVERY_LAYER[variant] else None
+    quantize_linears(model, opts.quantization, _block_linear, backend=opts.quantization_backend,
+                     calibrate=calibrate, max_kept=0.0)  # fmt: skip
 
 
 def agreement_inputs(photos: list[torch.Tensor], n: int, config) -> torch.Tensor:
@@ -103,7 +149,8 @@ def main() -> None:
         opts = VARIANTS[variant]
         try:
             model = copy.deepcopy(base).to(dtype=opts.dtype)
-            prepare_swin(model, opts)
+            prepare(model, variant, opts)
+            int8_layers = sum(isinstance(m, Int8DynamicLinear) for m in model.modules())
             for module in model.modules():
                 if isinstance(module, WindowAttention):
                     module.use_sdpa = attention == "sdpa"
@@ -129,6 +176,7 @@ def main() -> None:
                             "ms": ms,
                             "peak_gib": peak_gib(),
                             "compile_s": compile_s,
+                            "int8_layers": int8_layers,
                         }
                     )
                     print(rows[-1], flush=True)
@@ -156,7 +204,17 @@ def main() -> None:
     )
     print_table(
         rows,
-        ["variant", "batch", "img_per_s", "ms", "peak_gib", "compile_s", "top1_agree", "error"],
+        [
+            "variant",
+            "batch",
+            "img_per_s",
+            "ms",
+            "peak_gib",
+            "compile_s",
+            "int8_layers",
+            "top1_agree",
+            "error",
+        ],
     )
 
 

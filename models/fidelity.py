@@ -339,9 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--quantization-backend",
-        choices=["core", "torchao"],
+        choices=["core", "int_mm", "torchao"],
         default="core",
-        help="int8/fp8 through our layers or through torchao (SERVE_QUANTIZATION_BACKEND)",
+        help="int8/fp8 through our layers (core; int_mm: torch._int_mm, every layer) or torchao",
     )
     args = p.parse_args(argv)
     device = torch.device(args.device)

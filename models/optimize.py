@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from models.int8_select import calibration_run
 from models.quantize import (
     QuantBackend,
     Quantization,
@@ -55,7 +56,7 @@ class OptimizeOptions:
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Quantization = "none"
-    quantization_backend: QuantBackend = "core"  # "torchao": see models.quantize
+    quantization_backend: QuantBackend = "core"  # "int_mm", "torchao": see models.quantize
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -73,8 +74,8 @@ class OptimizeOptions:
         parts: list[str] = [self.precision]
         if self.quantization != "none":
             parts.append(self.quantization)
-            if self.quantization_backend == "torchao":
-                parts.append("torchao")
+            if self.quantization_backend != "core":
+                parts.append(self.quantization_backend)
         if self.sparsity != "none":
             parts.append(self.sparsity)
         return "+".join(parts)
@@ -98,7 +99,8 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
     if options.sparsity == "2:4":
         compress = device.type == "cuda" and options.dtype != torch.float32
         semi_structured_2to4(encoder, _encoder_mlp, compress=compress)
-    swapped = _quantize(encoder, options, _encoder_linear)
+    size = int(getattr(encoder, "img_size", 0))
+    swapped = _quantize(encoder, options, _encoder_linear, size)
     if swapped:
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
@@ -120,15 +122,26 @@ def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:
     def include(name: str, layer: nn.Linear) -> bool:
         return name.startswith("layers.") and ".blocks." in name
 
-    _quantize(model, options, include)
+    config = getattr(model, "config", None)
+    _quantize(model, options, include, int(getattr(config, "img_size", 0)))
 
 
 def _quantize(
-    module: nn.Module, options: OptimizeOptions, include: Callable[[str, nn.Linear], bool]
+    module: nn.Module,
+    options: OptimizeOptions,
+    include: Callable[[str, nn.Linear], bool],
+    image_size: int,
 ) -> list[str]:
+    """int8 measures each layer on 2 (SAM) or 8 (Swin) sample images and keeps the worst in
+    float (models.int8_select)."""
     if options.quantization_backend == "torchao":
         return quantize_linears_torchao(module, options.quantization, include)
-    return quantize_linears(module, options.quantization, include)
+    images = 2 if image_size >= 512 else 8
+    calibrate = calibration_run(image_size, images) if image_size else None
+    return quantize_linears(
+        module, options.quantization, include,
+        backend=options.quantization_backend, calibrate=calibrate,
+    )  # fmt: skip
 
 
 def compile_fn(

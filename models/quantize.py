@@ -3,7 +3,10 @@
 Small module swaps applied once at load time, like gpt-fast's quantizers:
 
 - `Int8DynamicLinear`: int8 weights (one scale per output channel) and int8 activations
-  quantized per token at run time, multiplied by `torch._int_mm` (int32 accumulation).
+  quantized per token at run time. On CUDA with Triton the product is our kernel with the
+  dequantisation, bias and GELU fused into its epilogue (`models.int8_gemm`, bf16 out);
+  `kernel="int_mm"` keeps the earlier `torch._int_mm` (int32 out) then separate kernels,
+  for comparison. On the CPU both run the same arithmetic in torch.
 - `Fp8RowwiseLinear`: float8 e4m3 weights and activations with one scale per row, through
   `torch._scaled_mm` (Hopper's fp8 tensor cores; bf16 output).
 - `semi_structured_2to4`: prunes a weight to 2 non-zeros in every 4 along the input axis
@@ -27,12 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.int8_gemm import int8_linear, quantize_rows
+from models.int8_gptq import gptq_int8
+
 __all__ = [
+    "INT8_MAX_ERROR",
+    "INT8_MAX_KEPT",
     "Fp8RowwiseLinear",
     "Int8DynamicLinear",
+    "Int8Kernel",
     "QuantBackend",
     "Quantization",
     "Sparse24Linear",
+    "fuse_gelu",
     "int8_mm",
     "linear_reference",
     "prune_2to4",
@@ -43,6 +53,11 @@ __all__ = [
 ]
 
 Quantization = Literal["none", "int8", "fp8"]
+# "fused": models.int8_gemm (Triton on CUDA); "int_mm": torch._int_mm, then the epilogue
+Int8Kernel = Literal["fused", "int_mm"]
+# core: our layers (int8: the fused kernel and the per-layer choice); int_mm: our layers
+# through torch._int_mm, every layer (the earlier int8, for comparison); torchao: quantize_
+QuantBackend = Literal["core", "int_mm", "torchao"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -69,34 +84,65 @@ def _int8_mm_shape(a: Tensor, b: Tensor) -> Tensor:
 
 
 class Int8DynamicLinear(nn.Module):
-    """`y = x W^T + b` with int8 W (per output channel) and int8 x (per token)."""
+    """`y = x W^T + b` (then GELU where `gelu`) with int8 W (per output channel) and int8 x
+    (per token)."""
 
     # buffers, typed for the checker (register_buffer makes them attributes)
     weight_int8: Tensor
     weight_scale: Tensor
     bias: Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        *,
+        kernel: Int8Kernel = "fused",
+        gelu: bool = False,
+        input_mean: Tensor | None = None,
+        hessian: Tensor | None = None,
+    ) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [N, K]
-        scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight_int8", q.contiguous())  # [N, K]; its .t() is col-major
+        if hessian is not None:  # GPTQ rounding (models.int8_gptq): the same scales
+            q, scale = gptq_int8(weight, hessian)
+        else:
+            scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
+            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        # [N, K] contiguous: K-major, what int8 tensor cores take (its .t() is col-major)
+        self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("weight_scale", scale)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
+        if input_mean is not None:
+            # Bias correction (Nagel et al., 2019): the weights' rounding shifts the output
+            # for the mean input by mean (W_q - W)^T, every token alike (so it survives
+            # Swin's pooling; models/int8_gptq.py); taken out of the bias, in fp32.
+            rounded = q.double() * scale.double()[:, None] - weight.double()
+            shift = input_mean.to(rounded) @ rounded.t()  # [N]
+            base = bias.double() if bias is not None else torch.zeros_like(shift)
+            bias = (base - shift).float()
         self.register_buffer("bias", bias)
         self.out_dtype = linear.weight.dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel: Int8Kernel = kernel
+        self.gelu = gelu  # nn.GELU() (exact erf) fused after the bias; see fuse_gelu
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel={self.kernel}, gelu={self.gelu}")  # fmt: skip
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
-        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=_EPS) / 127.0  # [M, 1]
-        xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
+        xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))  # [M, K] int8, [M]
+        if self.kernel == "fused":
+            y = int8_linear(xq, x_scale, self.weight_int8, self.weight_scale, self.bias, None,
+                            self.gelu, self.out_dtype)  # fmt: skip
+            return y.reshape(*shape[:-1], self.out_features)
         acc = int8_mm(xq, self.weight_int8.t())  # [M, N] int32
-        y = acc.float() * x_scale * self.weight_scale
+        y = acc.float() * x_scale[:, None] * self.weight_scale
         if self.bias is not None:
             y = y + self.bias.float()
+        if self.gelu:
+            y = F.gelu(y)
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
 
@@ -143,29 +189,95 @@ def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear]
     )
 
 
+# The per-layer choice (models.int8_select): a layer stays in float when its int8 output is
+# off by more than this (relative, on sample images), for at most this fraction of layers.
+# Random Swin-T weights on the real photos: fc2 (after GELU) 0.012-0.015, the rest
+# 0.009-0.011 (the same order on `smooth_images`, Spearman 0.97).
+INT8_MAX_ERROR = 0.0125
+INT8_MAX_KEPT = 0.125
+
+
 def quantize_linears(
-    module: nn.Module, kind: Quantization, include: Callable[[str, nn.Linear], bool]
+    module: nn.Module,
+    kind: Quantization,
+    include: Callable[[str, nn.Linear], bool],
+    *,
+    backend: QuantBackend = "core",
+    calibrate: Callable[[nn.Module], object] | None = None,
+    max_kept: float = INT8_MAX_KEPT,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
-    they are.
+    they are. int8 with the `core` backend: the fused kernel, and when `calibrate` is given
+    (it runs `module` on sample inputs), the layers whose measured int8 error is worst stay
+    in float (at most `max_kept` of them; `models.int8_select`), the others' weights are
+    rounded by GPTQ and their biases corrected for it (`Int8DynamicLinear(input_mean=...,
+    hessian=...)`); `int_mm`: `torch._int_mm`, every accepted layer, rounded to nearest
+    (the earlier path, for comparison). With int8, an MLP's GELU moves into its first
+    product (`fuse_gelu`).
     """
     if kind == "none":
         return []
-    cls = Int8DynamicLinear if kind == "int8" else Fp8RowwiseLinear
+
+    def quantizable(name: str, layer: nn.Linear) -> bool:
+        return _quantizable(name, layer, include)
+
+    accepted: Callable[[str, nn.Linear], bool] = quantizable
+    means: dict[str, Tensor] = {}
+    hessians: dict[str, Tensor] = {}
+    if kind == "int8" and backend == "core" and calibrate is not None:
+        from models.int8_select import int8_include
+
+        accepted, choice = int8_include(
+            module, lambda: calibrate(module), quantizable,
+            max_error=INT8_MAX_ERROR, max_kept=max_kept, hessians=True,
+        )  # fmt: skip
+        means, hessians = choice.input_means, choice.hessians
+    kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"
     swapped = []
     for name, child in list(module.named_modules()):
         for attr, layer in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
-            if not _quantizable(full, layer, include):
+            if not isinstance(layer, nn.Linear) or not accepted(full, layer):
                 continue
-            setattr(child, attr, cls(layer))
+            mean, hessian = means.get(full), hessians.pop(full, None)
+            new = (
+                Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian)
+                if kind == "int8"
+                else Fp8RowwiseLinear(layer)
+            )
+            setattr(child, attr, new)
             swapped.append(full)
+    if kind == "int8":
+        fuse_gelu(module)
     return swapped
 
 
-QuantBackend = Literal["core", "torchao"]
+def fuse_gelu(module: nn.Module) -> list[str]:
+    """Move exact GELU into the int8 product before it, where the structure is known.
+
+    Swin's `Mlp` is `fc2(act(fc1(x)))` and SAM's `MLPBlock` `lin2(act(lin1(x)))`: when the
+    first Linear is an `Int8DynamicLinear` and `act` is `nn.GELU()` (erf), the layer
+    applies GELU in its epilogue and `act` becomes `nn.Identity()`: one pass over the
+    hidden activation (4x the block's width) fewer. Returns the fused layers' names.
+    """
+    from models.sam.common import MLPBlock
+    from models.swin.model import Mlp
+
+    first_of = {Mlp: "fc1", MLPBlock: "lin1"}
+    fused = []
+    for name, child in module.named_modules():
+        attr = first_of.get(type(child))
+        act = getattr(child, "act", None)
+        if attr is None or type(act) is not nn.GELU or act.approximate != "none":
+            continue
+        layer = getattr(child, attr)
+        if isinstance(layer, Int8DynamicLinear) and not layer.gelu:
+            layer.gelu = True
+            child.act = nn.Identity()
+            fused.append(f"{name}.{attr}" if name else attr)
+    return fused
 
 
 def torchao_unsupported(kind: Quantization, device: torch.device) -> str | None:
@@ -292,11 +404,14 @@ def semi_structured_2to4(
 
 def linear_reference(layer: nn.Module, x: Tensor) -> Tensor:
     """The float result a quantized layer approximates (for fidelity checks)."""
+    gelu = False
     if isinstance(layer, Int8DynamicLinear):
         w = layer.weight_int8.float() * layer.weight_scale[:, None]
+        gelu = layer.gelu
     elif isinstance(layer, Fp8RowwiseLinear):
         w = layer.weight_fp8.float() * layer.weight_scale.t()
     else:
         raise TypeError(f"not a quantized layer: {type(layer).__name__}")
     bias = None if layer.bias is None else layer.bias.float()
-    return F.linear(x.float(), w, bias)
+    y = F.linear(x.float(), w, bias)
+    return F.gelu(y) if gelu else y

@@ -1,0 +1,199 @@
+"""The fused int8 GEMM against bf16 and `torch._int_mm`, on Swin-T's and SAM ViT-B's Linear
+shapes (issue 20).
+
+For every product of Swin-T (4 stages: qkv, proj, fc1 with GELU, fc2; tokens = batch x
+3136 / 784 / 196 / 49) at each `--swin-batch-sizes`, and of SAM ViT-B's encoder (windowed
+blocks: batch x 25 windows x 196 tokens; global blocks: batch x 4096) at `--sam-batch-sizes`,
+it times, each inside a CUDA graph of `--reps` calls (no launch overhead, as served):
+
+- `bf16`: `F.linear` in bf16 (cuBLAS, bias in its epilogue), then GELU where the layer has it;
+- `int_mm`: `torch._int_mm` (int32 out) with the dequantisation, bias, GELU and cast as one
+  compiled pointwise kernel after it: the earlier int8 path;
+- `fused`: `models.int8_gemm.launch`, autotuned (the config it chose is printed).
+
+Activations are already int8 for both int8 forms (quantisation fuses into the layer norm
+before, under torch.compile). `max_rel` is the fused kernel's largest difference from the
+torch reference (`int8_linear_reference`) relative to the output's largest magnitude;
+`equal` whether they are bit for bit equal. `--sweep` also times every candidate config
+(`HOPPER_CONFIGS`) per shape, to see what the autotuner had to choose from.
+
+    python3 -m bench.int8_gemm --json .benchdata/int8_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import cuda_time_ms, environment, print_table, write_json
+from models.int8_gemm import (
+    HOPPER_CONFIGS,
+    int8_linear,
+    int8_linear_reference,
+    launch,
+    quantize_rows,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+SWIN_TOKENS = (3136, 784, 196, 49)  # per image, stages 1-4 of Swin-T at 224
+SWIN_DIMS = (96, 192, 384, 768)
+SAM_DIM = 768
+SAM_TOKENS = {"window": 25 * 196, "global": 64 * 64}  # 64x64 grid padded to 70x70 windows
+
+
+def _block(c: int, mlp1: str, mlp2: str) -> list[tuple[str, int, int, bool]]:
+    """A transformer block's products of width c: (layer, K, N, GELU after it)."""
+    return [("qkv", c, 3 * c, False), ("proj", c, c, False),
+            (mlp1, c, 4 * c, True), (mlp2, 4 * c, c, False)]  # fmt: skip
+
+
+def shapes(swin_batches: list[int], sam_batches: list[int]) -> list[dict[str, Any]]:
+    """Each product: model, layer, M, K, N, GELU after it, residual added after it."""
+    out = []
+    for batch in swin_batches:
+        for stage, (tokens, c) in enumerate(zip(SWIN_TOKENS, SWIN_DIMS, strict=True)):
+            m = batch * tokens
+            for layer, k, n, gelu in _block(c, "fc1", "fc2"):
+                out.append({"model": f"swin-t b{batch}", "layer": f"s{stage + 1}.{layer}",
+                            "M": m, "K": k, "N": n, "gelu": gelu})  # fmt: skip
+    for batch in sam_batches:
+        for kind, tokens in SAM_TOKENS.items():
+            m, d = batch * tokens, SAM_DIM
+            for layer, k, n, gelu in _block(d, "lin1", "lin2"):
+                out.append({"model": f"sam-b b{batch}", "layer": f"{kind}.{layer}",
+                            "M": m, "K": k, "N": n, "gelu": gelu})  # fmt: skip
+    return out
+
+
+def graphed_ms(fn: Callable[[], object], reps: int, iters: int) -> float:
+    """Milliseconds per call of `fn`, replayed `reps` times per CUDA graph (host clock and no
+    graph without CUDA: a smoke run)."""
+    if not CUDA:
+        return cuda_time_ms(fn, iters, warmup=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile, autotune, allocate
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_time_ms(graph.replay, iters) / reps
+
+
+def _int_mm_epilogue(
+    acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor, gelu: bool
+) -> torch.Tensor:
+    y = acc.float() * xs[:, None] * ws[None, :] + bias.float()
+    return (F.gelu(y) if gelu else y).to(torch.bfloat16)
+
+
+def measure(row: dict[str, Any], args: argparse.Namespace, epilogue: Callable[..., Any]) -> None:
+    m, k, n, gelu = row["M"], row["K"], row["N"], row["gelu"]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, generator=g) / k**0.5
+    bias = torch.randn(n, device=DEVICE, generator=g) * 0.1
+    xq, xs = quantize_rows(x)
+    ws = w.abs().amax(1) / 127
+    wq = torch.round(w / ws[:, None]).to(torch.int8)
+    wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
+    flops = 2 * m * k * n
+
+    def bf16() -> torch.Tensor:
+        y = F.linear(x, wb, bb)
+        return F.gelu(y) if gelu else y
+
+    def int_mm() -> torch.Tensor:
+        return epilogue(torch._int_mm(xq, wq.t()), xs, ws, bias, gelu)
+
+    def fused() -> torch.Tensor:
+        if CUDA:
+            return launch(xq, xs, wq, ws, bias, None, gelu=gelu, out_dtype=torch.bfloat16)
+        return int8_linear(xq, xs, wq, ws, bias, None, gelu, torch.bfloat16)
+
+    for name, fn in (("bf16", bf16), ("int_mm", int_mm), ("fused", fused)):
+        try:
+            ms = graphed_ms(fn, args.reps, args.iters)
+            row[f"{name} ms"] = ms
+            row[f"{name} TFLOP/s"] = flops / ms / 1e9
+        except Exception as exc:  # one failing form must not lose the others
+            row[f"{name} ms"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    if isinstance(row.get("fused ms"), float) and isinstance(row.get("bf16 ms"), float):
+        row["fused/bf16"] = row["bf16 ms"] / row["fused ms"]
+    if CUDA:
+        from models.int8_gemm import _autotuned
+
+        # the autotuner launch() uses; best_config: the one its last call (this shape) ran
+        chosen = getattr(_autotuned(HOPPER_CONFIGS), "best_config", None)
+        row["config"] = str(chosen).replace("\n", " ")[:90]
+    got = fused()
+    want = int8_linear_reference(xq, xs, wq, ws, bias, None, gelu, torch.bfloat16)
+    row["max_rel"] = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    row["equal"] = bool(torch.equal(got, want))
+    if args.sweep and CUDA:
+        best = None
+        for cfg in HOPPER_CONFIGS:
+            if cfg.block_k > max(k, 16):
+                continue
+            try:
+                ms = graphed_ms(
+                    lambda cfg=cfg: launch(xq, xs, wq, ws, bias, None, gelu=gelu,
+                                           out_dtype=torch.bfloat16, config=cfg),
+                    args.reps, args.iters,
+                )  # fmt: skip
+            except Exception as exc:  # e.g. out of shared memory for a deep pipeline
+                print(f"  {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            print(f"  {cfg}: {ms:.4f} ms", flush=True)
+            best = min(best or (ms, cfg), (ms, cfg), key=lambda t: t[0])
+        if best:
+            row["sweep best"] = f"{best[0]:.4f} {best[1]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--swin-batch-sizes", nargs="*", type=int, default=[64, 256])
+    p.add_argument("--sam-batch-sizes", nargs="*", type=int, default=[8])
+    p.add_argument("--reps", type=int, default=10, help="calls per CUDA graph")
+    p.add_argument("--iters", type=int, default=10, help="graph replays timed (median)")
+    p.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    started = time.perf_counter()
+    env = environment()
+    print(env, flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # one compile for every shape: M, K and N symbolic
+    epilogue = torch.compile(_int_mm_epilogue, dynamic=True) if CUDA else _int_mm_epilogue
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for row in shapes(args.swin_batch_sizes, args.sam_batch_sizes):
+            if time.perf_counter() - started > args.budget_s:
+                print(f"budget spent: skipping {row['model']} {row['layer']}", flush=True)
+                continue
+            measure(row, args, epilogue)
+            rows.append(row)
+            print(row, flush=True)
+    write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
+    columns = ["model", "layer", "M", "K", "N", "bf16 ms", "int_mm ms", "fused ms", "fused/bf16",
+               "fused TFLOP/s", "max_rel", "equal", "config"]  # fmt: skip
+    if args.sweep:
+        columns.append("sweep best")
+    print_table(rows, columns)
+
+
+if __name__ == "__main__":
+    main()

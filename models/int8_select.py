@@ -1,0 +1,202 @@
+"""Which Linear layers to quantize to int8: by each layer's measured output error.
+
+Per-token int8 activations lose most where a token's values are dominated by a few large
+ones (after GELU, in attention outputs): the absmax scale then leaves the small values a
+handful of levels. How much, and where, depends on the weights and the inputs, so it is
+measured: each candidate layer's input is taken from the float model on sample images,
+quantized as `Int8DynamicLinear` would (per token, per output channel, the arithmetic of
+`models.int8_gemm.int8_linear`), and compared with the float product. The worst
+layers stay in the serving dtype; patch embedding and the classifier head are never
+candidates (`models.optimize`'s filters).
+
+The measure is one forward pass of the float model (every layer sees the float model's
+activations, so one layer's error does not inflate the next's), cheap next to compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from models.int8_gemm import quantize_rows
+
+__all__ = [
+    "Int8Choice",
+    "Int8Measure",
+    "calibration_run",
+    "choose_float_layers",
+    "int8_include",
+    "int8_layer_errors",
+    "measure_int8",
+    "smooth_images",
+]
+
+log = logging.getLogger(__name__)
+
+_EPS = 1e-12
+
+
+def _quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+@dataclass(frozen=True)
+class Int8Measure:
+    """Per candidate layer: the relative error of its int8 product; the mean of its input
+    over every token seen (float64; for bias correction); and the input's second moment
+    `X^T X` (fp32 `[K, K]`, for GPTQ; `hessians=True` only: K^2 floats per layer)."""
+
+    errors: dict[str, float]
+    input_means: dict[str, Tensor]
+    hessians: dict[str, Tensor]
+
+
+def measure_int8(
+    module: nn.Module,
+    run: Callable[[], object],
+    candidates: Callable[[str, nn.Linear], bool],
+    *,
+    hessians: bool = False,
+) -> Int8Measure:
+    """`||int8(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
+    the inputs it receives while `run()` runs the float `module` (no grad), in float64;
+    each layer's mean input, and with `hessians` its input's `X^T X`."""
+    layers = {
+        name: layer
+        for name, layer in module.named_modules()
+        if isinstance(layer, nn.Linear) and candidates(name, layer)
+    }
+    sums = {name: [0.0, 0.0] for name in layers}  # squared error, squared reference
+    totals: dict[str, Tensor] = {}
+    moments: dict[str, Tensor] = {}
+    counts = dict.fromkeys(layers, 0)
+    hooks = []
+
+    def hook_for(name: str, layer: nn.Linear) -> Callable[..., None]:
+        wq, ws = _quantize_weight(layer.weight)
+
+        def measure(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            x = inputs[0].reshape(-1, layer.in_features)
+            xq, xs = quantize_rows(x)
+            # the int8 product in fp32 (exact but for the rounding of sums past 2^24; no
+            # kernel to tune, any device), then the kernel's dequantisation
+            got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
+            want = torch.nn.functional.linear(x.float(), layer.weight.float())
+            sums[name][0] += float((got.double() - want.double()).square().sum())
+            sums[name][1] += float(want.double().square().sum())
+            total = x.double().sum(dim=0)
+            totals[name] = totals[name] + total if name in totals else total
+            counts[name] += x.shape[0]
+            if hessians:
+                xf = x.float()
+                moment = xf.t() @ xf
+                moments[name] = moments[name] + moment if name in moments else moment
+
+        return measure
+
+    for name, layer in layers.items():
+        hooks.append(layer.register_forward_hook(hook_for(name, layer)))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    errors = {name: (err / max(ref, _EPS)) ** 0.5 for name, (err, ref) in sums.items()}
+    means = {name: totals[name] / counts[name] for name in totals}
+    return Int8Measure(errors, means, moments)
+
+
+def int8_layer_errors(
+    module: nn.Module,
+    run: Callable[[], object],
+    candidates: Callable[[str, nn.Linear], bool],
+) -> dict[str, float]:
+    """`measure_int8`'s errors alone."""
+    return measure_int8(module, run, candidates).errors
+
+
+@dataclass(frozen=True)
+class Int8Choice:
+    """The outcome: layers to quantize, layers kept in float (worst first), their errors,
+    and each measured layer's mean input and `X^T X` (for `Int8DynamicLinear`'s bias
+    correction and GPTQ rounding)."""
+
+    quantized: tuple[str, ...]
+    kept_float: tuple[str, ...]
+    errors: dict[str, float]
+    input_means: dict[str, Tensor]
+    hessians: dict[str, Tensor]
+
+
+def choose_float_layers(
+    errors: dict[str, float], *, max_error: float, max_kept: float = 0.25
+) -> tuple[str, ...]:
+    """The layers to keep in float: those whose error exceeds `max_error`, worst first, at
+    most `max_kept` (a fraction) of the candidates, so that int8 still covers most FLOPs."""
+    worst = sorted(errors, key=lambda name: errors[name], reverse=True)
+    over = [name for name in worst if errors[name] > max_error]
+    return tuple(over[: int(max_kept * len(errors))])
+
+
+def int8_include(
+    module: nn.Module,
+    run: Callable[[], object],
+    candidates: Callable[[str, nn.Linear], bool],
+    *,
+    max_error: float,
+    max_kept: float = 0.25,
+    hessians: bool = False,
+) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
+    """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
+    `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
+    measured = measure_int8(module, run, candidates, hessians=hessians)
+    errors = measured.errors
+    kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
+    chosen = tuple(name for name in errors if name not in kept)
+    choice = Int8Choice(chosen, kept, errors, measured.input_means, measured.hessians)
+    if kept:
+        worst = ", ".join(f"{n} {errors[n]:.4f}" for n in kept)
+        log.info("int8: %d of %d layers kept in float (error > %.4f): %s",
+                 len(kept), len(errors), max_error, worst)  # fmt: skip
+    excluded = set(kept)
+
+    def include(name: str, layer: nn.Linear) -> bool:
+        return candidates(name, layer) and name not in excluded
+
+    return include, choice
+
+
+def smooth_images(
+    n: int, size: int, *, seed: int = 0, device: torch.device | None = None
+) -> Tensor:
+    """`[n, 3, size, size]` images with natural images' spectrum roughly (smooth, a few large
+    shapes, some texture; about zero mean, unit spread per channel, like normalized pixels)
+    for when no photos are at hand: noise at 4 scales, upsampled and summed."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(n, 3, size, size)
+    for cells, weight in ((4, 1.0), (16, 0.5), (64, 0.25), (size, 0.125)):
+        noise = torch.randn(n, 3, cells, cells, generator=g)
+        out += weight * nn.functional.interpolate(
+            noise, size=(size, size), mode="bicubic", align_corners=False
+        )
+    out = (out - out.mean(dim=(2, 3), keepdim=True)) / out.std(dim=(2, 3), keepdim=True)
+    return out.to(device) if device is not None else out
+
+
+def calibration_run(size: int, images: int, seed: int = 0) -> Callable[[nn.Module], object]:
+    """What `quantize_linears(calibrate=...)` takes: run a model of `[B, 3, size, size]`
+    inputs on `images` `smooth_images`, on the device and in the dtype of its weights."""
+
+    def run(module: nn.Module) -> object:
+        weight = next(module.parameters())
+        x = smooth_images(images, size, seed=seed, device=weight.device)
+        return module(x.to(weight.dtype))
+
+    return run

@@ -14,8 +14,8 @@ One package serves every batch size of a stage: it is exported with a dynamic ba
 dimension (up to `MAX_BATCH`), so a start loads one file per model however many buckets
 it warms, and a cold start builds one (each build ran C++ and Triton compilers for about
 100 s on an H100 machine). Limits: the other dimensions are static, buckets not prepared
-run eagerly, and a Python custom op (our Triton attention, `models.sam.fused_attention`) cannot be called
-from the packaged C++; such a model must use SDPA when packaged.
+run eagerly, and a Python custom op (our Triton attention, `models.sam.fused_attention`)
+cannot be called from the packaged C++; such a model must use SDPA when packaged.
 """
 
 from __future__ import annotations

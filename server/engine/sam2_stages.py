@@ -80,6 +80,7 @@ class Sam2Stages(SamStages):
         self.encoder_compiled = options.compile_mode != "none"
         self.compiled = options.compile_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None
+        self._graphs = None  # SAM's decoder graphs (SamStages.warm_decoder reads it): none yet
         self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
 
     def _encode_tensors(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:

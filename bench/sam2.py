@@ -20,17 +20,28 @@ initialisation), then loaded by both sides through their official loaders. Per s
 
 Random weights give no mask at Meta's default thresholds: lower `--pred-iou-thresh`,
 `--stability-thresh` (and raise `--mask-threshold`) to time the whole pipeline; real or
-synthetic weights (`--checkpoint`) give meaningful mIoU.
+synthetic weights (`--checkpoint`, `python -m models.weights synthesize sam2.1_hiera_large`)
+give meaningful mIoU.
 
     python -m bench.sam2 --out sam2.json                                  # GPU, every size
     python -m bench.sam2 --device cpu --sizes sam2_test_tiny --no-compile  # CPU smoke
+
+Meta's package on the GPU machine (no network there; its real torchvision is used): pure
+Python wheels built here (sam2 without its CUDA extension, which only its hole filling
+needs; antlr4 and iopath publish no wheels), carried in the git-ignored `.whl/sam2`:
+
+    SAM2_BUILD_CUDA=0 pip wheel --no-deps --no-build-isolation -w .whl/sam2 sam2==1.1.0 \
+        hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 iopath==0.1.10 \
+        portalocker==4.4.2 tqdm==4.70.1
+    # there:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/sam2site .whl/sam2/*.whl
+    PYTHONPATH=/tmp/sam2site python3 -m bench.sam2 --out "$OUT/sam2.json"
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import statistics
 import tempfile
 import time
@@ -53,6 +64,7 @@ from bench.common import (
 )
 from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
+from models.sam2.checkpoint import to_meta_keys
 from models.sam2.transforms import postprocess_masks, preprocess_image, scale_points
 
 log = logging.getLogger("bench.sam2")
@@ -70,8 +82,6 @@ META_YAML = {
     "sam2.1_hiera_large": "configs/sam2.1/sam2.1_hiera_l.yaml",
     "sam2_test_tiny": "configs/sam2.1/sam2.1_hiera_t.yaml",  # sizes overridden
 }
-# ours -> Meta's: the two-way transformer's MLP (the inverse of checkpoint.map_checkpoint_keys)
-_OUR_MLP_KEY = re.compile(r"^(sam_mask_decoder\.transformer\.layers\.\d+\.mlp\.)lin([12])\.")
 
 
 # -- Meta's side ---------------------------------------------------------------------------
@@ -108,15 +118,22 @@ def build_meta(config: Sam2Config, checkpoint: Path | None, device: str) -> Any:
     return build_sam2(META_YAML[config.name], path, device=device, hydra_overrides_extra=extra)
 
 
-def official_checkpoint(config: Sam2Config, seed: int, folder: Path) -> Path:
-    """Our seeded random weights as a Meta release file: the image path from `load_sam2`,
-    the video modules (which ours lacks) at Meta's initialisation."""
+def official_checkpoint(
+    config: Sam2Config, seed: int, folder: Path, source: Path | None = None
+) -> Path:
+    """The weights as a complete Meta release file: the image path from `source` (a
+    `{"model": ...}` file of Meta's keys, e.g. synthetic weights, which hold no video
+    modules) or else our seeded random weights, the video modules at Meta's initialisation
+    (its `build_sam2` loads strictly)."""
     state = build_meta(config, None, "cpu").state_dict()
-    for key, value in load_sam2(config, None, seed=seed).state_dict().items():
-        meta_key = _OUR_MLP_KEY.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) - 1}.", key)
-        if meta_key not in state or state[meta_key].shape != value.shape:
-            raise SystemExit(f"{key} has no counterpart {meta_key} of that shape in Meta's model")
-        state[meta_key] = value
+    if source is None:
+        image_path = to_meta_keys(load_sam2(config, None, seed=seed).state_dict())
+    else:
+        image_path = torch.load(source, map_location="cpu", weights_only=True)["model"]
+    for key, value in image_path.items():
+        if key not in state or state[key].shape != value.shape:
+            raise SystemExit(f"{key}: not in Meta's model with that shape")
+        state[key] = value
     path = folder / f"{config.name}_seed{seed}.pt"
     torch.save({"model": state}, path)
     return path
@@ -377,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         for name in args.sizes:
             config = SAM2_CONFIGS[name]
-            path = args.checkpoint or official_checkpoint(config, args.seed, Path(folder))
+            path = official_checkpoint(config, args.seed, Path(folder), args.checkpoint)
             meta = build_meta(config, path, args.device)
             fp32 = load_sam2(config, path).to(args.device)
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)

@@ -14,7 +14,8 @@ service would try to load. `--base-url` points at a mirror holding the same file
 seeded random weights) to draw the shapes that prompts name (models/sam/shapes.py) and
 writes `sam_<model>_synthetic.pth` in Meta's format, with a sidecar `.json` that makes
 the service report `"weights": "synthetic"`. A file already there with a matching sidecar
-is kept (pass --force to train again).
+is kept (pass --force to train again). A SAM 2.1 name (`synthesize sam2.1_hiera_tiny`)
+makes `<name>_synthetic.pt` the same way (`models/sam2/synthesize.py`).
 """
 
 from __future__ import annotations
@@ -134,14 +135,16 @@ def download(
 
 # Defaults of `synthesize`: (steps, batch size, crops). vit_tiny trains on the CPU in a
 # couple of minutes; the released sizes are meant for a GPU (docs/ARCHITECTURE.md, Weights).
-SYNTHESIZE_DEFAULTS = {"vit_tiny": (600, 16, 48)}
+SYNTHESIZE_DEFAULTS = {"vit_tiny": (600, 16, 48), "sam2_test_tiny": (600, 16, 48)}
 SYNTHESIZE_GPU_DEFAULTS = (6000, 32, 256)  # cut to --max-train-seconds (210 on CUDA)
 DEFAULT_IMAGES = Path("../shared/data/images")
 
 
 def add_synthesize_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     syn = sub.add_parser("synthesize", help="train synthetic SAM weights (shapes, not objects)")
-    syn.add_argument("model", help="a SAM size: vit_b, vit_l, vit_h or vit_tiny")
+    syn.add_argument(
+        "model", help="a SAM size (vit_b, vit_l, vit_h, vit_tiny) or a SAM 2 one (sam2.1_hiera_*)"
+    )
     syn.add_argument("--dest", type=Path, default=Path("weights"))
     syn.add_argument("--images", type=Path, default=DEFAULT_IMAGES, help="folder of photos")
     syn.add_argument("--steps", type=int, default=None, help="training steps")
@@ -167,14 +170,18 @@ def run_synthesize(args: argparse.Namespace) -> int:
     from models.provenance import SYNTHETIC, read_provenance
     from models.sam import SAM_CONFIGS
     from models.sam.synthesize import SynthesisOptions, save_synthetic, synthesize
+    from models.sam2 import SAM2_CONFIGS
+    from models.sam2 import synthesize as sam2_synthesis
 
-    if args.model not in SAM_CONFIGS:
-        print(
-            f"error: unknown SAM model {args.model!r}; one of {sorted(SAM_CONFIGS)}",
-            file=sys.stderr,
-        )
+    sam2 = args.model in SAM2_CONFIGS
+    if args.model not in SAM_CONFIGS and not sam2:
+        names = sorted(SAM_CONFIGS) + sorted(SAM2_CONFIGS)
+        print(f"error: unknown SAM model {args.model!r}; one of {names}", file=sys.stderr)
         return 2
-    target = args.dest / f"sam_{args.model}_synthetic.pth"
+    # SAM 2.1 files follow Meta's naming (`.pt`, `{"model": ...}` inside)
+    target = args.dest / (
+        f"{args.model}_synthetic.pt" if sam2 else f"sam_{args.model}_synthetic.pth"
+    )
     if target.is_file() and not args.force:
         record = read_provenance(target)
         if (
@@ -203,8 +210,14 @@ def run_synthesize(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc} (pass --images)", file=sys.stderr)
         return 2
-    model, report = synthesize(SAM_CONFIGS[args.model], photos, options, device)
-    path = save_synthetic(model, report, target)
+    if sam2:
+        model2, report = sam2_synthesis.synthesize(
+            SAM2_CONFIGS[args.model], photos, options, device
+        )
+        path = sam2_synthesis.save_synthetic(model2, report, target)
+    else:
+        model, report = synthesize(SAM_CONFIGS[args.model], photos, options, device)
+        path = save_synthetic(model, report, target)
     # every IoU against the size-1 shape; top=1x: how often the top-scored multimask output
     # is the size-1 one; IoU-head error: mean |score - actual IoU| over all 4 outputs
     print(

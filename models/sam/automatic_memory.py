@@ -49,6 +49,7 @@ def estimate_peak_bytes(
     settings: AutomaticMaskSettings,
     original_size: Size,
     dtype: torch.dtype = torch.float32,
+    decoder_activations_extra: int = 0,
 ) -> int:
     """An upper bound on the device memory one `generate` allocates, besides the weights and
     the image encoder's activations (those of a batch-1 encode, which the service reserves
@@ -59,6 +60,8 @@ def estimate_peak_bytes(
     the low-res logits of all candidates; then the larger of the decoding phase (decoder
     activations of one chunk, one upscaling slice) and the finishing phase (the NMS overlap
     matrix, the full-resolution masks, upscaling or region clean-up slices).
+    `decoder_activations_extra`: more live activations per prompt set in a decoder that
+    does more than SAM's (SAM 2's high-res skips).
     """
     h, w = original_size
     item = torch.empty((), dtype=dtype).element_size()
@@ -74,7 +77,8 @@ def estimate_peak_bytes(
         n = n_side * n_side
         candidates += outputs * n
         chunk = min(P, n)
-        decoder = chunk * (_DECODER_ACTIVATIONS * D * e * e + 2 * config.num_mask_tokens * m * m)
+        activations = _DECODER_ACTIVATIONS + decoder_activations_extra
+        decoder = chunk * (activations * D * e * e + 2 * config.num_mask_tokens * m * m)
         upscale = max(work, upscale_bytes(config, (y1 - y0, x1 - x0)))
         decode_peak = max(decode_peak, decoder * item + outputs * chunk * m * m * item + upscale)
     N = candidates

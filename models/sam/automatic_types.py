@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from torch import Tensor
 
@@ -109,12 +110,16 @@ class CropJob:
         return -(-self.num_points // self.points_per_batch)
 
 
+E = TypeVar("E")
+
+
 @dataclass(frozen=True, eq=False)
-class CropEmbedding:
-    """The image embedding of one crop: `[1, C, h, w]` in the model's dtype, for job `crop`."""
+class CropEmbedding(Generic[E]):
+    """What the model's encode gave for job `crop`, in the model's dtype (SAM: the
+    `[1, C, h, w]` embedding; SAM 2: `Sam2Features` of batch 1)."""
 
     crop: int
-    embedding: Tensor
+    embedding: E
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
 from models.sam.common import LayerNorm2d
+from models.sam.prompts import PromptBatch
 from models.sam.shapes import (
     MULTIMASK_SIZES,
     ShapePrompts,
@@ -33,7 +35,14 @@ from models.sam.shapes import (
 )
 from models.sam.transformer import Attention as DecoderAttention
 
-__all__ = ["TOKEN_SIZES", "SynthesisOptions", "init_trainable", "train"]
+__all__ = [
+    "TOKEN_SIZES",
+    "SynthesisOptions",
+    "init_decoder",
+    "init_trainable",
+    "train",
+    "train_decoder",
+]
 
 log = logging.getLogger(__name__)
 TOKEN_SIZES = (1.0, *MULTIMASK_SIZES)  # the size each of the 4 mask tokens draws
@@ -109,7 +118,19 @@ def _losses(
 
 @torch.no_grad()
 def init_trainable(model: Sam, seed: int, gain: float) -> None:
-    """Fresh weights for the prompt encoder and the mask decoder, ready to learn fast.
+    """Fresh weights for SAM's prompt encoder and mask decoder (`init_decoder`)."""
+    init_decoder(model.prompt_encoder, model.mask_decoder, seed, gain)
+
+
+@torch.no_grad()
+def init_decoder(
+    prompt_encoder: nn.Module,
+    mask_decoder: nn.Module,
+    seed: int,
+    gain: float,
+    keep: tuple[nn.Module, ...] = (),
+) -> None:
+    """Fresh weights for a prompt encoder and a mask decoder, ready to learn fast.
 
     PyTorch's default initialisation (as Meta's model is built), except that every
     attention layer starts with the same query and key projection, orthogonal and scaled by
@@ -118,10 +139,14 @@ def init_trainable(model: Sam, seed: int, gain: float) -> None:
     the first step, instead of waiting for random projections to align. On vit_tiny (CPU,
     200 steps of 8 prompts, one run each) the mask loss reached 0.63 this way against 0.82
     from the default initialisation. The positional encoding's Gaussian matrix (a buffer,
-    never trained) keeps its seeded values.
+    never trained) keeps its seeded values, and so do the modules in `keep` (SAM 2's
+    high-res projections, applied at encode time to the cached features).
     """
     torch.manual_seed(seed)
-    for module in [*model.prompt_encoder.modules(), *model.mask_decoder.modules()]:
+    kept = {id(p) for module in keep for p in module.parameters()}
+    for module in [*prompt_encoder.modules(), *mask_decoder.modules()]:
+        if any(id(p) in kept for p in module.parameters(recurse=False)):
+            continue
         if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight)
         elif isinstance(module, LayerNorm2d):
@@ -129,7 +154,7 @@ def init_trainable(model: Sam, seed: int, gain: float) -> None:
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Linear | nn.Conv2d | nn.ConvTranspose2d | nn.LayerNorm):
             module.reset_parameters()
-    for module in model.mask_decoder.modules():
+    for module in mask_decoder.modules():
         if isinstance(module, DecoderAttention):
             nn.init.orthogonal_(module.q_proj.weight, gain=gain)
             module.k_proj.weight.copy_(module.q_proj.weight)
@@ -142,11 +167,35 @@ def train(
     options: SynthesisOptions,
     device: torch.device,
 ) -> tuple[float, int]:
-    """Train the prompt encoder and mask decoder; (last logged loss, steps taken)."""
-    config = model.config
-    S, m = config.image_size, config.mask_input_size
+    """Train SAM's prompt encoder and mask decoder; (last logged loss, steps taken)."""
     init_trainable(model, options.seed, options.attention_gain)
     params = [*model.prompt_encoder.parameters(), *model.mask_decoder.parameters()]
+
+    def decode(index: Tensor, batch: PromptBatch) -> tuple[Tensor, Tensor]:
+        rows = embeddings.index_select(0, index.to(embeddings.device))  # [B, C, h, w]
+        return model.decode(rows, batch)
+
+    return train_decoder(
+        params, decode, embeddings.shape[0], input_sizes, model.config, options, device
+    )
+
+
+def train_decoder(
+    params: list[nn.Parameter],
+    decode: Callable[[Tensor, PromptBatch], tuple[Tensor, Tensor]],
+    count: int,
+    input_sizes: Tensor,
+    config: SamConfig,
+    options: SynthesisOptions,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Train `params` on random prompts over `count` encoded crops; (last logged loss,
+    steps taken). decode(index `[B]`, one set per row) -> all four tokens' low-res logits
+    `[B, 4, m, m]` and IoU `[B, 4]`, on the rows `index` of the caller's features;
+    input_sizes `[count, 2]`: each crop's extent in the model's input frame; config: the
+    prompt side's geometry (input size, low-res mask size).
+    """
+    S, m = config.image_size, config.mask_input_size
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(
@@ -169,13 +218,12 @@ def train(
     loss_value = float("nan")
     started, timed_from, step = time.perf_counter(), 0.0, 0
     while step < total:
-        index = torch.randint(0, embeddings.shape[0], (options.batch_size,), generator=g)
+        index = torch.randint(0, count, (options.batch_size,), generator=g)
         sizes = input_sizes[index]
         prompts = sample_prompts(options.batch_size, sizes, S, g)
         chosen = torch.rand(options.batch_size, generator=g) < options.mask_input_fraction
         sets = _with_mask_inputs(prompts, chosen, config, g, device)
         batch = pack_prompts(sets, None, device)  # one embedding row per set, gathered here
-        rows = embeddings.index_select(0, index.to(embeddings.device))  # [B, C, h, w]
         on_device = ShapePrompts(*(t.to(device) for t in dataclasses.astuple(prompts)))
         target = F.avg_pool2d(shape_masks(on_device, xs, ys, S, TOKEN_SIZES).float(), 2)
         sz = sizes.to(device)
@@ -183,7 +231,7 @@ def train(
             centres.view(1, 1, 1, -1) + 0.5 < sz[:, 1].view(-1, 1, 1, 1)
         )
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits, iou_pred = model.decode(rows, batch)
+            logits, iou_pred = decode(index, batch)
         mask_loss, iou_loss, actual = _losses(
             logits.float(), iou_pred.float(), target, valid.float()
         )

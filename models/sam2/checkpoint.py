@@ -29,6 +29,7 @@ __all__ = [
     "init_random",
     "load_sam2",
     "map_checkpoint_keys",
+    "to_meta_keys",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ _SHOWN = 5  # keys listed in an error message
 
 IMAGE_PREFIXES = ("image_encoder.", "sam_prompt_encoder.", "sam_mask_decoder.", "no_mem_embed")
 _MLP_KEY = re.compile(r"^(sam_mask_decoder\.transformer\.layers\.\d+\.mlp\.)layers\.([01])\.")
+_OUR_MLP_KEY = re.compile(r"^(sam_mask_decoder\.transformer\.layers\.\d+\.mlp\.)lin([12])\.")
 
 
 class Sam2CheckpointError(ValueError):
@@ -53,6 +55,15 @@ def map_checkpoint_keys(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], li
         ours = _MLP_KEY.sub(lambda m: f"{m.group(1)}lin{int(m.group(2)) + 1}.", key)
         mapped[ours] = value
     return mapped, skipped
+
+
+def to_meta_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our keys -> Meta's (the inverse of `map_checkpoint_keys` on the image path), to
+    write files in Meta's format (synthetic weights, benchmarks against Meta's package)."""
+    return {
+        _OUR_MLP_KEY.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) - 1}.", key): value
+        for key, value in state.items()
+    }
 
 
 def load_sam2(config: Sam2Config, checkpoint: Path | str | None, *, seed: int = 0) -> Sam2:

@@ -1,0 +1,360 @@
+"""SAM 2.1: ours against Meta's `sam2` package in one run, on the same weights.
+
+The weights are ours (`load_sam2`: seeded random, or `--checkpoint`) written in Meta's
+release format (`{"model": state_dict}`, Meta's key names, the video modules at Meta's own
+initialisation), then loaded by both sides through their official loaders. Per size:
+
+- encoder images/s at batch 1 and 8, bf16: ours `model.to(bfloat16)` + `torch.compile` of
+  `Sam2.encode`; Meta's image path (`forward_image`, `_prepare_backbone_features`,
+  `no_mem_embed`: what `SAM2ImagePredictor.set_image_batch` runs after its host-side
+  transforms) on fp32 weights under `torch.autocast(bfloat16)`, as Meta's README runs it;
+  both on the same normalised input tensor; `embed_rel_err`: our bf16 image embedding
+  against Meta's fp32 one;
+- a click's latency (the image set, then one point -> 3 masks at the photo's size on the
+  host, median of `--clicks`): ours decode + upscale + copy, Meta's
+  `SAM2ImagePredictor.predict` under autocast;
+- segment everything, seconds per photo (masks on the host at the end): ours fp32 and bf16
+  against `SAM2AutomaticMaskGenerator` fp32 and under autocast, with the mIoU of each
+  against Meta's fp32 masks (each of Meta's masks matched to the best of the other run's,
+  averaged; an unmatched one counts 0).
+
+Random weights give no mask at Meta's default thresholds: lower `--pred-iou-thresh`,
+`--stability-thresh` (and raise `--mask-threshold`) to time the whole pipeline; real or
+synthetic weights (`--checkpoint`, `python -m models.weights synthesize sam2.1_hiera_large`)
+give meaningful mIoU.
+
+    python -m bench.sam2 --out sam2.json                                  # GPU, every size
+    python -m bench.sam2 --device cpu --sizes sam2_test_tiny --no-compile  # CPU smoke
+
+Meta's package on the GPU machine (no network there; its real torchvision is used): pure
+Python wheels built here (sam2 without its CUDA extension, which only its hole filling
+needs; antlr4 and iopath publish no wheels), carried in the git-ignored `.whl/sam2`:
+
+    SAM2_BUILD_CUDA=0 pip wheel --no-deps --no-build-isolation -w .whl/sam2 sam2==1.1.0 \
+        hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 iopath==0.1.10 \
+        portalocker==4.4.2 tqdm==4.70.1
+    # there:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/sam2site .whl/sam2/*.whl
+    PYTHONPATH=/tmp/sam2site python3 -m bench.sam2 --out "$OUT/sam2.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import (
+    DEFAULT_IMAGES,
+    cuda_time_ms,
+    empty_cache,
+    environment,
+    load_photos,
+    print_table,
+    write_json,
+)
+from bench.sam2_meta import (
+    RELEASED,
+    build_meta,
+    meta_encode,
+    meta_predictor,
+    official_checkpoint,
+)
+from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
+from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
+from models.sam2.transforms import postprocess_masks, preprocess_image, scale_points
+
+log = logging.getLogger("bench.sam2")
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+@contextmanager
+def autocast(device: str, enabled: bool) -> Iterator[None]:
+    with torch.inference_mode(), torch.autocast(device, torch.bfloat16, enabled=enabled):
+        yield
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], object], iters: int, device: str, warmup: int = 2) -> float:
+    """Median host-clock milliseconds of `fn` (which ends on the host or is synced)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def mean_best_iou(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Each reference mask's best IoU among `other`'s (bool `[M, H, W]`, `[N, H, W]`), averaged."""
+    if reference.shape[0] == 0:
+        return float("nan")
+    if other.shape[0] == 0:
+        return 0.0
+    a, b = reference.flatten(1).float(), other.flatten(1).float()
+    inter = a @ b.T  # [M, N], exact in fp32 below 2^24 pixels
+    union = a.sum(1)[:, None] + b.sum(1)[None] - inter
+    return float((inter / union.clamp(min=1)).max(dim=1).values.mean())
+
+
+def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    theirs = theirs.float()
+    return float((ours.float() - theirs).norm() / theirs.norm().clamp_min(1e-12))
+
+
+# -- the three measurements ----------------------------------------------------------------
+
+
+def bench_encoder(
+    config: Sam2Config, ours: Sam2, meta: Any, batches: Sequence[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    device = args.device
+    encode = torch.compile(ours.encode, mode=args.compile_mode) if args.compile else ours.encode
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        size = config.image_size
+        x = torch.randn(batch, 3, size, size, generator=gen).to(device)
+        xb = x.to(torch.bfloat16)
+        with torch.inference_mode():
+            ours_ms = cuda_time_ms(lambda xb=xb: encode(xb), args.iters)
+        with autocast(device, True):
+            meta_ms = cuda_time_ms(lambda x=x: meta_encode(meta, x), args.iters)
+        with torch.inference_mode():
+            embed = encode(xb[:1]).image_embed
+            theirs = meta_encode(meta, x[:1])[-1]  # fp32: [h w, 1, D]
+            e = config.embedding_size
+            theirs = theirs.permute(1, 2, 0).reshape(1, -1, e, e)
+        rows.append(
+            {
+                "model": config.name,
+                "batch": batch,
+                "ours_img_s": 1000 * batch / ours_ms,
+                "meta_img_s": 1000 * batch / meta_ms,
+                "speedup": meta_ms / ours_ms,
+                "embed_rel_err": rel_err(embed, theirs),
+            }
+        )
+        log.info("encoder %s", rows[-1])
+    return rows
+
+
+def bench_click(
+    config: Sam2Config, ours: Sam2, meta: Any, photo: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    device = args.device
+    h, w = photo.shape[:2]
+    array = photo.numpy()
+    point = np.array([[w / 2, h / 2]], dtype=np.float32)
+    encode = torch.compile(ours.encode, mode=args.compile_mode) if args.compile else ours.encode
+
+    def our_set_image() -> Any:
+        with torch.inference_mode():
+            return encode(preprocess_image(array, config).to(device, torch.bfloat16))
+
+    features = our_set_image()
+    labels = torch.ones(1, 1, dtype=torch.int64, device=device)
+
+    def our_click() -> tuple[np.ndarray, np.ndarray]:
+        with torch.inference_mode():
+            points = scale_points(torch.from_numpy(point).to(device)[None], (h, w), config)
+            pred = ours.decode(features, points, labels, multimask=True)
+            masks, _ = postprocess_masks(pred.low_res_masks, (h, w), config)
+            return masks[0].cpu().numpy(), pred.iou[0].float().cpu().numpy()
+
+    predictor = meta_predictor(meta, config)
+
+    def meta_set_image() -> None:
+        with autocast(device, True):
+            predictor.set_image(array)
+
+    def meta_click() -> Any:
+        with autocast(device, True):
+            return predictor.predict(point_coords=point, point_labels=np.array([1]))
+
+    row: dict[str, Any] = {"model": config.name, "photo": f"{w}x{h}"}
+    row["ours_set_image_ms"] = wall_ms(our_set_image, args.iters, device)
+    row["meta_set_image_ms"] = wall_ms(meta_set_image, args.iters, device)
+    meta_set_image()
+    row["ours_click_ms"] = wall_ms(our_click, args.clicks, device)
+    row["meta_click_ms"] = wall_ms(meta_click, args.clicks, device)
+    mine, theirs = torch.from_numpy(our_click()[0]), torch.from_numpy(meta_click()[0])
+    row["click_miou"] = mean_best_iou(theirs.bool(), mine.bool())
+    log.info("click %s", row)
+    return row
+
+
+def bench_everything(
+    config: Sam2Config,
+    models: dict[str, Sam2],
+    meta: Any,
+    photos: Sequence[torch.Tensor],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator
+
+    device = args.device
+    fields = {
+        "points_per_side": args.points_per_side,
+        "pred_iou_thresh": args.pred_iou_thresh,
+        "stability_score_thresh": args.stability_thresh,
+        "mask_threshold": args.mask_threshold,
+    }
+    meta_generator = SAM2AutomaticMaskGenerator(meta, **fields)
+    meta_generator.predictor._bb_feat_sizes = meta_predictor(meta, config)._bb_feat_sizes
+
+    def run_meta(photo: torch.Tensor, bf16: bool) -> torch.Tensor:
+        with autocast(device, bf16):
+            records = meta_generator.generate(photo.numpy())
+        h, w = photo.shape[:2]
+        if not records:
+            return torch.zeros(0, h, w, dtype=torch.bool)
+        return torch.from_numpy(np.stack([r["segmentation"] for r in records]))
+
+    def run_ours(photo: torch.Tensor, model: Sam2) -> torch.Tensor:
+        generator = Sam2AutomaticMaskGenerator(model, Sam2AutomaticMaskSettings(**fields))
+        with torch.inference_mode():
+            return generator.generate(photo.to(device)).masks.cpu()
+
+    runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "meta fp32": lambda p: run_meta(p, False),
+        "meta autocast bf16": lambda p: run_meta(p, True),
+    }
+    for name, model in models.items():
+        runs[f"ours {name}"] = lambda p, model=model: run_ours(p, model)
+    reference: list[torch.Tensor] = []
+    rows = []
+    for name, run in runs.items():
+        run(photos[0])  # warm-up (compilation, cuDNN plans)
+        times, counts, ious = [], [], []
+        for i, photo in enumerate(photos):
+            sync(device)
+            started = time.perf_counter()
+            masks = run(photo)
+            times.append(time.perf_counter() - started)
+            counts.append(masks.shape[0])
+            if name == "meta fp32":
+                reference.append(masks)
+            ious.append(mean_best_iou(reference[i].to(device), masks.to(device)))
+        valid = [v for v in ious if v == v]  # NaN: Meta found no mask on that photo
+        rows.append(
+            {
+                "model": config.name,
+                "pipeline": name,
+                "s_per_image": statistics.median(times),
+                "mean_masks": float(np.mean(counts)),
+                "miou_vs_meta_fp32": statistics.mean(valid) if valid else float("nan"),
+            }
+        )
+        log.info("everything %s", rows[-1])
+        empty_cache()
+    return rows
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sizes", nargs="+", default=list(RELEASED), choices=list(SAM2_CONFIGS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--iters", type=int, default=20, help="timed encoder runs per point")
+    p.add_argument("--clicks", type=int, default=50)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--everything-photos", type=int, default=4)
+    p.add_argument("--everything-sizes", nargs="*", default=None, help="default: --sizes")
+    p.add_argument("--checkpoint", type=Path, default=None, help="one size's weights (Meta's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile-mode", default="default", help="or max-autotune (minutes more)")
+    p.add_argument("--points-per-side", type=int, default=32)
+    # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
+    p.add_argument("--pred-iou-thresh", type=float, default=0.8)
+    p.add_argument("--stability-thresh", type=float, default=0.95)
+    p.add_argument("--mask-threshold", type=float, default=0.0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.compile is None:
+        args.compile = args.device == "cuda"
+    if args.checkpoint is not None and len(args.sizes) != 1:
+        p.error("--checkpoint is one size's file: give exactly one --sizes")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)  # ours only: Meta's package logs every set_image at INFO
+    env = environment()
+    log.info("%s", env)
+    photos = load_photos(args.images)[: args.everything_photos]
+    everything_sizes = args.sizes if args.everything_sizes is None else args.everything_sizes
+    encoder_rows, click_rows, everything_rows = [], [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.sizes:
+            config = SAM2_CONFIGS[name]
+            # fresh compile caches per size: each model and batch recompiles `encode`, and
+            # past dynamo's recompile limit it would silently run eager
+            torch._dynamo.reset()
+            path = official_checkpoint(config, args.seed, Path(folder), args.checkpoint)
+            meta = build_meta(config, path, args.device)
+            fp32 = load_sam2(config, path).to(args.device)
+            bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
+            encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
+            click_rows.append(bench_click(config, bf16, meta, photos[0], args))
+            if name in everything_sizes:
+                if args.compile:  # the generator calls `encode`: give it the compiled one
+                    bf16.encode = torch.compile(bf16.encode, mode=args.compile_mode)  # type: ignore[method-assign]
+                models = {"fp32": fp32, "bf16": bf16}
+                everything_rows += bench_everything(config, models, meta, photos, args)
+            del meta, fp32, bf16
+            empty_cache()
+    payload = {
+        "env": env,
+        "args": vars(args),
+        "encoder": encoder_rows,
+        "click": click_rows,
+        "everything": everything_rows,
+    }
+    write_json(args.out, payload)
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, bf16, compile={args.compile}")
+    print("\nEncoder (images/s)\n")
+    print_table(
+        encoder_rows, ["model", "batch", "ours_img_s", "meta_img_s", "speedup", "embed_rel_err"]
+    )
+    print("\nA click (ms; the image set, one point -> 3 masks on the host)\n")
+    print_table(
+        click_rows,
+        [
+            *("model", "photo", "ours_set_image_ms", "meta_set_image_ms"),
+            *("ours_click_ms", "meta_click_ms", "click_miou"),
+        ],
+    )
+    print(f"\nSegment everything ({len(photos)} photos, {args.points_per_side}^2 points)\n")
+    print_table(
+        everything_rows, ["model", "pipeline", "s_per_image", "mean_masks", "miou_vs_meta_fp32"]
+    )
+    return payload
+
+
+if __name__ == "__main__":
+    main()

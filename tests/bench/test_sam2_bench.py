@@ -1,0 +1,40 @@
+"""bench/sam2.py's CPU smoke: the tiny test config, ours against Meta's `sam2` in one run.
+
+The GPU run measures speed; here the script must run end to end on the CPU and its
+figures must say that both sides ran the same weights (embeddings, a click's masks and
+segment everything agree with Meta's fp32 run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.sam2 import main
+
+
+def test_cpu_smoke_writes_every_table(small_jpeg_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sam2.json"
+    args = ["--device", "cpu", "--sizes", "sam2_test_tiny", "--no-compile", "--batches", "1"]
+    args += ["--iters", "1", "--clicks", "2", "--images", str(small_jpeg_dir)]
+    args += ["--everything-photos", "1", "--points-per-side", "6"]
+    # random weights: thresholds low enough that masks pass (asserted below)
+    args += ["--pred-iou-thresh", "0.01", "--stability-thresh", "0.5", "--out", str(out)]
+    payload = main(args)
+    assert json.loads(out.read_text())["encoder"] == payload["encoder"]
+
+    (encoder,) = payload["encoder"]
+    assert encoder["ours_img_s"] > 0 and encoder["meta_img_s"] > 0
+    assert encoder["embed_rel_err"] < 0.05  # our bf16 embedding against Meta's fp32 one
+
+    (click,) = payload["click"]
+    assert click["ours_click_ms"] > 0 and click["meta_click_ms"] > 0
+    assert click["click_miou"] >= 0.9  # bf16 masks against Meta's under autocast
+
+    rows = {row["pipeline"]: row for row in payload["everything"]}
+    assert set(rows) == {"meta fp32", "meta autocast bf16", "ours fp32", "ours bf16"}
+    assert rows["meta fp32"]["mean_masks"] >= 1
+    assert rows["ours fp32"]["mean_masks"] == rows["meta fp32"]["mean_masks"]
+    assert rows["ours fp32"]["miou_vs_meta_fp32"] >= 0.98
+    assert rows["ours bf16"]["miou_vs_meta_fp32"] >= 0.9
+    assert all(row["s_per_image"] > 0 for row in rows.values())

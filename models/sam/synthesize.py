@@ -132,6 +132,39 @@ def encode_crops(
     return torch.cat(embeddings), torch.tensor(sizes, dtype=torch.int64)
 
 
+class HeldoutScores:
+    """Held-out measures of synthetic weights, prompt by prompt, then per prompt kind; shared
+    by SAM's and SAM 2's `evaluate`, which differ only in how masks reach a crop's size."""
+
+    def __init__(self, total: int) -> None:
+        self.single, self.best = torch.zeros(total), torch.zeros(total)
+        self.exact, self.error = torch.zeros(total), torch.zeros(total)
+
+    def record(self, rows: Tensor, masks: Tensor, want: Tensor, iou_pred: Tensor) -> None:
+        """Prompts `rows`: bool masks `[n, 4, H, W]` against the shapes `want` (the size-1
+        shape first), and the IoU head's `[n, 4]` predictions."""
+        actual = mask_iou(masks.flatten(0, 1), want[:, :1].expand_as(masks).flatten(0, 1))
+        actual = actual.view(len(rows), 4).float()
+        self.single[rows] = actual[:, 0].cpu()
+        top = iou_pred[:, 1:].float().argmax(1)
+        self.best[rows] = actual[:, 1:].gather(1, top[:, None])[:, 0].cpu()
+        self.exact[rows] = (top == MULTIMASK_SIZES.index(1.0)).float().cpu()
+        self.error[rows] = (iou_pred.float() - actual).abs().mean(1).cpu()
+
+    def per_kind(self, kinds: Sequence[int]) -> dict[str, dict[str, float]]:
+        kind_of = torch.tensor(kinds)
+        names = ("iou", "iou_min", "multimask", "exact", "error")
+        out: dict[str, dict[str, float]] = {name: {} for name in names}
+        for k, name in enumerate(KINDS):
+            sel = kind_of == k
+            out["iou"][name] = round(float(self.single[sel].mean()), 4)
+            out["iou_min"][name] = round(float(self.single[sel].min()), 4)
+            out["multimask"][name] = round(float(self.best[sel].mean()), 4)
+            out["exact"][name] = round(float(self.exact[sel].mean()), 4)
+            out["error"][name] = round(float(self.error[sel].mean()), 4)
+        return out
+
+
 @torch.no_grad()
 def evaluate(
     model: Sam, crops: Sequence[Tensor], per_kind: int, seed: int, device: torch.device
@@ -149,9 +182,7 @@ def evaluate(
     prompts = sample_prompts(
         total, input_sizes[owner], S, torch.Generator().manual_seed(seed + 2), kinds
     )
-    single, best, error = torch.zeros(total), torch.zeros(total), torch.zeros(total)
-    exact = torch.zeros(total)
-    exact_token = MULTIMASK_SIZES.index(1.0)
+    scores = HeldoutScores(total)
     for c, crop in enumerate(crops):
         rows = (owner == c).nonzero().flatten()
         if rows.numel() == 0:
@@ -167,24 +198,8 @@ def evaluate(
         xs = torch.arange(W, device=device, dtype=torch.float64) * (neww / W)
         ys = torch.arange(H, device=device, dtype=torch.float64) * (newh / H)
         want = shape_masks(sub, xs.float(), ys.float(), S, TOKEN_SIZES)
-        actual = mask_iou(masks.flatten(0, 1), want[:, :1].expand_as(masks).flatten(0, 1))
-        actual = actual.view(len(rows), 4).float()
-        single[rows] = actual[:, 0].cpu()
-        top = iou_pred[:, 1:].float().argmax(1)
-        best[rows] = actual[:, 1:].gather(1, top[:, None])[:, 0].cpu()
-        exact[rows] = (top == exact_token).float().cpu()
-        error[rows] = (iou_pred.float() - actual).abs().mean(1).cpu()
-    kind_of = torch.tensor(kinds)
-    names = ("iou", "iou_min", "multimask", "exact", "error")
-    out: dict[str, dict[str, float]] = {name: {} for name in names}
-    for k, name in enumerate(KINDS):
-        sel = kind_of == k
-        out["iou"][name] = round(float(single[sel].mean()), 4)
-        out["iou_min"][name] = round(float(single[sel].min()), 4)
-        out["multimask"][name] = round(float(best[sel].mean()), 4)
-        out["exact"][name] = round(float(exact[sel].mean()), 4)
-        out["error"][name] = round(float(error[sel].mean()), 4)
-    return out
+        scores.record(rows, masks, want, iou_pred)
+    return scores.per_kind(kinds)
 
 
 def synthesize(

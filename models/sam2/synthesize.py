@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.fidelity import mask_iou
 from models.provenance import SYNTHETIC, write_sidecar
 from models.sam import pack_prompts
 from models.sam.prompts import PromptBatch
@@ -44,7 +43,7 @@ from models.sam.shapes import (
     sample_prompts,
     shape_masks,
 )
-from models.sam.synthesize import SynthesisReport, sample_crops
+from models.sam.synthesize import HeldoutScores, SynthesisReport, sample_crops
 from models.sam.synthetic_training import (
     TOKEN_SIZES,
     SynthesisOptions,
@@ -127,9 +126,7 @@ def evaluate(
     owner = torch.arange(total) % len(crops)
     square = torch.full((total, 2), S, dtype=torch.int64)
     prompts = sample_prompts(total, square, S, torch.Generator().manual_seed(seed + 2), kinds)
-    single, best, error = torch.zeros(total), torch.zeros(total), torch.zeros(total)
-    exact = torch.zeros(total)
-    exact_token = MULTIMASK_SIZES.index(1.0)
+    scores = HeldoutScores(total)
     for c, crop in enumerate(crops):
         rows = (owner == c).nonzero().flatten()
         if rows.numel() == 0:
@@ -144,24 +141,8 @@ def evaluate(
         xs = torch.arange(W, device=device, dtype=torch.float64) * (S / W)
         ys = torch.arange(H, device=device, dtype=torch.float64) * (S / H)
         want = shape_masks(sub, xs.float(), ys.float(), S, TOKEN_SIZES)
-        actual = mask_iou(masks.flatten(0, 1), want[:, :1].expand_as(masks).flatten(0, 1))
-        actual = actual.view(len(rows), 4).float()
-        single[rows] = actual[:, 0].cpu()
-        top = iou_pred[:, 1:].float().argmax(1)
-        best[rows] = actual[:, 1:].gather(1, top[:, None])[:, 0].cpu()
-        exact[rows] = (top == exact_token).float().cpu()
-        error[rows] = (iou_pred.float() - actual).abs().mean(1).cpu()
-    kind_of = torch.tensor(kinds)
-    names = ("iou", "iou_min", "multimask", "exact", "error")
-    out: dict[str, dict[str, float]] = {name: {} for name in names}
-    for k, name in enumerate(KINDS):
-        sel = kind_of == k
-        out["iou"][name] = round(float(single[sel].mean()), 4)
-        out["iou_min"][name] = round(float(single[sel].min()), 4)
-        out["multimask"][name] = round(float(best[sel].mean()), 4)
-        out["exact"][name] = round(float(exact[sel].mean()), 4)
-        out["error"][name] = round(float(error[sel].mean()), 4)
-    return out
+        scores.record(rows, masks, want, iou_pred)
+    return scores.per_kind(kinds)
 
 
 def synthesize(

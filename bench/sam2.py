@@ -320,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             fp32 = load_sam2(config, path).to(args.device)
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
             encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
+            log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short
             click_rows.append(bench_click(config, bf16, meta, photos[0], args))
+            log.info("click: %s", click_rows[-1])
             if name in everything_sizes:
                 if args.compile:  # the generator calls `encode`: give it the compiled one
                     bf16.encode = torch.compile(bf16.encode, mode=args.compile_mode)  # type: ignore[method-assign]

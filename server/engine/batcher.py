@@ -102,6 +102,45 @@ class _Entry(Generic[Item, Result]):
     started: float | None = None  # when its batch began to run
 
 
+class _GuardedObserver(BatchObserver):
+    """An observer whose failures are logged, never raised into the batcher.
+
+    The hooks run inside the collector's loop: one raising there (a metrics file that
+    cannot grow, say) ended the loop, and the stage then took no batch again while its
+    queue filled and every request behind it timed out, with nothing in the log.
+    """
+
+    def __init__(self, inner: BatchObserver) -> None:
+        self.inner = inner
+        self._failed: set[str] = set()
+
+    def _call(self, hook: str, *args: object) -> None:
+        try:
+            getattr(self.inner, hook)(*args)
+        except Exception:
+            if hook not in self._failed:  # once per hook: it may fail on every batch
+                self._failed.add(hook)
+                log.exception("batch observer's %s failed (metrics may be incomplete)", hook)
+
+    def declare(self, stage: str) -> None:
+        self._call("declare", stage)
+
+    def queue_depth(self, stage: str, depth: int) -> None:
+        self._call("queue_depth", stage, depth)
+
+    def batch_started(self, stage: str, size: int, cost: int, waits_s: Sequence[float]) -> None:
+        self._call("batch_started", stage, size, cost, waits_s)
+
+    def batch_finished(self, stage: str, size: int, seconds: float, failed: bool) -> None:
+        self._call("batch_finished", stage, size, seconds, failed)
+
+    def rejected(self, stage: str, reason: str) -> None:
+        self._call("rejected", stage, reason)
+
+    def out_of_memory(self, stage: str, size: int) -> None:
+        self._call("out_of_memory", stage, size)
+
+
 class Batcher(Generic[Item, Result]):
     """Groups items of one stage into batches and runs them on a worker thread."""
 
@@ -127,7 +166,7 @@ class Batcher(Generic[Item, Result]):
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue_size
         self._max_memory = max_batch_memory
-        self._observer = observer or BatchObserver()
+        self._observer = _GuardedObserver(observer or BatchObserver())
         self._observer.declare(stage)
         self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
         self._wakeup = asyncio.Event()
@@ -165,6 +204,13 @@ class Batcher(Generic[Item, Result]):
             self._task = asyncio.get_running_loop().create_task(
                 self._collect(), name=f"batcher-{self.stage}"
             )
+            self._task.add_done_callback(self._collector_ended)
+
+    def _collector_ended(self, task: asyncio.Task[None]) -> None:
+        """A collector that ends before `close` leaves its stage dead: say so, loudly."""
+        if task.cancelled() or self._closing:
+            return
+        log.error("the %s batcher's collector ended: %r", self.stage, task.exception())
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Fail what still waits, let a running batch finish (bounded), stop the collector."""
@@ -374,33 +420,47 @@ class Batcher(Generic[Item, Result]):
         while not self._closing:
             await self._wakeup.wait()
             self._wakeup.clear()
-            self._prune()
-            if not self._queue:
-                continue
-            # While the worker computes, collect: until it is idle, the batch is full or the
-            # oldest item's delay runs out. An idle worker takes what is here at once.
-            until = self._queue[0].enqueued + self._max_delay_s
-            while self._load.busy and not self._batch_full():
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except TimeoutError:
-                    break
-                self._wakeup.clear()
-            self._prune()
-            batch = self._take_batch()
-            if not batch or self._closing:
-                self._queue.extendleft(reversed(batch))
-                continue
-            await self._run(loop, batch)
-            # not kept while the collector waits: the items hold their inputs (an image's
-            # pixels, lent by a frontend until nothing here references them)
-            del batch
-            if self._queue:
-                self._wakeup.set()
+            try:
+                await self._collect_once(loop)
+            except Exception:  # the stage must outlive one bad round: it serves everyone
+                log.exception("%s batcher: a round failed; collecting on", self.stage)
+                if self._queue:
+                    self._wakeup.set()
         self._fail_waiting()
+
+    async def _collect_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One round: wait (while the worker is busy) for a fuller batch, then run one."""
+        self._prune()
+        if not self._queue:
+            return
+        # While the worker computes, collect: until it is idle, the batch is full or the
+        # oldest item's delay runs out. An idle worker takes what is here at once.
+        until = self._queue[0].enqueued + self._max_delay_s
+        while self._load.busy and not self._batch_full():
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                break
+            self._wakeup.clear()
+        self._prune()
+        batch = self._take_batch()
+        if not batch or self._closing:
+            self._queue.extendleft(reversed(batch))
+            return
+        try:
+            await self._run(loop, batch)
+        finally:  # whatever happened, nobody in this batch is left waiting for ever
+            for entry in batch:
+                if not entry.future.done():
+                    entry.future.set_exception(_internal(self.stage, RuntimeError()))
+        # not kept while the collector waits: the items hold their inputs (an image's
+        # pixels, lent by a frontend until nothing here references them)
+        del batch
+        if self._queue:
+            self._wakeup.set()
 
     async def _run(
         self, loop: asyncio.AbstractEventLoop, batch: list[_Entry[Item, Result]]

@@ -372,3 +372,44 @@ def test_worker_load_is_one_per_executor(executor):
         assert WorkerLoad.of(other) is not WorkerLoad.of(executor)
     finally:
         other.shutdown()
+
+
+class FailingObserver(Recorder):
+    """Metrics that break after the first batch (a metrics file that cannot grow, say)."""
+
+    def batch_started(self, stage, size, cost, waits_s) -> None:
+        super().batch_started(stage, size, cost, waits_s)
+        if len(self.sizes) > 1:
+            raise OSError("no space left on device")
+
+    def batch_finished(self, stage, size, seconds, failed) -> None:
+        if len(self.sizes) > 2:
+            raise OSError("no space left on device")
+
+
+def test_a_failing_observer_never_stops_the_stage(executor, caplog):
+    """Before, an observer raising inside the collector ended it: the stage took no batch
+    again and every later request waited for its deadline, with nothing logged."""
+    worker = Worker()
+    rec = FailingObserver()
+
+    async def main():
+        batcher = Batcher(
+            "test", worker, executor=executor, observer=rec,
+            max_batch_cost=2, max_delay_s=0.0, max_queue_size=64,
+        )  # fmt: skip
+        batcher.start()
+        answers = []
+        for round_ in range(5):  # one batch after another, each after the observer broke
+            answers += await asyncio.wait_for(
+                asyncio.gather(*(batcher.submit(10 * round_ + i) for i in range(2))), 5
+            )
+        await batcher.close()
+        return answers
+
+    answers = run(main())
+    assert answers == [(10 * r + i) ** 2 for r in range(5) for i in range(2)]
+    assert len(rec.sizes) >= 5  # the observer kept being called, and kept failing
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("batch_started failed" in m for m in logged) == 1  # once, not per batch
+    assert sum("batch_finished failed" in m for m in logged) == 1

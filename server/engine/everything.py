@@ -1,6 +1,8 @@
 """Segment everything inside the service: one image's automatic masks, step by step.
 
-Each step of `AutomaticMaskGenerator` (one crop encode, one decoder chunk, the finish) is
+The model's generator (SAM's `AutomaticMaskGenerator`, SAM 2's `Sam2AutomaticMaskGenerator`,
+both `GridMaskGenerator`s) comes from a `GeneratorFactory`, with that model's defaults.
+Each step of the generator (one crop encode, one decoder chunk, the finish) is
 its own job on the one GPU worker thread. Between two steps the worker takes whatever
 else is queued, so interactive encoder and decoder batches interleave with a long
 segment-everything request instead of waiting for it (interleaving, not priority: a step
@@ -14,8 +16,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +32,9 @@ from models.sam.automatic import (
     CropJob,
     MaskCandidates,
 )
+from models.sam.automatic_pipeline import GridMaskGenerator
+from models.sam2 import Sam2, Sam2Features
+from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
 from server.domain import EverythingMasks
 from server.engine.batcher import WorkerLoad
 from server.engine.cache import ImageEmbedding
@@ -55,12 +62,55 @@ def _readable(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
+# the service's own bounds, never a request's field
+_BOUNDS = frozenset({"max_masks", "max_work_bytes"})
+
+
+@dataclass(frozen=True)
+class GeneratorFactory:
+    """One model's generator: its settings class (the model's defaults, which a request's
+    fields override), the generator over them, and the cached full-image embedding in the
+    form that generator takes (SAM: the embedding; SAM 2: with its two high-res maps)."""
+
+    model_name: str
+    settings: type[AutomaticMaskSettings]
+    build: Callable[[Any], GridMaskGenerator[Any]]
+    features: Callable[[ImageEmbedding], Any]
+
+    def fields(self) -> frozenset[str]:
+        """The request fields this model's generator takes."""
+        return frozenset(f.name for f in dataclass_fields(self.settings)) - _BOUNDS
+
+
+def sam_generators(model: Sam, model_name: str) -> GeneratorFactory:
+    return GeneratorFactory(
+        model_name,
+        AutomaticMaskSettings,
+        partial(AutomaticMaskGenerator, model),
+        lambda entry: entry.embedding,
+    )
+
+
+def sam2_generators(model: Sam2, model_name: str) -> GeneratorFactory:
+    def features(entry: ImageEmbedding) -> Sam2Features:
+        if len(entry.high_res) != 2:
+            raise ValueError(f"image {entry.image_id} has no SAM 2 high-res features")
+        return Sam2Features(image_embed=entry.embedding, high_res=entry.high_res)
+
+    return GeneratorFactory(
+        model_name,
+        Sam2AutomaticMaskSettings,
+        partial(Sam2AutomaticMaskGenerator, model),
+        features,
+    )
+
+
 class EverythingRunner:
     """Runs automatic mask generation jobs on the worker, bounded in memory and number."""
 
     def __init__(
         self,
-        model: Sam,
+        factory: GeneratorFactory,
         worker: Executor,
         *,
         max_bytes: int,
@@ -70,7 +120,7 @@ class EverythingRunner:
         max_work_bytes: int,
         rle_on_device: bool = False,
     ) -> None:
-        self.model = model
+        self.factory = factory
         self.worker = worker
         self.max_bytes = max_bytes
         self.max_masks = max_masks
@@ -81,19 +131,29 @@ class EverythingRunner:
         self._waiting = 0
         self.steps_run = 0
 
-    def generator(self, fields: dict[str, float | int]) -> AutomaticMaskGenerator:
-        """A generator for the request's settings, with the service's memory bounds."""
+    def generator(self, fields: dict[str, float | int]) -> GridMaskGenerator[Any]:
+        """A generator for the request's settings (the fields it set; the model's defaults
+        for the rest), with the service's memory bounds."""
+        factory = self.factory
+        foreign = sorted(set(fields) - factory.fields())
+        if foreign:
+            raise ServiceError(
+                422,
+                "invalid_request",
+                f"{', '.join(foreign)}: not a setting of {factory.model_name}'s segment "
+                f"everything (it takes {', '.join(sorted(factory.fields()))})",
+            )
         try:
-            settings = AutomaticMaskSettings(
+            settings = factory.settings(
                 **fields,  # type: ignore[arg-type]
                 max_masks=self.max_masks,
                 max_work_bytes=self.max_work_bytes,
             )
         except ValueError as exc:
             raise ServiceError(422, "invalid_request", str(exc)) from None
-        return AutomaticMaskGenerator(self.model, settings)
+        return factory.build(settings)
 
-    def check_memory(self, generator: AutomaticMaskGenerator, size: tuple[int, int]) -> None:
+    def check_memory(self, generator: GridMaskGenerator[Any], size: tuple[int, int]) -> None:
         """Refuse before running what could not fit (413), with what to lower."""
         refuse_over_budget(
             generator.estimate_peak_bytes(size),
@@ -124,7 +184,7 @@ class EverythingRunner:
 
     async def run(
         self,
-        generator: AutomaticMaskGenerator,
+        generator: GridMaskGenerator[Any],
         entry: ImageEmbedding,
         pixels: np.ndarray | torch.Tensor | None,
         output: str,
@@ -164,7 +224,7 @@ class EverythingRunner:
 
     async def _run(
         self,
-        generator: AutomaticMaskGenerator,
+        generator: GridMaskGenerator[Any],
         jobs: list[CropJob],
         entry: ImageEmbedding,
         pixels: torch.Tensor | None,
@@ -180,7 +240,7 @@ class EverythingRunner:
         steps = 0
         for job in jobs:
             if job.is_full_image:
-                emb = generator.embedding_for(job, entry.embedding)
+                emb = generator.embedding_for(job, self.factory.features(entry))
             else:
                 assert image is not None
                 emb = await self._step(partial(generator.encode_crop, image, job), deadline)

@@ -13,11 +13,12 @@ import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from models.sam.automatic import AutomaticMaskGenerator
+from models.sam.automatic_pipeline import GridMaskGenerator
 from server.domain import EmbedResult, Image, ModelInfo, PromptMasks, SegmentRequest, SegmentResult
 from server.engine.batcher import Batcher, with_queues
 from server.engine.cache import EmbeddingCache, ImageEmbedding, LowResStore
@@ -28,7 +29,7 @@ from server.settings import Settings
 
 
 def _check_everything(
-    runner: EverythingRunner, generator: AutomaticMaskGenerator, size: tuple[int, int]
+    runner: EverythingRunner, generator: GridMaskGenerator[Any], size: tuple[int, int]
 ) -> None:
     """A job that cannot run on this image is the client's 422 (or 413 for memory)."""
     try:
@@ -48,7 +49,7 @@ class SamParts:
     info: ModelInfo
     encoder: Batcher[EncodeItem, ImageEmbedding]
     decoder: Batcher[DecodeItem, list[PromptMasks]]
-    everything: EverythingRunner | None  # None: this model has no segment everything yet
+    everything: EverythingRunner  # with the model's own generator (SAM's or SAM 2's)
     sam2: bool = False  # SAM 2.1: its entries hold high-res features beside the embedding
 
 
@@ -226,15 +227,8 @@ class SamService:
         output: str = "rle",
         deadline: float | None = None,
     ) -> tuple[ImageEmbedding, EverythingMasks, dict[str, float]]:
-        """Every object in the image: SAM's automatic mask generation on the worker."""
+        """Every object in the image: the model's automatic mask generation on the worker."""
         runner = self.parts.everything
-        if runner is None:
-            raise ServiceError(
-                501,
-                "not_implemented",
-                f"segment everything is not available for {self.parts.info.name} yet; "
-                "/v1/segment with points or boxes is",
-            )
         generator = runner.generator(fields)
         size = (image.height, image.width) if image is not None else None
         if size is not None:  # refuse before encoding what could not be finished

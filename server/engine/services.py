@@ -44,7 +44,13 @@ from server.engine.build import (
     variant_refusal,
 )
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
-from server.engine.everything import EverythingMasks, EverythingRunner
+from server.engine.everything import (
+    EverythingMasks,
+    EverythingRunner,
+    GeneratorFactory,
+    sam2_generators,
+    sam_generators,
+)
 from server.engine.faults import Faults
 from server.engine.fidelity import FidelityReport, measure_served
 from server.engine.sam2_stages import Sam2Stages
@@ -275,21 +281,11 @@ class Engine:
             decoder_graphs=s.decoder_graphs,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
-        everything = EverythingRunner(
-            model,
-            self.workers["everything"],
-            max_bytes=s.everything_max_bytes,
-            max_concurrent=s.everything_max_concurrent,
-            max_waiting=s.everything_max_waiting,
-            max_masks=s.everything_max_masks,
-            max_work_bytes=s.everything_work_bytes,
-            rle_on_device=self.rle_on_device,
-        )
-        return self._sam_parts(stages, info, everything)
+        return self._sam_parts(stages, info, sam_generators(model, info.name))
 
     def _load_sam2(self) -> SamParts:
-        """SAM 2.1 through the same batchers and service as SAM (`Sam2Stages`); no segment
-        everything yet (501), fp32 eager on the CPU, bf16 and compiled on CUDA."""
+        """SAM 2.1 through the same batchers and service as SAM (`Sam2Stages`, SAM 2's
+        segment everything), fp32 eager on the CPU, bf16 and compiled on CUDA."""
         s = self.settings
         problems = sam2_problems(s)  # `python -m server` said so before; `build_app` callers
         if problems:
@@ -311,17 +307,28 @@ class Engine:
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")
-        return self._sam_parts(stages, info, None, sam2=True)
+        return self._sam_parts(stages, info, sam2_generators(model, info.name), sam2=True)
 
     def _sam_parts(
         self,
         stages: SamStages,
         info: ModelInfo,
-        everything: EverythingRunner | None,
+        generators: GeneratorFactory,
         sam2: bool = False,
     ) -> SamParts:
-        """The encoder's and decoder's batchers over `stages`, SAM's or SAM 2's alike."""
+        """The encoder's and decoder's batchers over `stages` and the segment-everything
+        runner over the model's generator, SAM's or SAM 2's alike (the same bounds)."""
         s = self.settings
+        everything = EverythingRunner(
+            generators,
+            self.workers["everything"],
+            max_bytes=s.everything_max_bytes,
+            max_concurrent=s.everything_max_concurrent,
+            max_waiting=s.everything_max_waiting,
+            max_masks=s.everything_max_masks,
+            max_work_bytes=s.everything_work_bytes,
+            rle_on_device=self.rle_on_device,
+        )
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
             "sam_encoder",
             self._stage_fn("sam_encoder", stages.encode),

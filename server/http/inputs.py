@@ -205,7 +205,8 @@ async def parse_image_request(
             full = await in_thread(validate, json_model, body, header_id)
         else:
             full = validate(json_model, body, header_id)
-        values = full.model_dump(exclude={"image", "image_id"})
+        # what the body set, so the fields keep it (segment everything's defaults are the model's)
+        values = full.model_dump(exclude={"image", "image_id"}, exclude_unset=True)
         fields = fields_model.model_validate(values)
         image_id = getattr(full, "image_id", None)
         if header_id is not None and image_id is not None and image_id != header_id:

@@ -93,11 +93,13 @@ class SegmentJSON(ImageSource, SegmentFields):
 
 
 class EverythingFields(_Strict):
-    """Fields of `/v1/segment/everything`: Meta's `SamAutomaticMaskGenerator` arguments."""
+    """Fields of `/v1/segment/everything`: the arguments of Meta's `SamAutomaticMaskGenerator`
+    (SAM) or `SAM2AutomaticMaskGenerator` (SAM 2.1). Defaults shown are SAM's: a field the
+    request leaves out takes the served model's generator default."""
 
     points_per_side: int = Field(32, ge=1, le=128)
     points_per_batch: int = Field(64, ge=1, le=1024)
-    pred_iou_thresh: float = Field(0.88, ge=0.0, le=1.0)
+    pred_iou_thresh: float = Field(0.88, ge=0.0, le=1.0, description="SAM 2.1 default: 0.8")
     stability_score_thresh: float = Field(0.95, ge=0.0, le=1.0)
     stability_score_offset: float = Field(1.0, ge=0.0, le=100.0)
     box_nms_thresh: float = Field(0.7, ge=0.0, le=1.0)
@@ -106,10 +108,15 @@ class EverythingFields(_Strict):
     crop_overlap_ratio: float = Field(512 / 1500, ge=0.0, lt=1.0)
     crop_n_points_downscale_factor: int = Field(1, ge=1, le=16)
     min_mask_region_area: int = Field(0, ge=0, le=10_000_000)
+    # SAM 2.1's generator only (a SAM model answers 422)
+    mask_threshold: float | None = Field(None, ge=-1000.0, le=1000.0, description="SAM 2.1: 0")
+    multimask_output: bool | None = Field(None, description="SAM 2.1 only: default true")
+    use_m2m: bool | None = Field(None, description="SAM 2.1 only: default false")
     output: Literal["rle", "png", "polygons"] = "rle"
 
     def generator_fields(self) -> dict[str, float | int]:
-        return self.model_dump(exclude={"output"})
+        """Only what the request set: the rest takes the served model's own defaults."""
+        return self.model_dump(exclude={"output"}, exclude_unset=True, exclude_none=True)
 
 
 class EverythingJSON(ImageSource, EverythingFields):

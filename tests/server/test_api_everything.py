@@ -83,6 +83,8 @@ def test_everything_with_a_crop_layer(client, jpeg_bytes):
         {"box_nms_thresh": -0.5},
         {"unknown": 1},
         {"output": "gif"},
+        {"mask_threshold": 1.0},  # SAM 2's generator only
+        {"use_m2m": True},
     ],
 )
 def test_bad_parameters_are_422(client, jpeg_bytes, fields):

@@ -1,7 +1,7 @@
 """The page at `/` on a SAM 2.1 server, in a real browser (tests/server/test_page.py's
 Chromium and tab fixtures): the model list names it, a click draws exactly the mask the
-server sent, a refining click sends the handle back, and "Segment everything", which SAM 2
-cannot do yet, says so on the page instead of failing silently."""
+server sent, a refining click sends the handle back, and "Segment everything" is answered
+(SAM 2's generator) with no error on the page."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def sam2_server() -> Iterator[LiveServer]:
     live.stop()
 
 
-def test_the_page_segments_with_sam2_and_explains_what_it_cannot(
+def test_the_page_segments_with_sam2_and_segments_everything(
     page: Page, sam2_server: LiveServer
 ) -> None:
     calls = record_calls(page)
@@ -48,6 +48,7 @@ def test_the_page_segments_with_sam2_and_explains_what_it_cannot(
 
     with page.expect_response(lambda r: r.url.endswith("/v1/segment/everything")) as answer:
         page.click("#everything")
-    assert answer.value.status == 501
-    expect(page.locator("#errors")).to_be_visible()
-    expect(page.locator("#errors")).to_contain_text("not available for sam2_test_tiny")
+    assert answer.value.status == 200
+    assert answer.value.json()["model"]["name"] == "sam2_test_tiny"
+    expect(page.locator("#status")).not_to_contain_text("Segmenting everything")
+    expect(page.locator("#errors")).to_be_hidden()

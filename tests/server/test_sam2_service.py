@@ -262,11 +262,8 @@ def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
 
 
 def test_what_sam2_does_not_do_yet_is_a_clear_501(http: httpx.Client) -> None:
+    # segment everything is served (tests/server/test_sam2_everything.py); the download is not
     image_id = http.post("/v1/embed", files={"image": ("d.jpg", DOG, "image/jpeg")}).json()
-    r = http.post("/v1/segment/everything", json={"image_id": image_id["image_id"]})
-    assert r.status_code == 501
-    error = r.json()["error"]
-    assert error["code"] == "not_implemented" and MODEL in error["message"]
     r = http.get(f"/v1/embeddings/{image_id['image_id']}")
     assert r.status_code == 501 and "high-resolution" in r.json()["error"]["message"]
 

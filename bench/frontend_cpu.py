@@ -6,22 +6,29 @@ the tests use; its time does not count here) and one frontend process (`frontend
 the production entry point: uvloop, httptools, JSON access log into a file, multiprocess
 metrics in /dev/shm, the shared pixel memory), loaded at a fixed rate by this process
 with the requests of `bench.openloop` (segment: a fresh photo + one box, multipart; click:
-1-2 points on an embedding cached beforehand, JSON; classify: a photo, multipart). A new
+1-2 points on an embedding cached beforehand, JSON; classify: a photo, multipart; and
+`healthz`, a GET that does nothing, for the floor every request pays). A new
 frontend serves each kind; the engine and its embedding cache stay.
 
 `CPU ms/req` is the frontend's user + system time (psutil) over the measured requests,
-less its idle rate (status polls, samplers) over the same wall time, per request. With
+less its idle rate (status polls, samplers) over the same wall time, per request; then
+the same by thread (`loop`: the event loop's; `zmq I/O`: libzmq's own threads; `pool`:
+the decode pool and the metrics sampler) and as user and system time, idle not taken
+off. With
 random weights vit_tiny's masks are noise (tens of thousands of runs: `bytes/resp` says
 how big); `--checkpoint` with synthetic weights (`python -m models.weights synthesize
 vit_tiny`) gives compact masks, as trained weights do. `--profile` runs cProfile in every
 thread of the frontend instead (`bench.frontend_profile`) and prints each kind's time by
 step; the profiler inflates Python code, so its shares are a map, and its runs are not the
-measurement.
+measurement. `--perf` samples the frontend with `perf record` during the measured
+requests (no slowdown) and splits the CPU by library and native function: the kernel
+(syscalls), libpython (all Python code), uvloop, httptools, libzmq, pycocotools, ...
 
-    python -m bench.frontend_cpu --requests 300 --rate 25
+    python -m bench.frontend_cpu --requests 300
     python -m bench.frontend_cpu --requests 300 --rate 25 \
         --checkpoint /tmp/frontcpu/weights/sam_vit_tiny_synthetic.pth
-    python -m bench.frontend_cpu --requests 200 --rate 20 --profile
+    python -m bench.frontend_cpu --requests 300 --perf
+    python -m bench.frontend_cpu --requests 200 --profile
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,8 +61,9 @@ from bench.openloop.kinds import KINDS, Photo, RequestMaker
 from server.settings import Settings
 
 WARMUP_REQUESTS = 20
+THREAD_GROUPS = ("loop", "zmq I/O", "pool", "user", "system")
 # What the engine on 2 CPU cores keeps up with (its queue would otherwise grow all along)
-RATES = {"segment": 2.5, "click": 20.0, "classify": 10.0}
+RATES = {"segment": 2.5, "click": 10.0, "classify": 10.0, "healthz": 50.0}
 IDLE_SECONDS = 3.0
 
 
@@ -72,6 +81,23 @@ def _photos(folder: Path) -> tuple[Photo, ...]:
 def _cpu_s(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+def _threads(pid: int) -> dict[str, float]:
+    """CPU seconds by thread group: the event loop's (the main thread), zmq's I/O
+    threads (libzmq names them), the rest (the decode pool, the metrics sampler); and the
+    process's user and system time."""
+    process = psutil.Process(pid)
+    groups = {"loop": 0.0, "zmq I/O": 0.0, "pool": 0.0}
+    for thread in process.threads():
+        try:
+            name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
+        except OSError:
+            continue  # ended meanwhile
+        group = "loop" if thread.id == pid else "zmq I/O" if name.startswith("ZMQ") else "pool"
+        groups[group] += thread.user_time + thread.system_time
+    times = process.cpu_times()
+    return {**groups, "user": times.user, "system": times.system}
 
 
 async def _wait_ready(url: str, timeout_s: float) -> None:
@@ -104,9 +130,12 @@ async def _load(
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
         async def one(seq: int) -> tuple[int, int, float]:
-            request = maker.make(kind, seq)
             started = time.perf_counter()
-            response = await client.post(request.path, **request.kwargs)
+            if kind == "healthz":
+                response = await client.get("/healthz")
+            else:
+                request = maker.make(kind, seq)
+                response = await client.post(request.path, **request.kwargs)
             return response.status_code, len(response.content), time.perf_counter() - started
 
         started = time.perf_counter()
@@ -186,9 +215,14 @@ async def _measure_kind(
     idle_at, idle_cpu = time.perf_counter(), _cpu_s(pid)
     await asyncio.sleep(IDLE_SECONDS)
     idle_rate = (_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_at)
-    cpu0, wall0 = _cpu_s(pid), time.perf_counter()
+    perf = _start_perf(pid, service.folder / f"{kind}.perf") if args.perf else None
+    cpu0, wall0, threads0 = _cpu_s(pid), time.perf_counter(), _threads(pid)
     results = await _load(service.url, maker, kind, args.requests, rate, base + 1000)
     cpu, wall = _cpu_s(pid) - cpu0, time.perf_counter() - wall0
+    if perf is not None:
+        perf.send_signal(signal.SIGINT)
+        perf.wait(60)
+    threads = {k: (v - threads0[k]) / args.requests * 1000 for k, v in _threads(pid).items()}
     service.stop_frontend()
     statuses = sorted({s for s, _, _ in results})
     if statuses != [200]:
@@ -198,15 +232,59 @@ async def _measure_kind(
         "rate/s": rate,
         "CPU ms/req": (cpu - idle_rate * wall) / args.requests * 1000,
         "idle CPU %": idle_rate * 100,
+        **{f"{k} ms": v for k, v in threads.items()},
         "bytes/resp": round(statistics.mean(b for _, b, _ in results)),
         "p50 ms": statistics.median(t for _, _, t in results),
     }
+    if perf is not None:
+        row["perf"] = _perf_report(service.folder / f"{kind}.perf", args.top)
     if profile_path is not None:
         row["profile"] = pstats.Stats(profile_path)
         if args.profile_out is not None:
             args.profile_out.mkdir(parents=True, exist_ok=True)
             shutil.copy(profile_path, args.profile_out / f"{kind}.prof")
     return row
+
+
+def _start_perf(pid: int, path: Path) -> subprocess.Popen[bytes]:
+    """`perf record` of the frontend: where its CPU goes by library and native function
+    (the interpreter's share is the Python code, whatever it runs)."""
+    command = ["perf", "record", "-F", "999", "-q", "-p", str(pid), "-o", str(path)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the load starts
+    return process
+
+
+def _perf_report(path: Path, top: int) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+    """(% by library, % by library and function) of a `perf record` file, largest first."""
+
+    def report(sort: str, limit: int) -> list[tuple[float, str]]:
+        command = ["perf", "report", "-i", str(path), "--sort", sort, "--stdio", "-q"]
+        text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        rows = []
+        for line in text.splitlines():
+            share, _, what = line.strip().partition("%")
+            try:
+                rows.append((float(share), " ".join(what.split())))
+            except ValueError:
+                continue
+        return rows[:limit]
+
+    return report("dso", 20), report("dso,sym", top)
+
+
+def _print_perf(rows: list[dict[str, Any]]) -> None:
+    """Each kind's CPU by library and by native function, in ms per request (the shares
+    of `perf record`'s samples times the measured CPU ms per request)."""
+    for row in rows:
+        by_dso, by_symbol = row.pop("perf")
+        total = row["CPU ms/req"]
+        print(f"\n{row['kind']}: {total:.2f} CPU ms/req by library (perf record)")
+        print_table([{"library": w, "ms/req": p * total / 100, "%": p} for p, w in by_dso],
+                    ["library", "ms/req", "%"])  # fmt: skip
+        print(f"\n{row['kind']}: by function")
+        print_table([{"function": w, "ms/req": p * total / 100, "%": p} for p, w in by_symbol],
+                    ["function", "ms/req", "%"])  # fmt: skip
 
 
 def _print_profile(rows: list[dict[str, Any]], requests: int, top: int) -> None:
@@ -252,9 +330,19 @@ async def _run(args: argparse.Namespace) -> None:
           f"Python {python}")  # fmt: skip
     profiled = args.profile
     print_table(
-        [{k: v for k, v in row.items() if k != "profile"} for row in rows],
-        ["kind", "rate/s", "CPU ms/req", "idle CPU %", "bytes/resp", "p50 ms"],
+        [{k: v for k, v in row.items() if k not in ("profile", "perf")} for row in rows],
+        [
+            "kind",
+            "rate/s",
+            "CPU ms/req",
+            *[f"{k} ms" for k in THREAD_GROUPS],
+            "idle CPU %",
+            "bytes/resp",
+            "p50 ms",
+        ],
     )
+    if args.perf:
+        _print_perf(rows)
     if profiled:
         _print_profile(rows, args.requests + WARMUP_REQUESTS, args.top)
 
@@ -262,11 +350,12 @@ async def _run(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=[*KINDS, "healthz"])
     p.add_argument("--requests", type=int, default=300, help="measured requests per kind")
     p.add_argument("--rate", type=float, default=None, help=f"requests/s (default {RATES})")
     p.add_argument("--sam-model", default="vit_tiny", help="vit_b: masks of vit_b's detail")
     p.add_argument("--checkpoint", type=Path, default=None, help="SAM vit_tiny weights")
+    p.add_argument("--perf", action="store_true", help="perf record: CPU by library")
     p.add_argument("--profile", action="store_true", help="cProfile by step instead")
     p.add_argument("--profile-out", type=Path, default=None, help="keep <kind>.prof here")
     p.add_argument("--top", type=int, default=25, help="functions listed with --profile")

@@ -24,11 +24,13 @@ measurement. `--perf` samples the frontend with `perf record` during the measure
 requests (no slowdown) and splits the CPU by library and native function: the kernel
 (syscalls), libpython (all Python code), uvloop, httptools, libzmq, pycocotools, ...
 
-    python -m bench.frontend_cpu --requests 300
-    python -m bench.frontend_cpu --requests 300 --rate 25 \
+    python -m bench.frontend_cpu --requests 150 --kinds healthz click classify segment
+    python -m models.weights synthesize vit_tiny --dest /tmp/frontcpu/weights --steps 250 \
+        --crops 32
+    python -m bench.frontend_cpu --requests 150 --kinds healthz click classify segment \
         --checkpoint /tmp/frontcpu/weights/sam_vit_tiny_synthetic.pth
-    python -m bench.frontend_cpu --requests 300 --perf
-    python -m bench.frontend_cpu --requests 200 --profile
+    python -m bench.frontend_cpu --requests 300 --kinds healthz click classify --perf
+    python -m bench.frontend_cpu --requests 150 --profile
 """
 
 from __future__ import annotations

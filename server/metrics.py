@@ -184,6 +184,7 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_embedding_cache_entries", "Embeddings held, by tier", ["tier"], registry=r,
             multiprocess_mode="livesum",
         )  # fmt: skip
+        self._phases: dict[str, Histogram] = {}
         self._lock = threading.Lock()
         self._ready: Gauge | None = None
         self._gpu: dict[str, Gauge] = {}
@@ -214,6 +215,14 @@ class Metrics(BatchObserver, CacheObserver):
                     registry=self.registry, multiprocess_mode="livemin",
                 )  # fmt: skip
             return self._ready
+
+    def phase(self, name: str) -> Histogram:
+        """`serve_phase_duration_seconds{phase=name}`, looked up once: a request observes
+        up to seven phases, and each `labels()` call takes a lock and builds its key."""
+        child = self._phases.get(name)
+        if child is None:
+            child = self._phases[name] = self.phase_seconds.labels(name)
+        return child
 
     # -- BatchObserver ----------------------------------------------------------------
 

@@ -205,9 +205,16 @@ async def parse_image_request(
             full = await in_thread(validate, json_model, body, header_id)
         else:
             full = validate(json_model, body, header_id)
-        # what the body set, so the fields keep it (segment everything's defaults are the model's)
-        values = full.model_dump(exclude={"image", "image_id"}, exclude_unset=True)
-        fields = fields_model.model_validate(values)
+        # The JSON model is the fields model plus the image: its validation (the fields'
+        # validators are inherited) holds for the fields, which need no second pass. Only
+        # what the body set is passed on as set (segment everything's defaults are the
+        # served model's, not the schema's).
+        values = {
+            name: getattr(full, name)
+            for name in fields_model.model_fields
+            if name in full.model_fields_set
+        }
+        fields = fields_model.model_construct(**values)
         image_id = getattr(full, "image_id", None)
         if header_id is not None and image_id is not None and image_id != header_id:
             raise mismatch(header_id, image_id, "the body's image_id")

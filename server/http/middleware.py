@@ -77,18 +77,42 @@ class ObserveMiddleware:
         self.metrics = metrics
         self.routes = routes
         self.counter = counter  # the drain waits for its in_flight to reach 0
+        # (method, path) of a route without parameters -> its template: a few entries
+        self._static: dict[tuple[str, str], str] = {}
+        # (route, method, status) -> the two metric children a request updates
+        self._series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def _route(self, scope: Scope) -> str:
         """The route template (`/v1/segment`), so metric labels stay few whatever the path.
 
         Matched before the app runs, so requests refused by inner middleware (413, 401)
         are labelled too. `routes` are the leaf routes (an included router is not one).
+        A path that is a route's whole template is remembered (there are few of those);
+        others (`/v1/embeddings/{image_id}`, unknown paths) are matched every time.
         """
+        key = (scope["method"], scope["path"])
+        known = self._static.get(key)
+        if known is not None:
+            return known
         for route in self.routes:
             path = getattr(route, "path", None)
             if path is not None and route.matches(scope)[0] == Match.FULL:
+                if path == scope["path"]:
+                    self._static[key] = str(path)
                 return str(path)
         return "unmatched"
+
+    def _observe(self, labels: tuple[str, str, str], seconds: float) -> None:
+        """Count the request by its labels; each series' children are found once (a
+        `labels()` call takes a lock and builds a tuple of strings every time)."""
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = (
+                self.metrics.request_seconds.labels(*labels),
+                self.metrics.requests.labels(*labels),
+            )
+        series[0].observe(seconds)
+        series[1].inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -122,9 +146,7 @@ class ObserveMiddleware:
             if work:
                 self.metrics.in_flight.dec()
             seconds = time.perf_counter() - started
-            labels = (route, scope["method"], str(status))
-            self.metrics.request_seconds.labels(*labels).observe(seconds)
-            self.metrics.requests.labels(*labels).inc()
+            self._observe((route, scope["method"], str(status)), seconds)
             # probes and scrapes every few seconds would bury everything else at INFO
             access_log.log(
                 logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,

@@ -112,7 +112,7 @@ async def _load_image(
             lambda f: None if f.cancelled() or f.exception() else _release(state, f.result())
         )
         raise
-    state.metrics.phase_seconds.labels("image_decode").observe(time.perf_counter() - started)
+    state.metrics.phase("image_decode").observe(time.perf_counter() - started)
     return image
 
 
@@ -143,7 +143,7 @@ def _record_timing(request: Request, state: ServeState, timing: dict[str, float]
     """Model phases into the phase histogram; all timings into the request's log line."""
     for phase in _PHASES:
         if phase in timing:
-            state.metrics.phase_seconds.labels(phase).observe(timing[phase] / 1000.0)
+            state.metrics.phase(phase).observe(timing[phase] / 1000.0)
     request.state.timing_ms = timing
 
 
@@ -175,6 +175,25 @@ def _result_masks(result: PromptMasks, output: str) -> list[dict[str, Any]]:
     for obj, handle in zip(objects, result.handles or [], strict=False):
         obj["low_res_handle"] = handle
     return objects
+
+
+# Up to this many runs in a response, its counts strings are written on the event loop:
+# about 0.1 ms of pycocotools' C writer (`python -m bench.host_costs`), less than the
+# thread pool's hop costs. Masks of trained weights have hundreds of runs; random
+# weights' noise masks ~100,000, which go to the pool.
+INLINE_RUNS = 10_000
+
+
+def _few_runs(result: SegmentResult, output: str) -> bool:
+    """Whether `result`'s masks are RLE from runs the engine made, and few of them."""
+    if output != "rle":
+        return False
+    total = 0
+    for prompt in result.results:
+        if prompt.runs is None:
+            return False
+        total += sum(len(counts) for counts in prompt.runs.counts)
+    return total <= INLINE_RUNS
 
 
 def _segment_body(
@@ -223,11 +242,13 @@ async def segment(request: Request) -> Response:
     computed_at = time.perf_counter()
     timing = {"parse_and_decode": round((parsed_at - started) * 1000, 3), **result.timing_ms}
     with tracing.span("mask.encode"):
-        body = await state.in_thread(
-            _segment_body, result, fields.output, engine.model_brief("sam"), timing
-        )
+        args = (result, fields.output, engine.model_brief("sam"), timing)
+        if _few_runs(result, fields.output):
+            body = _segment_body(*args)  # less work than the hop to a thread and back
+        else:
+            body = await state.in_thread(_segment_body, *args)
     done = time.perf_counter()
-    state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
+    state.metrics.phase("mask_encode").observe(done - computed_at)
     body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
     body["timing_ms"]["total"] = round((done - started) * 1000, 3)
     _record_timing(request, state, body["timing_ms"])
@@ -269,7 +290,7 @@ async def segment_everything(request: Request) -> Response:
     with tracing.span("mask.encode"):
         objects = await state.in_thread(_everything_body, masks, fields.output)
     done = time.perf_counter()
-    state.metrics.phase_seconds.labels("mask_encode").observe(done - computed_at)
+    state.metrics.phase("mask_encode").observe(done - computed_at)
     timing_ms = {
         "parse_and_decode": round((parsed_at - started) * 1000, 3),
         **timing,

@@ -10,6 +10,8 @@ process exits 0. A second SIGTERM, or SIGINT, stops at once.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import signal
 import socket
@@ -57,12 +59,43 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+# glibc's mallopt parameters (malloc.h) and the values a frontend sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's largest
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep what a request frees for the next one: True when set.
+
+    An upload's buffers (the body, the image part, libjpeg's working memory in a decode
+    thread) are 0.1 to 10 MB, allocated and freed per request. By default glibc maps the
+    largest afresh each time and gives the threads' arenas back to the kernel once free
+    (`madvise`), so the next request faults in and zeroes new pages: 1.2 to 1.5 ms of
+    system time per segment or classify upload on the 2-core CPU, against 0.2 to 0.4 ms
+    with these thresholds (`python -m bench.frontend_cpu`, docs/BENCHMARKS.md). The cost
+    is memory kept: up to `TRIM_THRESHOLD_BYTES` free per arena before any is returned.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator as it is
+        return False
+    if mallopt is None:
+        return False
+    trimmed = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    mapped = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    return bool(trimmed and mapped)
+
+
 def frontend_main(
     settings: Settings, sock: socket.socket, engine_addresses: tuple[str, ...], role: str
 ) -> None:
     """A frontend process's entry point (spawned by the supervisor); it talks to every
     engine (`server.http.engine_client` picks one per call)."""
     configure_logging(settings.log_level, role)
+    if not keep_freed_memory():
+        log.info("malloc thresholds not set (not glibc): uploads fault in fresh pages")
     tracing.setup(role)  # before build_app, which adds the tracing middleware when on
     app = build_app(settings, Metrics(role), engine_address=engine_addresses, role=role)
     state = serve_state(app.state)

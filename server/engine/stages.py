@@ -125,7 +125,9 @@ def _prepare(
     with torch.inference_mode():
         if isinstance(graphed.fn, AotBuckets):
             graphed.fn.prepare(example)
-        graphed.capture(example)
+        # made in inference mode, as every served batch is: dynamo's guards tell the two
+        # apart, so a plain example compiled a graph no batch used (uncaptured, twice)
+        graphed.capture(torch.zeros(shape, device=device, dtype=dtype))
 
 
 class SamStages:

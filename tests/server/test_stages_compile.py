@@ -96,3 +96,37 @@ def test_service_shaped_batches_do_not_recompile(stages: SamStages) -> None:
     for items in batches:
         results = stages.decode(items)  # raises if dynamo needed a new graph
         assert [len(r) for r in results] == [len(i.prompts) for i in items]
+
+
+def test_the_encoder_compiles_each_graph_once() -> None:
+    """Warm-up's example was made outside inference mode, so uncaptured (no CUDA graphs)
+    each bucket compiled once for it and again for the first served-like batch; the
+    guards differ on inference tensors, which every served batch is."""
+    from models.optimize import GraphedBuckets
+
+    torch._dynamo.reset()
+    graphs: list[object] = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    config = SAM_CONFIGS["vit_tiny"]
+    model = load_sam(config, None, seed=0)
+    stages = SamStages(model, config, torch.device("cpu"), OptimizeOptions(), [1, 2, 4], [1])
+    stages._encode = GraphedBuckets(
+        torch.compile(model.encode, dynamic=True, backend=counting), enabled=False
+    )
+    stages.encoder_compiled = True
+    try:
+        for bucket in stages.encoder_buckets:
+            stages.warm_encoder(bucket)
+        # one graph for a batch of one (dynamo specialises sizes of 1), one for all others;
+        # four with the plain example
+        assert len(graphs) == 2
+        pixels = torch.randint(0, 256, (100, 140, 3), dtype=torch.uint8)
+        torch.compiler.set_stance("fail_on_recompile")
+        stages.encode([EncodeItem(f"img-{k}", pixels) for k in range(3)])
+    finally:
+        torch.compiler.set_stance("default")
+        torch._dynamo.reset()

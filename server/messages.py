@@ -118,6 +118,7 @@ class Status:
     models: tuple[ModelInfo, ...]
     # the input sizes the models resize to, for decoding no larger than needed
     sam_image_size: int | None = None
+    sam_square: bool = False  # SAM 2: the whole image to a square, not its long side
     swin_resize: int | None = None
     pid: int = 0
 

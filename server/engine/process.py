@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from models.sam import SAM_CONFIGS, CheckpointError
-from models.sam2 import Sam2CheckpointError
+from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
 from server import tracing
 from server.domain import Image
@@ -264,15 +264,19 @@ class EngineServer:
 
     def status(self) -> Status:
         engine = self.engine
-        sam = SAM_CONFIGS.get(self.settings.sam_model) if self.settings.enable_sam else None
-        swin = SWIN_CONFIGS.get(self.settings.swin_model) if self.settings.enable_swin else None
+        s = self.settings
+        sam = SAM_CONFIGS.get(s.sam_model) if s.enable_sam else None
+        sam2 = SAM2_CONFIGS.get(s.sam_model) if s.enable_sam else None
+        swin = SWIN_CONFIGS.get(s.swin_model) if s.enable_swin else None
+        sam_size = sam.image_size if sam is not None else None
         return Status(
             ready=self.ready and self.failure is None,
             failure=self.failure,
             stuck=self.stuck,
             progress=self.progress.snapshot() if self.progress is not None else None,
             models=tuple(engine.models()) if engine is not None else (),
-            sam_image_size=sam.image_size if sam is not None else None,
+            sam_image_size=sam2.image_size if sam2 is not None else sam_size,
+            sam_square=sam2 is not None,
             swin_resize=swin.resize_size if swin is not None else None,
             pid=os.getpid(),
         )

@@ -134,6 +134,7 @@ def combined_status(statuses: Sequence[Status | None]) -> Status | None:
         progress=behind.progress,
         models=first.models,
         sam_image_size=first.sam_image_size,
+        sam_square=first.sam_square,
         swin_resize=first.swin_resize,
         pid=first.pid,
     )

@@ -249,6 +249,18 @@ def sam_min_size(width: int, height: int, image_size: int) -> tuple[int, int] | 
     return None
 
 
+def square_min_size(width: int, height: int, image_size: int) -> tuple[int, int] | None:
+    """As `sam_min_size` for SAM 2, which resizes the whole image to an `image_size`
+    square whatever its shape: both sides still at least `image_size` (the resize only
+    shrinks), so the model input keeps its size and the prompts' and masks' frames (the
+    image's own size) are unchanged. None: decode it whole."""
+    for d in _SCALES:
+        w, h = _scaled(width, height, d)
+        if min(w, h) >= image_size:
+            return w, h
+    return None
+
+
 def swin_min_size(width: int, height: int, resize_size: int) -> tuple[int, int] | None:
     """As `sam_min_size` for Swin's eval transform: the shorter side still at least
     `resize_size` (`int(input_size / crop_pct)`, `SwinConfig.resize_size`) and the resized

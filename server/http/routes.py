@@ -123,7 +123,8 @@ def _min_size(state: ServeState, model: str | None) -> imaging.MinSize:
     if status is None or model is None or not state.settings.scaled_decode:
         return None
     if model == "sam" and status.sam_image_size is not None:
-        return partial(imaging.sam_min_size, image_size=status.sam_image_size)
+        rule = imaging.square_min_size if status.sam_square else imaging.sam_min_size
+        return partial(rule, image_size=status.sam_image_size)
     if model == "swin" and status.swin_resize is not None:
         return partial(imaging.swin_min_size, resize_size=status.swin_resize)
     return None

@@ -92,3 +92,37 @@ def test_swin_takes_numpy_pixels_whole_or_scaled() -> None:
     top = stage.classify([ClassifyItem(whole.pixels, 3), ClassifyItem(scaled.pixels, 3)])
     assert top[0].indices[0] == int(logits.argmax())
     assert top[0].indices[0] == top[1].indices[0]
+
+
+def test_the_square_rule_keeps_both_sides_at_sam2s_input() -> None:
+    """SAM 2 resizes the whole image to a square: the decode may shrink until either
+    side would fall below the input size, and no further."""
+    rule = partial(imaging.square_min_size, image_size=1024)
+    assert rule(4096, 3072) == (2048, 1536)  # 1/2: 1/4 would be 1024 x 768
+    assert rule(8192, 8192) == (1024, 1024)  # 1/8 exactly
+    assert rule(1600, 900) is None  # the short side is below 1024 already at 1/2
+    assert rule(1000, 4000) is None
+
+
+def test_scaled_decode_keeps_sam2s_masks() -> None:
+    """SAM 2's stages on a half-size decode: masks at the image's size, close to the
+    whole decode's (sam2_test_tiny, 256 px, seeded random weights)."""
+    from models.sam2 import SAM2_CONFIGS, load_sam2
+    from server.engine.sam2_stages import Sam2Stages
+
+    model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None, seed=0)
+    stages = Sam2Stages(model, torch.device("cpu"), OptimizeOptions(), [1], [1, 8])
+    data = (PHOTOS / "dog.jpg").read_bytes()
+    whole = imaging.decode_image(data, **LIMITS)
+    rule = partial(imaging.square_min_size, image_size=model.config.image_size)
+    scaled = imaging.decode_image(data, **LIMITS, min_size=rule)
+    assert scaled.pixel_size == (whole.width // 2, -(-whole.height // 2))  # at 1/2
+    size = (whole.height, whole.width)
+    prompts = [Prompt(p.points, p.labels, p.box) for p in fidelity_prompts(*size)]
+    want = masks_of(stages, EncodeItem("whole", whole.pixels), prompts)
+    got = masks_of(stages, EncodeItem("scaled", scaled.pixels, original_size=size), prompts)
+    assert all(m.shape == (3, *size) for m in got + want)
+    iou = torch.cat([matched_iou(g, w) for g, w in zip(got, want, strict=True)])
+    log.info("SAM 2: mask IoU mean %.4f, min %.4f", float(iou.mean()), float(iou.min()))
+    assert float(iou.mean()) >= MIN_MEAN_IOU, iou
+    assert float(iou.min()) >= MIN_MASK_IOU, iou

@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from pycocotools import mask as mask_utils
 
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
 from models.sam2 import transforms as sam2_tf
-from server.http.imaging import decode_image
+from server.http.imaging import decode_image, square_min_size
 from server.settings_cli import BadSettingError, load_settings
 from tests.conftest import PHOTOS
 
@@ -40,8 +41,12 @@ TRUCK = (PHOTOS / "truck.jpg").read_bytes()  # 900 x 600
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    # a long queue delay, so concurrent requests meet in one encoder and decoder batch
-    settings = small_settings(sam_model=MODEL, enable_swin=False, max_queue_delay_ms=150.0)
+    # a long queue delay, so concurrent requests meet in one encoder and decoder batch;
+    # photos decoded whole, so the model on the whole decode is the exact reference (the
+    # scaled decode, the default, has its own test below)
+    settings = small_settings(
+        sam_model=MODEL, enable_swin=False, max_queue_delay_ms=150.0, scaled_decode=False
+    )
     live = LiveServer(settings).start()
     yield live
     live.stop()
@@ -59,7 +64,7 @@ def model() -> Sam2:
 
 
 def pixels(data: bytes) -> np.ndarray:
-    """The pixels the server sees: its own decoder (SAM 2 has no scaled decode)."""
+    """The pixels the server sees: its own decoder, whole (see the `server` fixture)."""
     return decode_image(data, max_pixels=10**8, max_bytes=10**8).pixels
 
 
@@ -97,10 +102,12 @@ def reference(
     box: list[float] | None = None,
     multimask: bool = False,
     mask_input: torch.Tensor | None = None,
+    original_size: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
     """`models.sam2` alone: masks `[K, H, W]` and scores best first, and the clamped
-    low-res logits `[K, m, m]` in that order (what a refinement handle holds)."""
-    hw = (int(image.shape[0]), int(image.shape[1]))
+    low-res logits `[K, m, m]` in that order (what a refinement handle holds). Prompts and
+    masks are in the photo's frame, `original_size` when the pixels are a scaled decode."""
+    hw = original_size or (int(image.shape[0]), int(image.shape[1]))
     features = model.encode(sam2_tf.preprocess_image(image, CONFIG))
     pts = lab = bxs = None
     if points is not None:
@@ -237,7 +244,7 @@ def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
 ) -> None:
     """A device tier of 1.5 entries holds one image (the embedding alone would let six
     fit); with a host tier the evicted image's features come back whole for a click."""
-    device_only = make_server(sam_model=MODEL, enable_swin=False,
+    device_only = make_server(sam_model=MODEL, enable_swin=False, scaled_decode=False,
                               embedding_cache_bytes=3 * ENTRY_BYTES // 2)  # fmt: skip
     with httpx.Client(base_url=device_only.url, timeout=60) as http:
         dog = http.post("/v1/embed", files={"image": ("d.jpg", DOG, "image/jpeg")}).json()
@@ -245,7 +252,7 @@ def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
         r = http.post("/v1/segment", json={"image_id": dog["image_id"],
                       "point_coords": [[400, 250]], "point_labels": [1]})  # fmt: skip
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_image_id"
-    tiered = make_server(sam_model=MODEL, enable_swin=False,
+    tiered = make_server(sam_model=MODEL, enable_swin=False, scaled_decode=False,
                          embedding_cache_bytes=3 * ENTRY_BYTES // 2,
                          embedding_cache_host_bytes=4 * ENTRY_BYTES)  # fmt: skip
     with httpx.Client(base_url=tiered.url, timeout=60) as http:
@@ -307,6 +314,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env.update({
         "SERVE_DEVICE": "cpu", "SERVE_SAM_MODEL": "sam2.1_hiera_t", "SERVE_ENABLE_SWIN": "false",
         "SERVE_HTTP_WORKERS": "1", "SERVE_BATCH_BUCKETS": "[1,2]", "SERVE_LOG_LEVEL": "INFO",
+        "SERVE_SCALED_DECODE": "false",  # the whole decode: `pixels` is the exact reference
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     })  # fmt: skip
     env.update(extra)
@@ -355,3 +363,27 @@ def test_a_wrong_checkpoint_stops_start_up_with_its_message(tmp_path: Path) -> N
     text = log_path.read_text()
     assert "Sam2CheckpointError" in text and str(wrong) in text, text
     assert "Traceback" not in text, text
+
+
+def test_a_photo_larger_than_needed_is_decoded_scaled(model: Sam2) -> None:
+    """By default the frontend decodes a JPEG only as large as SAM 2's square resize
+    needs (both sides at least the input size): the masks are still at the photo's size,
+    and equal the model's on those pixels with the prompts in the photo's frame."""
+    rule = partial(square_min_size, image_size=CONFIG.image_size)
+    scaled = decode_image(DOG, max_pixels=10**8, max_bytes=10**8, min_size=rule)
+    assert scaled.scaled and scaled.pixel_size == (400, 267)
+    settings = small_settings(sam_model=MODEL, enable_swin=False)
+    live = LiveServer(settings).start()
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            click = {"point_coords": [[400, 250]], "point_labels": [1], "multimask_output": True}
+            body = segment(http, DOG, **click)
+    finally:
+        live.stop()
+    assert (body["width"], body["height"]) == (800, 534)
+    masks, scores, _ = reference(
+        model, scaled.pixels, [[400, 250]], [1], multimask=True, original_size=(534, 800)
+    )
+    assert masks.shape[1:] == (534, 800)
+    assert_same_masks(masks_of(body), masks)
+    np.testing.assert_allclose(scores_of(body), scores, atol=1e-4)

@@ -35,7 +35,7 @@ from models.sam.prompts import PromptBatch
 from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
 from models.sam2.mask_decoder import select_masks
-from server.domain import Prompt, PromptMasks
+from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
 from server.engine.stages import DecodeItem, EncodeItem, SamStages, bucket_for, pad_batch
 
@@ -125,31 +125,12 @@ class Sam2Stages(SamStages):
             for k, item in enumerate(items)
         ]
 
-    def _prompt_set(
-        self, prompt: Prompt, entry: ImageEmbedding, mask_input: torch.Tensor | None
-    ) -> PromptSet:
-        """Clip pixel coordinates to the image, then scale x by S / W and y by S / H.
-
-        In float32 and in Meta's order (normalise, then scale: `transforms.scale_points`),
-        on numpy for the reason `SamStages._prompt_set` gives.
-        """
-        height, width = entry.original_size
+    def _to_input_frame(self, xy: np.ndarray, original_size: tuple[int, int]) -> np.ndarray:
+        """x scaled by S / W and y by S / H (the square resize), in float32 and in Meta's
+        order (normalise, then scale: `transforms.scale_points`)."""
+        height, width = original_size
         limit = np.array([width, height], dtype=np.float32)
-        side = np.float32(self.sam2_config.image_size)
-
-        def to_input(xy: np.ndarray) -> np.ndarray:
-            clipped = np.clip(xy.reshape(-1, 2), np.float32(0), limit)
-            return (clipped / limit * side).astype(np.float32)
-
-        box = None
-        if prompt.box is not None:
-            box = to_input(np.asarray(prompt.box, dtype=np.float32)).reshape(4)
-        return PromptSet(
-            points=to_input(np.asarray(prompt.points, dtype=np.float32)),
-            labels=np.asarray(prompt.labels, dtype=np.int64),
-            box=box,
-            mask_input=mask_input,
-        )
+        return (xy / limit * np.float32(self.sam2_config.image_size)).astype(np.float32)
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:

@@ -211,7 +211,7 @@ class SamStages:
 
         def to_input(xy: np.ndarray) -> np.ndarray:
             clipped = np.clip(xy.reshape(-1, 2), np.float32(0), limit)
-            return sam_tf.scale_coords(clipped, entry.original_size, self.config)
+            return self._to_input_frame(clipped, entry.original_size)
 
         box = None
         if prompt.box is not None:
@@ -222,6 +222,11 @@ class SamStages:
             box=box,
             mask_input=mask_input,
         )
+
+    def _to_input_frame(self, xy: np.ndarray, original_size: tuple[int, int]) -> np.ndarray:
+        """`[N, 2]` pixel coordinates of an `(H, W)` image in the model input's frame: SAM
+        scales by the longest side's resize (SAM 2 overrides: its square resize)."""
+        return sam_tf.scale_coords(xy, original_size, self.config)
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:

@@ -17,11 +17,13 @@ from models.sam2 import Sam2Config, load_sam2
 from models.sam2.checkpoint import to_meta_keys
 
 __all__ = [
+    "META_YAML",
     "RELEASED",
     "build_meta",
     "meta_encode",
     "meta_predictor",
     "official_checkpoint",
+    "size_overrides",
 ]
 
 RELEASED = (
@@ -39,8 +41,10 @@ META_YAML = {
 }
 
 
-def _size_overrides(config: Sam2Config) -> list[str]:
-    """Hydra overrides giving Meta's yaml our config's trunk and input size (test config)."""
+def size_overrides(config: Sam2Config) -> list[str]:
+    """Hydra overrides giving Meta's yaml our config's trunk and input size: none for a
+    released size, whose yaml is ours already (tests/models/test_sam2_checkpoint.py); also
+    what the tests build their reference with."""
     if config.name in RELEASED:
         return []
 
@@ -66,7 +70,7 @@ def build_meta(config: Sam2Config, checkpoint: Path | None, device: str) -> Any:
     from sam2.build_sam import build_sam2
 
     path = None if checkpoint is None else str(checkpoint)
-    extra = _size_overrides(config)
+    extra = size_overrides(config)
     return build_sam2(META_YAML[config.name], path, device=device, hydra_overrides_extra=extra)
 
 

@@ -86,6 +86,40 @@ class SynthesisReport:
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def of_run(
+        cls,
+        model: str,
+        options: SynthesisOptions,
+        device: torch.device,
+        steps: int,
+        final_loss: float,
+        measures: dict[str, dict[str, float]],
+        times: tuple[float, float, float, float],
+    ) -> SynthesisReport:
+        """The report of one run (SAM's or SAM 2's): `measures` from `evaluate`, `times`
+        when it started, and finished encoding, training and evaluating."""
+        started, encoded, trained, done = times
+        return cls(
+            model=model,
+            seed=options.seed,
+            steps=steps,
+            batch_size=options.batch_size,
+            crops=options.crops,
+            device=str(device),
+            heldout_iou=measures["iou"],
+            heldout_iou_min=measures["iou_min"],
+            multimask_best_iou=measures["multimask"],
+            multimask_top_exact=measures["exact"],
+            iou_head_error=measures["error"],
+            final_loss=round(final_loss, 5),
+            seconds={
+                "encode": round(encoded - started, 1),
+                "train": round(trained - encoded, 1),
+                "evaluate": round(done - trained, 1),
+            },
+        )
+
 
 def sample_crops(
     photos: Sequence[Tensor], n: int, max_side: int, generator: torch.Generator
@@ -230,25 +264,10 @@ def synthesize(
     del embeddings
     measures = evaluate(model, heldout, options.heldout_prompts, options.seed, device)
     done = time.perf_counter()
-    report = SynthesisReport(
-        model=config.name,
-        seed=options.seed,
-        steps=steps,
-        batch_size=options.batch_size,
-        crops=options.crops,
-        device=str(device),
-        heldout_iou=measures["iou"],
-        heldout_iou_min=measures["iou_min"],
-        multimask_best_iou=measures["multimask"],
-        multimask_top_exact=measures["exact"],
-        iou_head_error=measures["error"],
-        final_loss=round(final_loss, 5),
-        seconds={
-            "encode": round(encoded - started, 1),
-            "train": round(trained - encoded, 1),
-            "evaluate": round(done - trained, 1),
-        },
-    )
+    report = SynthesisReport.of_run(
+        config.name, options, device, steps, final_loss, measures,
+        times=(started, encoded, trained, done),
+    )  # fmt: skip
     return model.cpu().float().eval(), report
 
 
@@ -264,16 +283,23 @@ STATEMENT = (
 )
 
 
+def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's tensors as fp32 copies on the CPU, as a checkpoint holds them."""
+    return {k: v.detach().cpu().float().contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def save_atomically(obj: object, path: Path) -> None:
+    """`torch.save` beside `path`, then renamed: a reader never meets half a file."""
+    partial = path.with_name(path.name + ".part")
+    torch.save(obj, partial)
+    os.replace(partial, path)
+
+
 def save_synthetic(model: Sam, report: SynthesisReport, path: Path) -> Path:
     """Write `model` as Meta's checkpoint format (a plain state dict, Meta's exact keys)
     to `path` (atomically), and its provenance sidecar beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().cpu().float().contiguous().clone() for k, v in model.state_dict().items()
-    }
-    partial = path.with_name(path.name + ".part")
-    torch.save(state, partial)
-    os.replace(partial, path)
+    save_atomically(float_state(model), path)
     write_sidecar(
         path,
         {

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +42,13 @@ from models.sam.shapes import (
     sample_prompts,
     shape_masks,
 )
-from models.sam.synthesize import HeldoutScores, SynthesisReport, sample_crops
+from models.sam.synthesize import (
+    HeldoutScores,
+    SynthesisReport,
+    float_state,
+    sample_crops,
+    save_atomically,
+)
 from models.sam.synthetic_training import (
     TOKEN_SIZES,
     SynthesisOptions,
@@ -198,25 +203,10 @@ def synthesize(
     trained = time.perf_counter()
     measures = evaluate(model, heldout, options.heldout_prompts, options.seed, device)
     done = time.perf_counter()
-    report = SynthesisReport(
-        model=config.name,
-        seed=options.seed,
-        steps=steps,
-        batch_size=options.batch_size,
-        crops=options.crops,
-        device=str(device),
-        heldout_iou=measures["iou"],
-        heldout_iou_min=measures["iou_min"],
-        multimask_best_iou=measures["multimask"],
-        multimask_top_exact=measures["exact"],
-        iou_head_error=measures["error"],
-        final_loss=round(final_loss, 5),
-        seconds={
-            "encode": round(encoded - started, 1),
-            "train": round(trained - encoded, 1),
-            "evaluate": round(done - trained, 1),
-        },
-    )
+    report = SynthesisReport.of_run(
+        config.name, options, device, steps, final_loss, measures,
+        times=(started, encoded, trained, done),
+    )  # fmt: skip
     return model.cpu().float().eval(), report
 
 
@@ -237,12 +227,7 @@ def save_synthetic(model: Sam2, report: SynthesisReport, path: Path) -> Path:
     """Write `model` in Meta's format (`{"model": state_dict}`, Meta's image-path keys) to
     `path` (atomically), and its provenance sidecar beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().cpu().float().contiguous().clone() for k, v in model.state_dict().items()
-    }
-    partial = path.with_name(path.name + ".part")
-    torch.save({"model": to_meta_keys(state)}, partial)
-    os.replace(partial, path)
+    save_atomically({"model": to_meta_keys(float_state(model))}, path)
     write_sidecar(
         path,
         {

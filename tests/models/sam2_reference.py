@@ -14,43 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bench.sam2_meta import META_YAML, size_overrides
 from models.sam2 import Sam2Config
-
-# our config name -> Meta's yaml (the tiny test config borrows hiera_t's)
-META_YAML = {
-    "sam2.1_hiera_tiny": "configs/sam2.1/sam2.1_hiera_t.yaml",
-    "sam2.1_hiera_small": "configs/sam2.1/sam2.1_hiera_s.yaml",
-    "sam2.1_hiera_base_plus": "configs/sam2.1/sam2.1_hiera_b+.yaml",
-    "sam2.1_hiera_large": "configs/sam2.1/sam2.1_hiera_l.yaml",
-    "sam2_test_tiny": "configs/sam2.1/sam2.1_hiera_t.yaml",
-}
-
-
-def _sizes_override(config: Sam2Config) -> list[str]:
-    """Hydra overrides giving Meta's trunk, neck and input size the values of `config`."""
-
-    def seq(values: tuple[int, ...]) -> str:
-        return "[" + ",".join(str(v) for v in values) + "]"
-
-    trunk = "++model.image_encoder.trunk"
-    return [
-        f"{trunk}.embed_dim={config.embed_dim}",
-        f"{trunk}.num_heads={config.num_heads}",
-        f"{trunk}.stages={seq(config.stages)}",
-        f"{trunk}.global_att_blocks={seq(config.global_att_blocks)}",
-        f"{trunk}.window_spec={seq(config.window_spec)}",
-        f"{trunk}.window_pos_embed_bkg_spatial_size="
-        f"{seq(config.window_pos_embed_bkg_spatial_size)}",
-        f"++model.image_encoder.neck.backbone_channel_list={seq(config.backbone_channel_list)}",
-        f"++model.image_size={config.image_size}",
-    ]
 
 
 def build_reference_sam2(config: Sam2Config, *, override_sizes: bool, device: str = "cpu") -> Any:
     """Meta's `SAM2Base` in eval mode; `override_sizes=False` takes the yaml as shipped."""
     from sam2.build_sam import build_sam2
 
-    extra = _sizes_override(config) if override_sizes else []
+    extra = size_overrides(config) if override_sizes else []
     return build_sam2(META_YAML[config.name], None, device=device, hydra_overrides_extra=extra)
 
 

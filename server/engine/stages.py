@@ -121,10 +121,10 @@ def _prepare(
     its CUDA graph. Eager code needs none of it (the warm-up's batch is the check)."""
     if not (compiled or graphed.enabled):
         return
-    example = torch.zeros(shape, device=device, dtype=dtype)
+    if isinstance(graphed.fn, AotBuckets):  # exported from a plain tensor, as it was built
+        with torch.inference_mode():
+            graphed.fn.prepare(torch.zeros(shape, device=device, dtype=dtype))
     with torch.inference_mode():
-        if isinstance(graphed.fn, AotBuckets):
-            graphed.fn.prepare(example)
         # made in inference mode, as every served batch is: dynamo's guards tell the two
         # apart, so a plain example compiled a graph no batch used (uncaptured, twice)
         graphed.capture(torch.zeros(shape, device=device, dtype=dtype))

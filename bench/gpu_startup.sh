@@ -6,7 +6,8 @@
 # Each phase has a timeout so the whole run fits in about 7 minutes; a phase cut short
 # says so in $OUT/summary.txt, and the logs say how far it got (start-up n of m lines).
 #
-#   OUT=/tmp/out bash bench/gpu_startup.sh          (EXTRA_ENV="SERVE_X=y ..." to vary)
+#   OUT=/tmp/out bash bench/gpu_startup.sh          (EXTRA_ENV="SERVE_X=y ..." to vary;
+#   DUMPS=1 samples the engine's stacks with py-spy during the first warm start)
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH.
 set -uo pipefail
@@ -24,10 +25,25 @@ SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$C
   echo "cold: python -m server compile rc=$rc (124: cut at ${COMPILE_TIMEOUT:-330} s) in $(( ($(date +%s%N) - started) / 1000000 )) ms"
   grep -o '"message": "start-up [^"]*"' "$OUT/compile.log" | tail -1
   grep -c '"message": "AOT [^"]*: built in' "$OUT/compile.log" | sed 's/^/AOT packages built: /'
+  dump_engine() {  # DUMPS=1: the engine's native + Python stacks at a few moments of a start
+    local sup engine
+    for t in 3 3 3 3 4 4 5 5 10 10; do
+      sleep "$t"
+      sup=$(pgrep -f -- "-m server --port" | head -1)
+      [ -n "$sup" ] || continue
+      engine=$(ps --ppid "$sup" -o pid=,rss= --sort=-rss | head -1 | awk '{print $1}')
+      [ -n "$engine" ] || continue
+      echo "=== engine $engine at $(date +%T); its child processes:"
+      ps --ppid "$engine" -o pid=,etimes=,args= | cut -c1-400
+      # the start-up steps run on the encoder's worker thread: its whole stack
+      py-spy dump --native --pid "$engine" 2>&1 | awk '/^Thread/ {show = /gpu-sam_encoder/} show' | head -120
+    done > "$OUT/engine_dumps.txt" 2>&1
+  }
   for run in 1 2; do
+    [ -z "${DUMPS:-}" ] || [ "$run" != 1 ] || dump_engine &
     timeout 200 python3 -m bench.startup --timeout "${WARM_TIMEOUT:-120}" --log "$OUT/warm$run.log" \
       --env "${SERVER_ENV[@]}" 2>&1 | tail -1 | sed "s/^/warm start $run: /"
-    grep -o '"message": "[^"]*"' "$OUT/warm$run.log" | grep -E "AOT|start-up|warmed|ready" | head -40
+    grep -o '"message": "[^"]*"' "$OUT/warm$run.log" | grep -E "AOT|start-up|warmed|ready|engine:|captured" | head -60
   done
   du -sh "$CACHE"/aot
 } 2>&1 | tee "$OUT/summary.txt"

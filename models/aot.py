@@ -120,9 +120,31 @@ def _share_cxx_runtime() -> None:
 
 
 def load_package(package: Path) -> Callable[..., Tensor]:
-    """`aoti_load_package`, after making the C++ runtime one for the package and torch."""
+    """The package's runner, after making the C++ runtime one for the package and torch.
+
+    torch's C++ loader directly, not `aoti_load_package`: that one first compares the
+    package's recorded machine with this one, and finding this CPU's vector ISA means
+    compiling and loading a test library per ISA, each loaded in a new Python process that
+    imports torch: 40 to 49 s of a warm start on the H100 machine, where the load itself
+    took 0.15 s (bench/aot_load.py, py-spy in bench/gpu_startup.sh; issue 21). The store's
+    key names the device already, so a package for another machine is never loaded.
+
+    Single-threaded: the default runner synchronises between runs, which invalidated a
+    CUDA graph's capture (issue 21); without it one replay of the captured package matched
+    the package run directly exactly, 4.1 against 4.4 ms for one SAM image on an H100.
+    A stage calls its package from its one worker thread only.
+    """
+    from torch._inductor.package.package import AOTICompiledModel
+
     _share_cxx_runtime()
-    return torch._inductor.aoti_load_package(str(package))  # type: ignore[no-any-return]
+    runner = torch._C._aoti.AOTIModelPackageLoader(  # type: ignore[attr-defined]
+        str(package),
+        "model",
+        True,
+        1,
+        -1,  # model name, single-threaded, runners, device
+    )
+    return AOTICompiledModel(runner)  # type: ignore[no-any-return]
 
 
 MAX_BATCH = 256  # the largest batch a package accepts (the settings' own limit)
@@ -192,8 +214,14 @@ class AotStore:
         torch._inductor.aoti_compile_and_package(
             exported,
             package_path=str(partial),
-            # the wrapper only launches kernels: optimising its C++ cost build time, not speed
-            inductor_configs={"aot_inductor.compile_wrapper_opt_level": "O0"},
+            inductor_configs={
+                # the wrapper only launches kernels: optimising its C++ costs build time
+                "aot_inductor.compile_wrapper_opt_level": "O0",
+                # and a GPU package's CPU code is that wrapper: trust the CPU's flags rather
+                # than compile and load a test library per vector ISA, each in a new Python
+                # process importing torch (tens of seconds on the H100 machine; load_package)
+                **({"cpp.vec_isa_ok": True} if example.device.type == "cuda" else {}),
+            },
         )
         os.replace(partial, package)
         manifest = package.with_suffix(".json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -61,9 +62,8 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # the windows gain too (321 vs 306 img/s at batch 8 on an H100, docs/BENCHMARKS.md)
         window_attention="triton" if attention == "triton" else "sdpa",
         compile_mode=compile_mode,
-        # An AOT package launches its kernels from C++ already, and AOTInductor's runner
-        # does not survive stream capture (capture invalidated on an H100, issue 21).
-        cuda_graphs=settings.cuda_graphs and cuda and compile_mode not in ("none", "aot"),
+        # eager code is not graphed; AOT packages are (loaded single-threaded, models.aot)
+        cuda_graphs=settings.cuda_graphs and cuda and compile_mode != "none",
     )
 
 
@@ -76,8 +76,12 @@ def use_compile_cache(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
-    torch._inductor.config.fx_graph_cache = True
-    torch._inductor.config.autotune_local_cache = True
+    # FX-graph and local autotune caches are on by default; a variable, not inductor's
+    # config, while inductor is not imported: importing it here cost a warm AOT start
+    # seconds on the GPU machine, and loading a package does not need all of it
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    if "torch._inductor.config" in sys.modules:
+        torch._inductor.config.fx_graph_cache = True
 
 
 def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:

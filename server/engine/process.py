@@ -60,7 +60,7 @@ from server.messages import (
     load,
 )
 from server.metrics import Metrics
-from server.progress import StartupProgress
+from server.progress import StartupProgress, process_started
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,10 @@ class EngineServer:
             engine = Engine(settings, metrics)
             self.engine = engine
             self.pixels = PixelMaps(engine.device, self._release_soon)
+            # before the first step: the interpreter, torch's imports and the device's
+            # initialisation, which a GPU machine's warm start spent seconds on (issue 21)
+            log.info("engine: imports and %s ready (%.1fs since process start)",
+                     engine.device, time.time() - process_started())  # fmt: skip
             metrics.track_engine(self.pixels.held_bytes)
             plan = engine.load_steps() + (engine.warm_steps() if settings.warmup else [])
             labels = [label for label, _ in plan]

@@ -168,9 +168,11 @@ class Engine:
         every = mode != "none" or self.options.cuda_graphs
         aot = "loading (or building) the AOT package of"
         doing = {"none": "checking", "aot": aot}.get(mode, "compiling")
-        # in aot mode the decoder is compiled on a GPU and eager on the CPU (SamStages)
-        decoder_eager = mode == "none" or (mode == "aot" and self.device.type != "cuda")
-        decoder_doing = "checking" if decoder_eager else "compiling"
+        # in aot mode the decoder is eager, replayed from CUDA graphs on a GPU (SamStages)
+        decoder_eager = mode == "none" or (mode == "aot" and not self.options.cuda_graphs)
+        decoder_doing = {"none": "checking", "aot": "capturing the CUDA graphs of"}.get(
+            "none" if decoder_eager else mode, "compiling"
+        )
 
         def warmed(buckets: list[int], eager: bool = not every) -> list[int]:
             return buckets[:1] if eager else buckets

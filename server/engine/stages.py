@@ -163,9 +163,10 @@ class SamStages:
         self.encoder_compiled = options.compile_mode != "none"
         decoder_mode = options.compile_mode
         if decoder_mode == "aot":
-            # Prompt sets vary in number and length: no static package fits. Compiled as
-            # before on a GPU (the inductor cache in the same folder), eager on the CPU.
-            decoder_mode = "default" if device.type == "cuda" else "none"
+            # Prompt sets vary in number and length: no one static package fits. Eager, and
+            # on a GPU replayed from the CUDA graphs below: capturing them takes a second
+            # where torch.compile took 30 to 60 s even from a warm cache (issue 21).
+            decoder_mode = "none"
         self.compiled = decoder_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None  # the warm-up's, for the decoder's
         self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)  # type: ignore[arg-type]
@@ -173,7 +174,7 @@ class SamStages:
         # batches (segment everything's) run the compiled decoder
         graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS] or [1]
         self._graphs: DecoderGraphs | None = None
-        if decoder_graphs and options.cuda_graphs and self.compiled and device.type == "cuda":
+        if decoder_graphs and options.cuda_graphs and device.type == "cuda":
             self._graphs = DecoderGraphs(
                 self._decode_unpadded_tokens,
                 embedding_shape=(config.prompt_embed_dim, *(config.embedding_size,) * 2),
@@ -248,7 +249,9 @@ class SamStages:
         self, embeddings: list[torch.Tensor], sets: list[PromptSet]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Set p against embedding p: float32 low-res logits `[P, 4, 4h, 4w]`, IoU `[P, 4]`."""
-        mask_size = 4 * self.config.embedding_size if self.compiled else None
+        # compiled code and graphs see one shape: the mask input always present, padded
+        fixed = self.compiled or self._graphs is not None
+        mask_size = 4 * self.config.embedding_size if fixed else None
         # no image_index: row p of the stack is set p's embedding, not gathered again
         prompts = pack_prompts(sets, None, self.device, mask_size)
         if self._graphs is not None:

@@ -16,6 +16,15 @@ Then a profiler table of one batch (host ops and kernels, and the number of kern
 launches), so the fix can be aimed.
 
     python -m bench.decoder_batch --images .benchdata/images --sizes 1 8 16
+
+SAM 2.1 (`--model`, any SERVE_SAM_MODEL) runs the same batches through `Sam2Stages`, whose
+decoder reads the embedding and two high-resolution maps per click; `decoder_ms` (CUDA
+graphs, issue 24) against `decoder_no_graph_ms` (the compiled decoder) and their max abs
+difference are the columns to read. `--points` clicks per prompt pads the tokens to a
+bucket (2 points: 3 tokens in the graphs' 4).
+
+    python -m bench.decoder_batch --model sam2.1_hiera_b+ --sizes 1 8 32 --iters 20
+    SERVE_DEVICE=cpu python -m bench.decoder_batch --model sam2_test_tiny --sizes 1 2 --iters 2
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ import torch
 
 from bench.common import DEFAULT_IMAGES, environment, print_table
 from models.optimize import EAGER_ON_RECOMPILE
+from models.sam import PromptSet
 from server.domain import Prompt
 from server.engine.runs import mask_runs
+from server.engine.sam2_stages import Sam2Stages
 from server.engine.services import Engine
-from server.engine.stages import DecodeItem, EncodeItem
+from server.engine.stages import DecodeItem, EncodeItem, SamStages
 from server.http.imaging import decode_image
 from server.metrics import Metrics
 from server.settings import Settings
@@ -56,6 +67,23 @@ def _median_ms(fn: Callable[[], object], iters: int) -> float:
         _sync()
         times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times)
+
+
+Rows = tuple[list[torch.Tensor], ...]  # one list per image input, one row per click
+
+
+def _decoder(stages: SamStages) -> Callable[[Rows, list[PromptSet]], tuple[torch.Tensor, ...]]:
+    """The stages' decoder call (graphs where they fit, else the compiled decoder): SAM's
+    over the embeddings, SAM 2's over the embeddings and both high-res maps."""
+    sam2 = stages if isinstance(stages, Sam2Stages) else None
+
+    def run(rows: Rows, sets: list[PromptSet]) -> tuple[torch.Tensor, ...]:
+        if sam2 is not None:
+            embeds, s0, s1 = rows
+            return sam2._run_sam2_decoder(embeds, s0, s1, sets)
+        return stages._run_decoder(rows[0], sets)
+
+    return run
 
 
 class _Spinner:
@@ -84,11 +112,13 @@ def main() -> None:
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--model", default=None, help="SERVE_SAM_MODEL (default: the settings')")
+    p.add_argument("--points", type=int, default=1, help="clicks per prompt")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()
     env = environment()
     print(env, flush=True)
-    settings = Settings(enable_swin=False)
+    settings = Settings(enable_swin=False, **({"sam_model": args.model} if args.model else {}))
     engine = Engine(settings, Metrics())
     asyncio.run(engine.load())
     asyncio.run(engine.warmup())
@@ -111,28 +141,32 @@ def main() -> None:
         for k in range(n):
             e = entries[k % len(entries)]
             h, w = e.original_size
-            point = (w * (0.3 + 0.4 * k / n_max), h * 0.5)
-            out.append(DecodeItem(e, (Prompt(points=(point,), labels=(1,)),), multimask=True))
+            points = tuple(
+                (w * (0.3 + 0.4 * k / n_max), h * (0.5 - 0.1 * j)) for j in range(args.points)
+            )
+            prompt = Prompt(points=points, labels=(1,) * args.points)
+            out.append(DecodeItem(e, (prompt,), multimask=True))
         return out
 
     rows = []
+    run_decoder = _decoder(stages)
     with EAGER_ON_RECOMPILE.hold(), torch.inference_mode():
         for n in args.sizes:
             items = clicks(n)
-            embeddings = [i.embedding.embedding for i in items]
+            features: Rows = tuple(
+                list(t) for t in zip(*(i.embedding.tensors for i in items), strict=True)
+            )
             sets = [stages._prompt_set(i.prompts[0], i.embedding, None) for i in items]
             for _ in range(3):
                 stages.decode(items)
             whole = _median_ms(lambda items=items: stages.decode(items), args.iters)
-            low_res, iou = stages._run_decoder(embeddings, sets)
-            decoder = _median_ms(lambda e=embeddings, s=sets: stages._run_decoder(e, s), args.iters)
+            low_res, iou = run_decoder(features, sets)
+            decoder = _median_ms(lambda f=features, s=sets: run_decoder(f, s), args.iters)
             # the same batch without the decoder's CUDA graphs (the compiled decoder alone),
             # and how far the graphs' answer is from it
             graphs, stages._graphs = stages._graphs, None
-            compiled_ms = _median_ms(
-                lambda e=embeddings, s=sets: stages._run_decoder(e, s), args.iters
-            )
-            plain_low_res, plain_iou = stages._run_decoder(embeddings, sets)
+            compiled_ms = _median_ms(lambda f=features, s=sets: run_decoder(f, s), args.iters)
+            plain_low_res, plain_iou = run_decoder(features, sets)
             stages._graphs = graphs
             graph_diff = max(
                 (low_res - plain_low_res).abs().max().item(), (iou - plain_iou).abs().max().item()
@@ -153,6 +187,7 @@ def main() -> None:
                 contended = _median_ms(lambda items=items: stages.decode(items), args.iters)
             rows.append(
                 {
+                    "model": settings.sam_model,
                     "clicks": n,
                     "batch_ms": whole,
                     "decoder_ms": decoder,

@@ -1,4 +1,5 @@
-"""CUDA graphs of SAM's compiled mask decoder, one per (prompt sets, tokens) bucket.
+"""CUDA graphs of a compiled mask decoder (SAM's, SAM 2's), one per (prompt sets, tokens)
+bucket.
 
 Why: a decoder batch is small GPU work (a few hundred microseconds for eight clicks on an
 H100) behind hundreds of kernel launches and the compiled function's guards, which took
@@ -12,6 +13,10 @@ T tokens up to the next token bucket (the extra tokens are flagged invalid, so a
 masks them out exactly as it does the padding `pack_prompts` already adds). A batch no
 graph fits (more sets or tokens than any bucket) returns None: the caller runs the
 compiled decoder as before.
+
+The decoder takes one row per prompt set of each of its image inputs: SAM's embedding
+alone, or SAM 2's embedding and its two high-resolution feature maps. Each input has its
+own static buffer; the decoder is called as `decode(*inputs, prompts)`.
 
 With `graphs=False` (the CPU) the same buffers are filled and the decoder is called on
 them directly: the copying and padding that a replay depends on are what the CPU tests
@@ -39,7 +44,8 @@ log = logging.getLogger(__name__)
 # box and a click; 8: up to seven clicks. Longer prompt lists run the compiled decoder.
 TOKEN_BUCKETS = (2, 4, 8)
 
-Decode = Callable[[Tensor, PromptBatch], tuple[Tensor, Tensor]]
+# decode(*inputs, prompts): one `[P, ...]` tensor per image input, then the prompts
+Decode = Callable[..., tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -50,7 +56,8 @@ class _Captured:
 
 
 class DecoderGraphs:
-    """Static buffers for the largest bucket, and one graph per (sets, tokens) bucket.
+    """Static buffers for the largest bucket (one per image input, and the prompts'), and
+    one graph per (sets, tokens) bucket.
 
     The buffers are shared by every graph: a bucket of P sets uses their first P rows (a
     contiguous slice, the same strides a fresh tensor would have). Graphs replay one at a
@@ -61,7 +68,8 @@ class DecoderGraphs:
         self,
         decode: Decode,
         *,
-        embedding_shape: tuple[int, int, int],
+        embedding_shape: tuple[int, int, int] | None = None,
+        input_shapes: Sequence[tuple[int, ...]] | None = None,
         mask_size: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -69,6 +77,13 @@ class DecoderGraphs:
         token_buckets: Sequence[int] = TOKEN_BUCKETS,
         graphs: bool = True,
     ) -> None:
+        """`input_shapes`: one row's shape of each image input, in `decode`'s order;
+        `embedding_shape` says the same of a decoder with the embedding alone (SAM's)."""
+        if (embedding_shape is None) == (input_shapes is None):
+            raise ValueError("DecoderGraphs needs embedding_shape or input_shapes (one of them)")
+        shapes = [embedding_shape] if embedding_shape is not None else list(input_shapes or ())
+        if not shapes:
+            raise ValueError("DecoderGraphs needs at least one image input")
         if not set_buckets:
             raise ValueError("DecoderGraphs needs at least one set bucket")
         self.decode = decode
@@ -80,7 +95,9 @@ class DecoderGraphs:
         self._captured: dict[tuple[int, int], _Captured] = {}
         rows = self.set_buckets[-1]
         with torch.inference_mode():  # as served: dynamo's guards tell the two apart
-            self._embeddings = torch.zeros((rows, *embedding_shape), dtype=dtype, device=device)
+            self._images = tuple(
+                torch.zeros((rows, *shape), dtype=dtype, device=device) for shape in shapes
+            )
             self._mask = torch.zeros((rows, 1, mask_size, mask_size), device=device)
             self._has_mask = torch.zeros(rows, dtype=torch.bool, device=device)
             self._tokens = {t: self._token_buffers(rows, t) for t in self.token_buckets}
@@ -103,9 +120,9 @@ class DecoderGraphs:
     def captured(self) -> list[tuple[int, int]]:
         return sorted(self._captured)
 
-    def _inputs(self, sets: int, tokens: int) -> tuple[Tensor, PromptBatch]:
+    def _inputs(self, sets: int, tokens: int) -> tuple[tuple[Tensor, ...], PromptBatch]:
         points, labels, valid = self._tokens[tokens]
-        return self._embeddings[:sets], PromptBatch(
+        return tuple(buffer[:sets] for buffer in self._images), PromptBatch(
             image_index=None,
             points=points[:sets],
             point_labels=labels[:sets],
@@ -124,36 +141,49 @@ class DecoderGraphs:
             raise ValueError(f"{sets} is not a set bucket {self.set_buckets}")
         started = time.perf_counter()
         for tokens in self.token_buckets:
-            embeddings, prompts = self._inputs(sets, tokens)
+            inputs, prompts = self._inputs(sets, tokens)
             if not self.graphs:
-                low_res, iou = self.decode(embeddings, prompts)
+                low_res, iou = self.decode(*inputs, prompts)
                 self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
                 continue
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(warmup_runs):
-                    self.decode(embeddings, prompts)
+                    self.decode(*inputs, prompts)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                low_res, iou = self.decode(embeddings, prompts)
+                low_res, iou = self.decode(*inputs, prompts)
             self._captured[(sets, tokens)] = _Captured(graph, low_res, iou)
         return time.perf_counter() - started
 
     def run(
         self, embeddings: Sequence[Tensor], prompts: PromptBatch
     ) -> tuple[Tensor, Tensor] | None:
-        """Decode set p against `embeddings[p]` through a graph: low-res logits `[P, 4, m, m]`
-        and IoU `[P, 4]` (fresh tensors, not the graph's), or None when none fits."""
+        """Decode set p against `embeddings[p]` (a decoder of one image input: SAM's); see
+        `run_inputs`."""
+        return self.run_inputs((embeddings,), prompts)
+
+    def run_inputs(
+        self, inputs: Sequence[Sequence[Tensor]], prompts: PromptBatch
+    ) -> tuple[Tensor, Tensor] | None:
+        """Decode set p against row p of every image input (`inputs[i][p]`, one sequence
+        per input in `decode`'s order) through a graph: low-res logits `[P, 4, m, m]` and
+        IoU `[P, 4]` (fresh tensors, not the graph's), or None when none fits."""
+        if len(inputs) != len(self._images):
+            raise ValueError(f"{len(inputs)} image inputs for a decoder of {len(self._images)}")
         sets, tokens = prompts.points.shape[:2]
         key = self.bucket(sets, tokens)
         if key is None or key not in self._captured or prompts.image_index is not None:
             return None
         if prompts.mask_input is None or prompts.has_mask_input is None:
             raise ValueError("a graphed decoder needs the mask input always present")
+        for rows, buffer in zip(inputs, self._images, strict=True):
+            if len(rows) != sets:
+                raise ValueError(f"{len(rows)} rows of an image input for {sets} prompt sets")
+            torch.stack(list(rows), out=buffer[:sets])
         points, labels, valid = self._tokens[key[1]]
-        torch.stack(list(embeddings), out=self._embeddings[:sets])
         points[:sets, :tokens].copy_(prompts.points)
         labels[:sets, :tokens].copy_(prompts.point_labels)
         valid[:sets, :tokens].copy_(prompts.token_valid)
@@ -168,7 +198,8 @@ class DecoderGraphs:
             captured.graph.replay()
             low_res, iou = captured.low_res, captured.iou
         else:
-            low_res, iou = self.decode(*self._inputs(*key))
+            images, padded = self._inputs(*key)
+            low_res, iou = self.decode(*images, padded)
         # copies: the next replay overwrites the graph's outputs
         return _fresh_float(low_res[:sets]), _fresh_float(iou[:sets])
 

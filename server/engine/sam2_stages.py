@@ -12,8 +12,13 @@ What differs from SAM, and only that, is here:
 - the low-res logits kept for a refinement handle are clamped to [-32, 32], as Meta's
   predictor returns them for its next round's `mask_input`.
 
-The score sort, the upscaling in slices, the RLE runs on the device and the warm-up are
-`SamStages`' own. `SamStages.__init__` is not called: it builds SAM's encoder and decoder.
+The decoder replays CUDA graphs per (prompt sets, tokens) bucket as SAM's does
+(`DecoderGraphs`, with three image inputs: the embedding, s0 and s1), the stability
+fallback and the multimask columns inside the captured function.
+
+The score sort, the upscaling in slices, the RLE runs on the device and the warm-up (which
+captures the decoder's graphs) are `SamStages`' own. `SamStages.__init__` is not called: it
+builds SAM's encoder and decoder.
 """
 
 from __future__ import annotations
@@ -31,13 +36,21 @@ from models.fidelity import FidelityPrompt, SamOutputs
 from models.images import as_pixel_tensor, nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, pack_prompts
+from models.sam.decoder_graphs import DecoderGraphs
 from models.sam.prompts import PromptBatch
 from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
 from models.sam2.mask_decoder import select_masks
 from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.engine.stages import DecodeItem, EncodeItem, SamStages, bucket_for, pad_batch
+from server.engine.stages import (
+    GRAPHED_SETS,
+    DecodeItem,
+    EncodeItem,
+    SamStages,
+    bucket_for,
+    pad_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,7 @@ class Sam2Stages(SamStages):
         decoder_buckets: Sequence[int],
         rle_on_device: bool = False,
         work_bytes: int = 256 * 1024**2,
+        decoder_graphs: bool = True,
     ) -> None:
         self.sam2 = model
         self.sam2_config = model.config
@@ -80,8 +94,28 @@ class Sam2Stages(SamStages):
         self.encoder_compiled = options.compile_mode != "none"
         self.compiled = options.compile_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None
-        self._graphs = None  # SAM's decoder graphs (SamStages.warm_decoder reads it): none yet
         self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
+        # as SamStages: graphs of the compiled decoder on CUDA (SamStages.warm_decoder
+        # captures them); larger batches and other devices run the compiled decoder
+        self._graphs: DecoderGraphs | None = None
+        if decoder_graphs and options.cuda_graphs and self.compiled and device.type == "cuda":
+            self._graphs = self.decoder_graphs()
+
+    def decoder_graphs(self, graphs: bool = True) -> DecoderGraphs:
+        """The decoder's graph buffers, for sets up to GRAPHED_SETS: the embedding, s0 and s1
+        rows `[D, h, w]`, `[D/8, 4h, 4w]`, `[D/4, 2h, 2w]`. `graphs=False` (and any device
+        but CUDA) fills the same buffers and calls the decoder on them (the CPU tests')."""
+        cfg = self.sam2_config
+        d, h = cfg.d_model, cfg.embedding_size
+        return DecoderGraphs(
+            self._decode_features,
+            input_shapes=[(d, h, h), (d // 8, 4 * h, 4 * h), (d // 4, 2 * h, 2 * h)],
+            mask_size=cfg.mask_input_size,
+            dtype=self.dtype,
+            device=self.device,
+            set_buckets=[b for b in self.decoder_buckets if b <= GRAPHED_SETS] or [1],
+            graphs=graphs,
+        )
 
     def _encode_tensors(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`[B, 3, S, S]` -> embedding `[B, D, h, w]`, s0 `[B, D/8, 4h, 4w]`,
@@ -154,12 +188,21 @@ class Sam2Stages(SamStages):
         """float32 low-res logits `[P, 4, 4h, 4w]` and IoU `[P, 4]` of set p on row p."""
         mask_size = self.sam2_config.mask_input_size if self.compiled else None
         prompts = pack_prompts(sets, None, self.device, mask_size)
-        # as SamStages._run_decoder: no duck shaping, so P == T is not a graph of its own
-        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            low_res, iou = self._decode_sets(
-                torch.stack(embeds), torch.stack(s0), torch.stack(s1), prompts
-            )
+        if self._graphs is not None:
+            graphed = self._graphs.run_inputs((embeds, s0, s1), prompts)
+            if graphed is not None:
+                return graphed
+        low_res, iou = self._decode_features(
+            torch.stack(embeds), torch.stack(s0), torch.stack(s1), prompts
+        )
         return low_res.float(), iou.float()
+
+    def _decode_features(
+        self, embed: Tensor, s0: Tensor, s1: Tensor, prompts: PromptBatch
+    ) -> tuple[Tensor, Tensor]:
+        # as SamStages._decode_unpadded_tokens: no duck shaping, so P == T is not a graph of its own
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            return self._decode_sets(embed, s0, s1, prompts)  # type: ignore[return-value]
 
     def _full_size_masks(
         self, low_res: torch.Tensor, input_size: tuple[int, int], size: tuple[int, int]

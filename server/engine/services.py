@@ -305,7 +305,7 @@ class Engine:
         stages = Sam2Stages(
             model, self.device, opts, encoder_buckets,
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
-            work_bytes=s.everything_work_bytes,
+            work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")

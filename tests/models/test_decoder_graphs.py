@@ -97,3 +97,40 @@ def test_the_graphs_need_the_mask_input_always_present(graphs, embeddings) -> No
     bare = pack_prompts(_sets(2, 8), None, "cpu")
     with torch.inference_mode(), pytest.raises(ValueError, match="mask input"):
         graphs.run([embeddings[0]] * 2, bare)
+
+
+def test_one_image_input_is_the_embedding_alone(tiny_sam, graphs, embeddings) -> None:
+    # SAM's `run(embeddings)` is `run_inputs((embeddings,))`; SAM 2's three inputs are
+    # tests/server/test_sam2_decoder_graphs.py's
+    sets = _sets(3, 9, points=2)
+    prompts = pack_prompts(sets, None, "cpu", mask_size=64)
+    rows = [embeddings[k % 2] for k in range(3)]
+    with torch.inference_mode():
+        one = graphs.run(rows, prompts)
+        inputs = graphs.run_inputs((rows,), prompts)
+    assert one is not None and inputs is not None
+    assert all(torch.equal(a, b) for a, b in zip(one, inputs, strict=True))
+
+
+def test_inputs_that_do_not_match_the_buffers_are_refused(graphs, embeddings) -> None:
+    prompts = pack_prompts(_sets(2, 10), None, "cpu", mask_size=64)
+    rows = [embeddings[0]] * 2
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="2 image inputs for a decoder of 1"):
+            graphs.run_inputs((rows, rows), prompts)
+        with pytest.raises(ValueError, match="3 rows of an image input for 2 prompt sets"):
+            graphs.run([embeddings[0]] * 3, prompts)
+
+
+def test_the_image_inputs_are_named_one_way(tiny_sam: Sam) -> None:
+    common = {
+        "mask_size": 64,
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+        "set_buckets": [1],
+    }
+    for shapes in ({}, {"embedding_shape": (256, 16, 16), "input_shapes": [(256, 16, 16)]}):
+        with pytest.raises(ValueError, match="embedding_shape or input_shapes"):
+            DecoderGraphs(tiny_sam.decode, **shapes, **common)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one image input"):
+        DecoderGraphs(tiny_sam.decode, input_shapes=[], **common)  # type: ignore[arg-type]

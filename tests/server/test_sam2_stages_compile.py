@@ -30,9 +30,11 @@ def _stages() -> Sam2Stages:
     return Sam2Stages(model, torch.device("cpu"), OptimizeOptions(), [1, 2], BUCKETS)
 
 
-def traced_stages(graphs: dict[str, list[object]]) -> Sam2Stages:
+def traced_stages(graphs: dict[str, list[object]], decoder_graphs: bool = False) -> Sam2Stages:
     """Stages warmed as on CUDA (every bucket, every decoder form, a mask input always),
-    their two functions traced whole by dynamo; `graphs` collects what each traced."""
+    their two functions traced whole by dynamo; `graphs` collects what each traced. With
+    `decoder_graphs`, the decoder's graph buffers too (filled and decoded as a capture
+    would, `DecoderGraphs(graphs=False)`)."""
     stages = _stages()
 
     def compiled(fn: Callable[..., object], name: str) -> Callable[..., object]:
@@ -46,6 +48,8 @@ def traced_stages(graphs: dict[str, list[object]]) -> Sam2Stages:
     stages._encode = GraphedBuckets(encode, enabled=False)  # type: ignore[arg-type]
     stages._decode_sets = compiled(stages._decode_tensors, "decoder")  # type: ignore[assignment]
     stages.encoder_compiled = stages.compiled = True
+    if decoder_graphs:
+        stages._graphs = stages.decoder_graphs(graphs=False)
     stages.warmup()
     return stages
 

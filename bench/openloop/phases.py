@@ -11,7 +11,8 @@ Nested, as the server measures them (each holds the ones below it):
       frontend       the request reaching the app until the response body was built
         parse_and_decode, mask_encode, frontend_other (middleware, routing, the rest)
         engine_rpc   the engine call as the route waited for it
-          rpc_loop   the frontend's event loop getting to the call and to its reply
+          rpc_loop   the frontend around the call: its event loop getting to the call
+                     and to its reply, the pixels' reference
           engine_wire  the call pickled, sent, answered, its reply read
             rpc_transport  pickling and zmq both ways: engine_wire - engine
             engine   the engine process's time for the call (when its reply says)

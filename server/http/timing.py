@@ -9,8 +9,9 @@ latency went at every hop (issue 19). All in ms, each an interval inside the one
   client until the route runs again with the result. Beside it in the frontend are
   `parse_and_decode` and `mask_encode`.
 - `engine_wire`: the engine client's part of that: from pickling the call until its reply
-  was read off the socket. `engine_rpc - engine_wire` is the frontend's event loop getting
-  round to the call and to the reply (a busy loop shows here).
+  was read off the socket. `engine_rpc - engine_wire` is the frontend around the call: the
+  pixels' shared-memory reference, and its event loop getting round to the call and to the
+  reply (a busy loop shows here).
 - `engine`: the engine process's time for the call, from receiving it to its reply being
   ready, when the engine's reply carries it (`Reply.timing_ms`). `engine_wire - engine` is
   pickling and zmq both ways; `engine` minus the engine's phases (`encode`, `decode`,

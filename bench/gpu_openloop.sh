@@ -8,7 +8,10 @@
 #   mix       segment=150, click=1000, classify=500 at once
 # SECONDS_PER_RATE (10) measured after WARMUP (2) per rate. Rows go to
 # $OUT/openloop_<kind>.json and, as tables, to $OUT/openloop.txt; the server's log, its
-# /metrics after the run and nvidia-smi beside them. About 3 minutes of load after start-up
+# /metrics after the run and nvidia-smi beside them. Where the time went: each load's second
+# table in openloop.txt (p50/p99 ms per hop: client lag, HTTP, frontend, engine call, engine,
+# its phases; bench/openloop/phases.py) and `phases_ms` in each JSON row. Clicks alone:
+#   WEIGHTS=synthetic SEGMENT_RATES= CLASSIFY_RATES= MIX= CLICK_RATES=100 bash bench/gpu_openloop.sh About 3 minutes of load after start-up
 # (a cold start compiles: the whole run stays under 8 minutes while start-up takes < 5).
 #
 #   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_openloop.sh

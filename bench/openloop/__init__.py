@@ -11,4 +11,5 @@ omission, the failure of closed-loop tools, cannot happen).
     kinds.py     the request of each kind: segment, click, classify
     worker.py    one client process (asyncio + httpx) and the processes of one step
     report.py    exact percentiles over every process's raw latencies, the table, the JSON
+    phases.py    where each 200's latency went, hop by hop, from its `timing_ms`
 """

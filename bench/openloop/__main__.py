@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if pool is not None:
             pool.close()
             pool.join()
-    sys.stdout.write(report.table(rows))
+    sys.stdout.write(report.table(rows) + "\n" + report.phase_table(rows))
     if args.json is not None:
         report.write_json(args.json, run, rows)
     return 0

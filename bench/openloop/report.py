@@ -10,7 +10,10 @@ Per (step, kind), over the measured window [warm-up, warm-up + seconds) of sched
 - mean_bytes: mean response body of the 200s;
 - lag_p99_ms: how long requests waited in the client before going out on a connection
   (p99): a busy event loop, or every connection busy. Above a few ms the client, not only
-  the service, held requests back; the latencies include that wait either way.
+  the service, held requests back; the latencies include that wait either way;
+- phases_ms: where the 200s' time went, {part: {"p50", "p99", "n"}}: the server's
+  `timing_ms` of each response beside the client's lag and the remainders between them,
+  per request (phases.py); `phase_table` prints their p50/p99.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.openloop import phases
 from bench.openloop.schedule import Sample
 
 OK = "200"
@@ -76,6 +80,9 @@ def summarize(
         "errors": dict(sorted(errors.items())),
         "mean_bytes": sum(s.nbytes for s in ok) / len(ok) if ok else math.nan,
         "lag_p99_ms": percentile(lags, 99),
+        "phases_ms": phases.breakdown(
+            [(s.latency_s * 1000, s.lag_s * 1000, s.timing_ms) for s in ok], percentile
+        ),
     }
 
 
@@ -95,6 +102,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(_cell(row, k, f) for _, k, f in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def phase_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The second table: p50/p99 ms of each part of the 200s' latency, one line per row."""
+    note = "p50/p99 ms of each part of the 200s' latency (bench/openloop/phases.py):\n\n"
+    return note + phases.table(rows)
 
 
 def write_json(path: Path, run: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:

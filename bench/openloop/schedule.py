@@ -20,6 +20,7 @@ class Outcome(NamedTuple):
     status: str  # "200", "429", ..., "timeout", "conn_error"
     nbytes: int  # response body bytes (0 without a response)
     sent: float  # loop time at which it went out on a connection; NaN: it never did
+    timing_ms: dict[str, float] | None = None  # the response's own, where it had one
 
 
 Sender = Callable[[str, int], Awaitable[Outcome]]  # (kind, seq) -> what became of it
@@ -38,6 +39,7 @@ class Sample:
     lag_s: float  # went out on a connection (or was given up) - scheduled time
     status: str  # "200", "429", ..., "timeout", "conn_error"
     nbytes: int  # response body bytes (0 without a response)
+    timing_ms: dict[str, float] | None = None  # the server's, from the response (phases.py)
 
     @property
     def completed_s(self) -> float:
@@ -89,8 +91,9 @@ async def run_open_loop(schedule: Sequence[Arrival], send: Sender, start: float)
         done = loop.time()
         went = done if math.isnan(outcome.sent) else outcome.sent
         samples.append(
-            Sample(kind, due - start, done - due, went - due, outcome.status, outcome.nbytes)
-        )
+            Sample(kind, due - start, done - due, went - due, outcome.status, outcome.nbytes,
+                   outcome.timing_ms)
+        )  # fmt: skip
 
     tasks: list[asyncio.Task[None]] = []
     for seq, (offset, kind) in enumerate(schedule):

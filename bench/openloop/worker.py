@@ -4,7 +4,8 @@ Every process takes rate/N of each kind on its own seeded Poisson schedule; all 
 one wall-clock instant set by the parent. Each sends over HTTP/1.1 keep-alive connections,
 about rate/N x `inflight_s` of them (`ShardedPools`): a request that finds none free waits for
 one, and that wait is part of its latency, as every wait is (and shows as client lag). No
-retries: whatever the service answers is counted by its status.
+retries: whatever the service answers is counted by its status. Each 200's `timing_ms` is
+kept with its sample, for the report's breakdown of where the time went (phases.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 import httpx
 
 from bench.openloop.kinds import Photo, RequestMaker
+from bench.openloop.phases import timing_of
 from bench.openloop.pools import ShardedPools
 from bench.openloop.schedule import Outcome, Sample, arrivals, run_open_loop
 
@@ -88,7 +90,9 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
                 response = await http.post(request.path, **request.kwargs)
         except (TimeoutError, httpx.TransportError) as exc:
             return Outcome(classify_error(exc), 0, sent)
-        return Outcome(str(response.status_code), len(response.content), sent)
+        content = response.content
+        status = str(response.status_code)
+        return Outcome(status, len(content), sent, timing_of(content) if status == "200" else None)
 
     try:
         # the parent's start instant on this process's loop clock (monotonic)

@@ -100,7 +100,8 @@ class EngineLink:
     index: int
     address: str
     socket: zmq.Socket[Any] | None = None
-    waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
+    # each call's future: its reply and when that was read (perf_counter)
+    waiting: dict[int, asyncio.Future[tuple[Reply, float]]] = field(default_factory=dict)
     status: Status | None = None
     status_at: float = 0.0  # monotonic time of its last status answer
     in_flight: int = 0  # this frontend's calls it has not answered yet (status calls aside)
@@ -149,7 +150,7 @@ def _fd(sock: zmq.Socket[Any]) -> int:
     return cast(int, sock.getsockopt(zmq.FD))
 
 
-def _expire(future: asyncio.Future[Reply]) -> None:
+def _expire(future: asyncio.Future[tuple[Reply, float]]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
 
@@ -276,7 +277,7 @@ class EngineClient:
                 continue
             future = link.waiting.pop(call_id_of(head), None)
             if future is not None and not future.done():
-                future.set_result(load(payload))
+                future.set_result((load(payload), time.perf_counter()))
 
     async def _send(self, link: EngineLink, frames: list[Any], reply: asyncio.Future[Any]) -> None:
         """Queue `frames` on `link`'s socket; wait (briefly, repeatedly) while zmq cannot
@@ -294,12 +295,21 @@ class EngineClient:
         if _readable(link.socket):
             asyncio.get_running_loop().call_soon(self._drain, link)
 
-    async def _call(self, call: object, deadline: float | None, link: EngineLink) -> Reply:
+    async def _call(
+        self,
+        call: object,
+        deadline: float | None,
+        link: EngineLink,
+        timing: dict[str, float] | None = None,
+    ) -> Reply:
+        """The engine's reply; `timing`, when given, gets `engine_wire` (the call pickled,
+        sent, answered and read back: `server.http.timing`) and the reply's own timings."""
         assert link.socket is not None, "start() the client first"
+        started = time.perf_counter()
         call_id = next(self._ids)
         call = tracing.stamp(call)  # the current span's traceparent, when tracing is on
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Reply] = loop.create_future()
+        future: asyncio.Future[tuple[Reply, float]] = loop.create_future()
         link.waiting[call_id] = future
         # a timer on the future rather than asyncio.wait_for (a task and callbacks more)
         timer = None
@@ -309,7 +319,11 @@ class EngineClient:
             )
         try:
             await self._send(link, [call_id_bytes(call_id), *dump(call)], future)
-            return await future
+            reply, read_at = await future
+            if timing is not None:
+                timing["engine_wire"] = round((read_at - started) * 1000, 3)
+                timing.update(reply.timing_ms)
+            return reply
         except TimeoutError:
             self._cancel(link, call_id)
             raise ServiceError(504, "deadline", "the engine did not answer in time") from None
@@ -327,12 +341,18 @@ class EngineClient:
             with contextlib.suppress(zmq.ZMQError):  # Again: the call is dropped later anyway
                 link.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
 
-    async def _value(self, call: object, deadline: float | None, image_id: str | None) -> Any:
+    async def _value(
+        self,
+        call: object,
+        deadline: float | None,
+        image_id: str | None,
+        timing: dict[str, float] | None = None,
+    ) -> Any:
         """The call's answer from the engine `image_id` routes to (see `engine_for`)."""
         link = self.engine_for(image_id)
         link.in_flight += 1
         try:
-            reply = await self._call(call, deadline, link)
+            reply = await self._call(call, deadline, link, timing)
         finally:
             link.in_flight -= 1
         if reply.failure is not None:
@@ -346,29 +366,40 @@ class EngineClient:
 
     # -- the engine's API, as routes use it ---------------------------------------------
 
-    async def segment(self, request: SegmentRequest) -> SegmentResult:
+    # `timing`, when given, gets the call's `engine_wire` and `engine` (`_call`)
+
+    async def segment(
+        self, request: SegmentRequest, timing: dict[str, float] | None = None
+    ) -> SegmentResult:
         image_id = request.image.image_id if request.image is not None else request.image_id
         if request.image is not None:
             request = replace(request, image=self._image(request.image))  # type: ignore[arg-type]
         call = SegmentCall(request)
-        result: SegmentResult = await self._value(call, request.deadline, image_id)
+        result: SegmentResult = await self._value(call, request.deadline, image_id, timing)
         return result
 
-    async def embed(self, image: Image, deadline: float | None = None) -> EmbedResult:
+    async def embed(
+        self, image: Image, deadline: float | None = None, timing: dict[str, float] | None = None
+    ) -> EmbedResult:
         call = EmbedCall(self._image(image), deadline)
-        result: EmbedResult = await self._value(call, deadline, image.image_id)
+        result: EmbedResult = await self._value(call, deadline, image.image_id, timing)
         return result
 
-    async def lookup(self, image_id: str) -> EmbedResult:
+    async def lookup(self, image_id: str, timing: dict[str, float] | None = None) -> EmbedResult:
         call = LookupCall(image_id)
-        result: EmbedResult = await self._value(call, time.monotonic() + 10.0, image_id)
+        result: EmbedResult = await self._value(call, time.monotonic() + 10.0, image_id, timing)
         return result
 
     async def classify(
-        self, image: Image, top_k: int, deadline: float | None = None
+        self,
+        image: Image,
+        top_k: int,
+        deadline: float | None = None,
+        timing: dict[str, float] | None = None,
     ) -> ClassifyResult:
         call = ClassifyCall(self._image(image), top_k, deadline)
-        result: ClassifyResult = await self._value(call, deadline, None)  # no cache: any engine
+        # no cache: any engine
+        result: ClassifyResult = await self._value(call, deadline, None, timing)
         return result
 
     async def everything(
@@ -378,12 +409,13 @@ class EngineClient:
         fields: dict[str, float | int],
         output: str = "rle",
         deadline: float | None = None,
+        timing: dict[str, float] | None = None,
     ) -> Any:
         """(image_id, width, height, EverythingMasks, timing)."""
         message = self._image(image) if image is not None else None
         home = image.image_id if image is not None else image_id
         call = EverythingCall(message, image_id, fields, output, deadline)
-        return await self._value(call, deadline, home)
+        return await self._value(call, deadline, home, timing)
 
     async def embedding_npy(self, image_id: str) -> tuple[tuple[int, int], tuple[int, int], bytes]:
         """(original size, input size, the `.npy` bytes)."""

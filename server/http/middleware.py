@@ -1,7 +1,8 @@
 """Pure ASGI middleware (BaseHTTPMiddleware would break disconnect detection).
 
 - `ObserveMiddleware`: request id (honours `X-Request-ID`), duration and status metrics by
-  route template, in-flight gauge, one structured log line per request.
+  route template, in-flight gauge, one structured log line per request; the instant the
+  request reached the app (`state["received"]`, where `timing_ms.frontend` starts).
 - `BodyLimitMiddleware`: refuses bodies over the byte limit with 413 before they are
   buffered, by `Content-Length` when given and by counting otherwise, and bodies that have
   not arrived within the request deadline with 408 (a stalled upload would otherwise hold
@@ -118,11 +119,13 @@ class ObserveMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = (_header(scope, b"x-request-id") or uuid.uuid4().hex)[:128]
-        scope.setdefault("state", {})["request_id"] = request_id
-        route = scope["state"]["route"] = self._route(scope)  # TraceMiddleware names by it
-        status = 500
         started = time.perf_counter()
+        request_id = (_header(scope, b"x-request-id") or uuid.uuid4().hex)[:128]
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["received"] = started  # a response's `timing_ms.frontend` counts from here
+        route = state["route"] = self._route(scope)  # TraceMiddleware names by it
+        status = 500
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status

@@ -46,6 +46,7 @@ from server.http.schemas import (
     is_image_id,
 )
 from server.http.state import ServeState, serve_state, watch_disconnect
+from server.http.timing import EngineClock, ms, received_at
 
 router = APIRouter()
 
@@ -234,14 +235,16 @@ async def segment(request: Request) -> Response:
         return_low_res=fields.return_low_res_logits,
         output=fields.output,
     )
+    clock = EngineClock()
     try:
         with tracing.engine_call("segment") as call:
-            result = await watch_disconnect(request.receive, engine.segment(seg))
+            result = await watch_disconnect(request.receive, engine.segment(seg, clock.parts))
+            clock.stop()
             call.engine_timing(result.timing_ms)
     finally:
         _release(state, image)
     computed_at = time.perf_counter()
-    timing = {"parse_and_decode": round((parsed_at - started) * 1000, 3), **result.timing_ms}
+    timing = {"parse_and_decode": ms(parsed_at - started), **result.timing_ms, **clock.timing()}
     with tracing.span("mask.encode"):
         args = (result, fields.output, engine.model_brief("sam"), timing)
         if _few_runs(result, fields.output):
@@ -250,8 +253,9 @@ async def segment(request: Request) -> Response:
             body = await state.in_thread(_segment_body, *args)
     done = time.perf_counter()
     state.metrics.phase("mask_encode").observe(done - computed_at)
-    body["timing_ms"]["mask_encode"] = round((done - computed_at) * 1000, 3)
-    body["timing_ms"]["total"] = round((done - started) * 1000, 3)
+    body["timing_ms"]["mask_encode"] = ms(done - computed_at)
+    body["timing_ms"]["total"] = ms(done - started)
+    body["timing_ms"]["frontend"] = ms(done - received_at(request, started))
     _record_timing(request, state, body["timing_ms"])
     return FastJSONResponse(body)
 
@@ -278,12 +282,14 @@ async def segment_everything(request: Request) -> Response:
     fields = parsed.fields
     image = await _load_image(state, parsed)
     parsed_at = time.perf_counter()
+    clock = EngineClock()
     work = engine.everything(
-        image, parsed.image_id, fields.generator_fields(), fields.output, deadline
+        image, parsed.image_id, fields.generator_fields(), fields.output, deadline, clock.parts
     )
     try:
         with tracing.engine_call("everything") as call:
             image_id, width, height, masks, timing = await watch_disconnect(request.receive, work)
+            clock.stop()
             call.engine_timing(timing)
     finally:
         _release(state, image)
@@ -293,10 +299,12 @@ async def segment_everything(request: Request) -> Response:
     done = time.perf_counter()
     state.metrics.phase("mask_encode").observe(done - computed_at)
     timing_ms = {
-        "parse_and_decode": round((parsed_at - started) * 1000, 3),
+        "parse_and_decode": ms(parsed_at - started),
         **timing,
-        "mask_encode": round((done - computed_at) * 1000, 3),
-        "total": round((done - started) * 1000, 3),
+        **clock.timing(),
+        "mask_encode": ms(done - computed_at),
+        "total": ms(done - started),
+        "frontend": ms(done - received_at(request, started)),
     }
     _record_timing(request, state, timing_ms)
     return FastJSONResponse(
@@ -319,23 +327,30 @@ async def segment_everything(request: Request) -> Response:
 )
 async def embed(request: Request) -> Response:
     """Run the image encoder only and cache the embedding under the image's id."""
+    started = time.perf_counter()
     state, engine, deadline, parsed = await _accept(request, EmbedJSON, EmbedFields)
     image = await _load_image(state, parsed, "sam")
+    clock = EngineClock()
     if image is None:
         assert parsed.image_id is not None
         with tracing.engine_call("lookup"):
-            result = await engine.lookup(parsed.image_id)
+            result = await engine.lookup(parsed.image_id, clock.parts)
+            clock.stop()
     else:
         try:
             with tracing.engine_call("embed") as call:
-                result = await watch_disconnect(request.receive, engine.embed(image, deadline))
+                work = engine.embed(image, deadline, clock.parts)
+                result = await watch_disconnect(request.receive, work)
+                clock.stop()
                 call.engine_timing(result.timing_ms)
         finally:
             _release(state, image)
-    _record_timing(request, state, result.timing_ms)
+    timing_ms = {**result.timing_ms, **clock.timing(),
+                 "frontend": ms(time.perf_counter() - received_at(request, started))}  # fmt: skip
+    _record_timing(request, state, timing_ms)
     return FastJSONResponse(
         {"image_id": result.image_id, "width": result.width, "height": result.height,
-         "cached": result.cached, "timing_ms": result.timing_ms}
+         "cached": result.cached, "timing_ms": timing_ms}
     )  # fmt: skip
 
 
@@ -386,15 +401,24 @@ async def classify(request: Request) -> Response:
         raise ServiceError(422, "invalid_request", f"top_k is at most {state.settings.max_top_k}")
     image = await _load_image(state, parsed, "swin")
     assert image is not None
+    parsed_at = time.perf_counter()
+    clock = EngineClock()
     try:
         with tracing.engine_call("classify") as call:
-            result = await watch_disconnect(
-                request.receive, engine.classify(image, parsed.fields.top_k, deadline)
-            )
+            work = engine.classify(image, parsed.fields.top_k, deadline, clock.parts)
+            result = await watch_disconnect(request.receive, work)
+            clock.stop()
             call.engine_timing(result.timing_ms)
     finally:
         _release(state, image)
-    timing_ms = {**result.timing_ms, "total": round((time.perf_counter() - started) * 1000, 3)}
+    done = time.perf_counter()
+    timing_ms = {
+        "parse_and_decode": ms(parsed_at - started),
+        **result.timing_ms,
+        **clock.timing(),
+        "total": ms(done - started),
+        "frontend": ms(done - received_at(request, started)),
+    }
     _record_timing(request, state, timing_ms)
     return FastJSONResponse(
         {

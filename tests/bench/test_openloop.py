@@ -303,8 +303,16 @@ def test_the_tool_runs_a_mix_against_the_service(
         assert row["mean_bytes"] > 100
     assert sum(row["ok_per_s"] for row in rows.values()) > 0
     assert rows["segment"]["mean_bytes"] > rows["classify"]["mean_bytes"]  # masks vs labels
-    table = done.stdout.splitlines()
-    assert table[0].startswith("| step | kind | offered/s |") and len(table) == 2 + 3
+    # where the 200s' time went, from each response's timing_ms (test_openloop_phases.py)
+    for row in rows.values():
+        hops = row["phases_ms"]
+        assert {"lag", "unaccounted", "http", "frontend", "engine_rpc"} <= hops.keys(), hops
+        assert hops["frontend"]["n"] == row["ok"] and hops["frontend"]["p50"] > 0, hops
+    table, rest = done.stdout.split("\n\n", 1)
+    assert table.startswith("| step | kind | offered/s |") and len(table.splitlines()) == 2 + 3
+    hops_table = rest.splitlines()
+    assert hops_table[0].startswith("p50/p99 ms of each part") and hops_table[1] == ""
+    assert hops_table[2].startswith("| step | kind | lag | unacc |") and len(hops_table) == 4 + 3
 
 
 def cache_events(url: str) -> dict[str, float]:

@@ -213,6 +213,7 @@ class EngineServer:
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
+            received = time.perf_counter()
             identity, call_frame, *payload = frames
             owner = identity.bytes
             call_id = call_id_of(call_frame)
@@ -230,7 +231,7 @@ class EngineServer:
                 self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
                 continue
             key = (owner, call_id)
-            self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call))
+            self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call, received))
 
     def _send(self, frames: list[Any]) -> None:
         assert self._socket is not None
@@ -247,7 +248,9 @@ class EngineServer:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._send, [owner, RELEASE, *dump([slot])])
 
-    async def _serve(self, owner: bytes, call_id: int, call: object) -> None:
+    async def _serve(self, owner: bytes, call_id: int, call: object, received: float) -> None:
+        """Answer one call; its reply's `timing_ms["engine"]` is this process's time for it,
+        from the message read off the socket to the reply ready (`server.http.timing`)."""
         try:
             with tracing.engine_span(call):  # a child of the frontend's span, when traced
                 reply = Reply(await self._dispatch(owner, call))
@@ -260,6 +263,8 @@ class EngineServer:
             reply = Reply(failure=Failure(500, "internal", f"internal error: {type(exc).__name__}"))
         finally:
             self._tasks.pop((owner, call_id), None)
+        engine_ms = round((time.perf_counter() - received) * 1000, 3)
+        reply = replace(reply, timing_ms={"engine": engine_ms})
         self._send([owner, call_id_bytes(call_id), *dump(reply)])
         if self.pixels is not None:
             self.pixels.poll()

@@ -36,6 +36,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
+from server.engine.entry import run_engine
 from server.gpus import EnginePlan, plan_engines
 from server.http.pixels import PIXELS_PREFIX, SHM_FOLDER
 from server.metrics_multiprocess import forget_process
@@ -82,10 +83,8 @@ class Supervisor:
     # -- processes --------------------------------------------------------------------
 
     def _start_engine(self, plan: EnginePlan, address: str) -> None:
-        from server.engine.process import engine_main
-
         engine = self.context.Process(
-            target=engine_main, args=(self.settings, address, plan.role), name=plan.role
+            target=run_engine, args=(self.settings, address, plan.role), name=plan.role
         )
         if plan.env:
             log.info("%s gets %s", plan.role, " ".join(f"{k}={v}" for k, v in plan.env.items()))

@@ -107,6 +107,18 @@ def test_a_click_through_one_frontend_finds_the_image_sent_through_another(servi
     assert seen == {"frontend-0", "frontend-1"}, seen
 
 
+def test_only_the_engine_process_loads_torch(service):
+    """The supervisor once imported torch to name the engine's entry point: seconds of
+    every start before the engine existed. Only the engine may map libtorch."""
+
+    def maps_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    assert maps_torch(service.pid_of("engine-0"))
+    assert not maps_torch(service.proc.pid)
+    assert not maps_torch(service.pid_of("frontend-0"))
+
+
 def test_every_frontend_answers_for_every_process_in_metrics(service):
     photo = {"image": ("dog.jpg", (PHOTOS / "dog.jpg").read_bytes(), "image/jpeg")}
     with fresh(service.url) as c:

@@ -56,6 +56,7 @@ from server.engine.fidelity import FidelityReport, measure_served
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.sam_service import SamParts, SamService
 from server.engine.stages import (
+    GRAPHED_SETS,
     ClassifyItem,
     DecodeItem,
     EncodeItem,
@@ -182,7 +183,10 @@ class Engine:
             for b in warmed(s.buckets_up_to(s.max_batch_size)):
                 steps.append((f"{doing} the SAM encoder, batch {b}",
                               partial(self._warm, "sam_encoder", b)))  # fmt: skip
-            for b in warmed(s.buckets_up_to(s.decoder_max_batch_prompts), decoder_eager):
+            decoder_buckets = s.buckets_up_to(s.decoder_max_batch_prompts)
+            if mode == "aot" and not decoder_eager:  # eager code with graphs: only they need it
+                decoder_buckets = [b for b in decoder_buckets if b <= GRAPHED_SETS]
+            for b in warmed(decoder_buckets, decoder_eager):
                 steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
                               partial(self._warm, "sam_decoder", b)))  # fmt: skip
         if s.enable_swin:

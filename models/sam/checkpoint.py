@@ -20,7 +20,7 @@ from models.sam.image_encoder import Attention as EncoderAttention
 from models.sam.image_encoder import ImageEncoderViT
 from models.sam.prompt_encoder import PositionEmbeddingRandom
 from models.sam.sam import Sam
-from models.state_fit import fit_problems, non_tensor_entries
+from models.state_fit import fit_problems, non_tensor_entries, unfilled
 
 __all__ = ["CheckpointError", "init_random", "load_sam"]
 
@@ -38,7 +38,7 @@ def load_sam(config: SamConfig, checkpoint: Path | str | None, *, seed: int = 0)
     checkpoint: Meta's official state dict (e.g. `sam_vit_b_01ec64.pth`), or None for
     seeded random weights (the same seed gives the same weights).
     """
-    with torch.device("meta"):
+    with unfilled():
         model = Sam(config)
     if checkpoint is None:
         model.to_empty(device="cpu")

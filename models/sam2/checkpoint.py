@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from models.sam.checkpoint import init_random as init_random_sam
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2
-from models.state_fit import fit_problems, non_tensor_entries
+from models.state_fit import fit_problems, non_tensor_entries, unfilled
 
 __all__ = [
     "IMAGE_PREFIXES",
@@ -73,7 +73,7 @@ def load_sam2(config: Sam2Config, checkpoint: Path | str | None, *, seed: int = 
     random weights (the same seed gives the same weights), so that everything but the
     masks' quality can run without a download.
     """
-    with torch.device("meta"):
+    with unfilled():
         model = Sam2(config)
     if checkpoint is None:
         model.to_empty(device="cpu")

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from models.sam.checkpoint import CheckpointError
-from models.state_fit import fit_problems, non_tensor_entries
+from models.state_fit import fit_problems, non_tensor_entries, unfilled
 from models.swin.config import SwinConfig
 from models.swin.model import SwinTransformer, WindowAttention
 
@@ -38,7 +38,7 @@ def load_swin(
     Microsoft's original / timm < 0.9 layout; None gives seeded random weights (the same
     seed gives the same weights).
     """
-    with torch.device("meta"):
+    with unfilled():
         model = SwinTransformer(config)
     if checkpoint is None:
         model.to_empty(device="cpu")

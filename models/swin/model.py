@@ -62,7 +62,9 @@ def relative_position_index(window: int, device: torch.device | str | None = Non
     token j to token i, as in Microsoft's code, so their tables are read the same way.
     """
     pos = torch.arange(window, device=device)
-    coords = torch.stack(torch.meshgrid(pos, pos, indexing="ij")).flatten(1)  # [2, N]
+    # meshgrid's rows and columns, flattened: (meshgrid itself imports torch._dynamo when
+    # run under the meta device, seconds of a start; models.state_fit.unfilled)
+    coords = torch.stack((pos.repeat_interleave(window), pos.repeat(window)))  # [2, N]
     rel = coords[:, :, None] - coords[:, None, :] + (window - 1)  # [2, N, N]
     return rel[0] * (2 * window - 1) + rel[1]
 

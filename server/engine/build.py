@@ -89,6 +89,8 @@ def compile_cache_hits(since: dict[str, int] | None = None) -> dict[str, int]:
 
     The counters are process-wide: an engine reports the difference over its own warm-up.
     """
+    if "torch._dynamo" not in sys.modules:  # nothing compiled; importing it costs seconds
+        return {"hit": 0, "miss": 0}
     counters = torch._dynamo.utils.counters["inductor"]
     now = {"hit": int(counters["fxgraph_cache_hit"]), "miss": int(counters["fxgraph_cache_miss"])}
     base = since or {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import importlib
 import logging
 import os
 import signal
@@ -344,6 +345,12 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     # `kill -USR1 <engine pid>`: every thread's Python stack to the log, for a hung engine
     # (a blocked event loop cannot log anything itself)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):
+    # 7 s on the H100 machine. On a thread of its own it overlaps the device's start and
+    # the weights' loading, which spend their time in C++ with the GIL released (issue 21).
+    threading.Thread(
+        target=importlib.import_module, args=("torch._dynamo",), name="preimport", daemon=True
+    ).start()
     server = EngineServer(settings, address, Metrics(role))
 
     async def main() -> None:

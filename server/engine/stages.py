@@ -459,6 +459,8 @@ class SamStages:
             Prompt(box=(w / 4, h / 4, w / 2, h / 2)),
             Prompt(points=((w / 3, h / 3),), labels=(1,), box=(w / 4, h / 4, w / 2, h / 2)),
         ][: 4 if self.compiled else 1]
+        if not self.compiled and self._graphs is not None and bucket != self.decoder_buckets[0]:
+            prompts = []  # eager code has nothing to warm: the capture below runs it
         for prompt in prompts:
             # compiled, a refinement click (mask_input) runs the same graph: see decode
             self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])

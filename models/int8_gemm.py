@@ -34,6 +34,7 @@ from torch import Tensor
 
 __all__ = [
     "GemmConfig",
+    "epilogue_reference",
     "fused_supported",
     "int8_linear",
     "int8_linear_reference",
@@ -126,8 +127,9 @@ def _kernel() -> Any:
     def int8_gemm_epilogue(
         A, B, XS, WS, BIAS, RES, C,
         M, N, K, M_BUCKET,
-        stride_am, stride_bn, stride_rm, stride_cm,
+        stride_am, stride_bn, stride_rm, stride_cm, stride_xs,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+        IS_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
     ):  # fmt: skip
@@ -153,21 +155,26 @@ def _kernel() -> Any:
         # row offsets in int64: M x N passes 2^31 from Swin-T's batch 2048 on
         a_ptrs = A + offs_am.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         b_ptrs = B + offs_bn[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        # int8 accumulates exactly in int32; fp8 (e4m3, models.fp8_gemm) in fp32
+        if IS_FP8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             # masked along K only (as Triton's matmul tutorial): our layers' K is a multiple
             # of 16, which Triton is told, so the loads stay 16-byte vectors
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
         # the epilogue, in fp32, in the order of int8_linear_reference
         mask_m = offs_m < M
         mask_n = offs_n < N
-        xs = tl.load(XS + offs_m, mask=mask_m, other=0.0)
+        # strided: a packed activation (models.ln_quant) keeps each scale after its row
+        xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=mask_m, other=0.0)
         ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
         y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
         if HAS_BIAS:
@@ -234,7 +241,9 @@ def launch(
     config: GemmConfig | None = None,
 ) -> Tensor:
     """Run the kernel: `xq [M, K]` int8, `x_scale [M]`, `weight [N, K]` int8, `w_scale [N]`,
-    `bias [N]`, `residual [M, N]` -> `[M, N]` in `out_dtype`.
+    `bias [N]`, `residual [M, N]` -> `[M, N]` in `out_dtype`. `xq` and `weight` may both be
+    float8 e4m3 instead (`models.fp8_gemm`: the same kernel, fp32 accumulation); `x_scale`
+    may be strided (a packed activation's, `models.ln_quant`).
 
     Autotuned unless `config` is given (under the interpreter, which cannot time them,
     among `DEFAULT_CONFIG` alone). Model code reaches it through `int8_linear`; called
@@ -250,10 +259,12 @@ def launch(
     N = weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"activation [{M}, {K}] and weight {tuple(weight.shape)} differ in K")
+    if xq.dtype != weight.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"operands {xq.dtype} x {weight.dtype}: both int8 or both float8_e4m3fn")
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return out
-    x_scale = x_scale.float().contiguous()
+    x_scale = x_scale if x_scale.dtype == torch.float32 else x_scale.float()
     w_scale = w_scale.float().contiguous()
     args = (
         xq, weight, x_scale, w_scale,
@@ -261,9 +272,10 @@ def launch(
         residual if residual is not None else out,
         out, M, N, K, _m_bucket(M),
         xq.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), x_scale.stride(0),
     )  # fmt: skip
-    flags = {"HAS_BIAS": bias is not None, "HAS_RES": residual is not None, "GELU": gelu}
+    flags = {"HAS_BIAS": bias is not None, "HAS_RES": residual is not None, "GELU": gelu,
+             "IS_FP8": xq.dtype == torch.float8_e4m3fn}  # fmt: skip
     if config is None:
         # the interpreter cannot time candidates: one, through the same autotuner
         tuned = _autotuned((DEFAULT_CONFIG,) if _interpreting() else HOPPER_CONFIGS)
@@ -295,7 +307,20 @@ def int8_linear_reference(
 ) -> Tensor:
     """The kernel's arithmetic in torch: the int32 product, then the epilogue in fp32."""
     acc = torch._int_mm(xq.contiguous(), weight.t())  # [M, N] int32
-    y = acc.float() * x_scale.float()[:, None] * w_scale.float()[None, :]
+    return epilogue_reference(acc.float(), x_scale, w_scale, bias, residual, gelu, out_dtype)
+
+
+def epilogue_reference(
+    acc: Tensor,
+    x_scale: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    gelu: bool,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The kernel's epilogue in torch, on the fp32 product `acc [M, N]` (int8's and fp8's)."""
+    y = acc * x_scale.float()[:, None] * w_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()
     if gelu:

@@ -125,7 +125,9 @@ class WindowAttention(nn.Module):
         Windows and heads share one head axis (`[B, nW*heads, N, d]`), so the additive
         mask `[1, nW*heads, N, N]` broadcasts over the batch instead of being copied per image.
         """
-        B, nW, N, C = x.shape
+        # the width from the projection: x may be packed quantised rows (models.ln_quant)
+        B, nW, N = x.shape[:3]
+        C = self.proj.out_features
         heads = self.num_heads
         qkv = self.qkv(x).view(B, nW, N, 3, heads, C // heads)
         qkv = qkv.permute(3, 0, 1, 4, 2, 5).reshape(3, B, nW * heads, N, C // heads)

@@ -46,7 +46,6 @@ __all__ = [
 
 PACK_PAD = 16  # bytes after each packed row: its fp32 scale, then padding
 _EPS = 1e-12
-_ROUND = 12582912.0  # 1.5 * 2^23: (v + it) - it rounds |v| < 2^22 half to even, as torch.round
 
 
 def pack_rows(q: Tensor, scale: Tensor) -> Tensor:
@@ -78,10 +77,17 @@ def layer_norm_quant_reference(
     return pack_rows(q, scale)
 
 
+quantize_rows_tile: Any = None  # models.triton_quant's, set when the kernel is built
+
+
 @functools.cache
 def _kernel() -> Any:
     import triton
     import triton.language as tl
+
+    # a module global: Triton resolves a kernel's callees among its module's globals
+    global quantize_rows_tile
+    from models.triton_quant import quantize_rows_tile
 
     @triton.jit
     def layer_norm_quant_kernel(
@@ -102,21 +108,7 @@ def _kernel() -> Any:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = d * rstd[:, None] * w[None, :] + b[None, :]  # 0 past C (w = b = 0 there)
-        if IS_FP8:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / 448.0
-            v = tl.minimum(tl.maximum(y / scale[:, None], -448.0), 448.0)
-            # rounded onto e4m3's grid here (half to even, as torch's cast): the cast below
-            # is then exact. Triton's interpreter rounds 7.9 to 4.0 (a carry into the
-            # exponent lost); the GPU's cvt.rn would not, but one arithmetic for both.
-            # The grid step: 2^(exponent - 3), 2^-9 under the smallest normal (2^-6).
-            exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-            v = ((v / step + 12582912.0) - 12582912.0) * step
-            q = v.to(tl.float8e4nv).to(tl.int8, bitcast=True)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / 127.0
-            v = (y / scale[:, None] + 12582912.0) - 12582912.0  # half to even
-            q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+        q, scale = quantize_rows_tile(y, mask, IS_FP8)
         row_p = P + rows64 * stride_p
         tl.store(row_p[:, None] + cols[None, :], q, mask=mask)
         scale_p = (row_p + C).to(tl.pointer_type(tl.float32), bitcast=True)

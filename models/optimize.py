@@ -60,6 +60,8 @@ class OptimizeOptions:
     # core int8/fp8: the LayerNorm before qkv and the MLP writes their input quantised
     # (models.ln_quant); off until measured on the GPU (bench/swin.py's -lnq variants)
     norm_quant: bool = False
+    # ... and the MLP's hidden activation goes from fc1 to fc2 quantised (models.mlp_hop)
+    mlp_hop: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -144,7 +146,7 @@ def _quantize(
     return quantize_linears(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
-        norm_quant=options.norm_quant,
+        norm_quant=options.norm_quant, mlp_hop=options.mlp_hop,
     )  # fmt: skip
 
 

@@ -15,11 +15,14 @@ kept in bf16): what SERVE_QUANTIZATION=int8 serves. fp8 alike: `bf16-fp8-compile
 earlier `torch._scaled_mm` path, `bf16-fp8fused-compile` the fused kernel on e4m3 operands
 (models.fp8_gemm) on every block Linear, `bf16-fp8fused-select-compile` with the per-layer
 choice and bias correction (SERVE_QUANTIZATION=fp8). `-lnq` adds the LayerNorm that writes
-qkv's and fc1's input quantised (models.ln_quant; OptimizeOptions.norm_quant). One run:
+qkv's and fc1's input quantised (models.ln_quant; OptimizeOptions.norm_quant), `-lnq-hop`
+also fc1's output handed to fc2 quantised (models.mlp_hop; OptimizeOptions.mlp_hop).
+One run:
 
     python3 -m bench.swin --static --batch-sizes 256 --iters 10 --agreement-images 512 \
         --variants bf16-compile bf16-int8fused-select-compile bf16-int8fused-select-lnq-compile \
-        bf16-fp8fused-select-compile bf16-fp8fused-select-lnq-compile
+        bf16-int8fused-select-lnq-hop-compile bf16-fp8fused-select-compile \
+        bf16-fp8fused-select-lnq-compile bf16-fp8fused-select-lnq-hop-compile
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ VARIANTS: dict[str, OptimizeOptions] = {
             compile_mode="default",
             cuda_graphs=True,
             norm_quant=bool(lnq),
+            mlp_hop="hop" in lnq,
         )
         for kind in ("int8", "fp8")
         for how in ("", "-gptq", "-select")
-        for lnq in ("", "-lnq")
+        for lnq in ("", "-lnq", "-lnq-hop")
         if (kind == "fp8" or lnq) and not (kind == "fp8" and how == "-gptq")
     },
     "bf16-autotune": OptimizeOptions(
@@ -117,7 +121,7 @@ EVERY_LAYER = {
     f"bf16-{kind}fused{how}{lnq}-compile": how == "-gptq"
     for kind in ("int8", "fp8")
     for how in ("", "-gptq")
-    for lnq in ("", "-lnq")
+    for lnq in ("", "-lnq", "-lnq-hop")
     if not (kind == "fp8" and how == "-gptq")
 }
 
@@ -134,7 +138,8 @@ def prepare(model: torch.nn.Module, variant: str, opts: OptimizeOptions) -> None
     prepare_swin(model, replace(opts, quantization="none"))
     calibrate = calibration_run(model.config.img_size, 8) if EVERY_LAYER[variant] else None
     quantize_linears(model, opts.quantization, _block_linear, backend=opts.quantization_backend,
-                     calibrate=calibrate, max_kept=0.0, norm_quant=opts.norm_quant)  # fmt: skip
+                     calibrate=calibrate, max_kept=0.0, norm_quant=opts.norm_quant,
+                     mlp_hop=opts.mlp_hop)  # fmt: skip
 
 
 def agreement_inputs(photos: list[torch.Tensor], n: int, config) -> torch.Tensor:
@@ -187,6 +192,7 @@ def main() -> None:
             quantised = (DynamicQuantLinear, Fp8RowwiseLinear)
             quant_layers = sum(isinstance(m, quantised) for m in model.modules())
             lnq_norms = sum(isinstance(m, QuantizingLayerNorm) for m in model.modules())
+            hops = sum(getattr(m, "hop_out", False) for m in model.modules())
             for module in model.modules():
                 if isinstance(module, WindowAttention):
                     module.use_sdpa = attention == "sdpa"
@@ -214,6 +220,7 @@ def main() -> None:
                             "compile_s": compile_s,
                             "quant_layers": quant_layers,
                             "lnq_norms": lnq_norms,
+                            "hops": hops,
                         }
                     )
                     print(rows[-1], flush=True)
@@ -250,6 +257,7 @@ def main() -> None:
             "compile_s",
             "quant_layers",
             "lnq_norms",
+            "hops",
             "top1_agree",
             "error",
         ],

@@ -138,7 +138,7 @@ def test_fp8_kernel_compiles_for_hopper_to_fp8_wgmma() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.int8_gemm import HOPPER_CONFIGS, _kernel
+    from models.gemm_kernel import HOPPER_CONFIGS, _kernel
 
     pointers = {"A": "*fp8e4nv", "B": "*fp8e4nv", "XS": "*fp32", "WS": "*fp32",
                 "BIAS": "*bf16", "RES": "*bf16", "C": "*bf16", "OS": "*fp32"}  # fmt: skip

@@ -166,7 +166,7 @@ def test_kernel_compiles_for_hopper_to_int8_wgmma_and_wide_stores() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.int8_gemm import HOPPER_CONFIGS, _kernel
+    from models.gemm_kernel import HOPPER_CONFIGS, _kernel
 
     pointers = {"A": "*i8", "B": "*i8", "XS": "*fp32", "WS": "*fp32", "BIAS": "*bf16",
                 "RES": "*bf16", "C": "*bf16", "OS": "*fp32"}  # fmt: skip

@@ -113,7 +113,7 @@ def test_the_hop_compiles_for_hopper() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.int8_gemm import HOP_CONFIGS, HOPPER_CONFIGS, _kernel
+    from models.gemm_kernel import HOP_CONFIGS, HOPPER_CONFIGS, _kernel
 
     ints = ["M", "N", "K", "M_BUCKET", "stride_am", "stride_bn", "stride_rm", "stride_cm",
             "stride_xs", "stride_os"]  # fmt: skip

@@ -67,11 +67,14 @@ def measure_int8(
     *,
     hessians: bool = False,
     kind: str = "int8",
+    grouped: frozenset[str] = frozenset(),
 ) -> Int8Measure:
     """`||q(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
     the inputs it receives while `run()` runs the float `module` (no grad), in float64;
     each layer's mean input, and with `hessians` its input's `X^T X`. `kind`: the
-    quantisation measured, "int8" or "fp8" (e4m3, `models.fp8_gemm`'s scales)."""
+    quantisation measured, "int8" or "fp8" (e4m3, `models.fp8_gemm`'s scales); the layers
+    named in `grouped` have their input quantised per row and 128 columns, as the MLP's
+    second Linear gets it from the first (`models.mlp_hop`)."""
     layers = {
         name: layer
         for name, layer in module.named_modules()
@@ -89,10 +92,17 @@ def measure_int8(
 
         def measure(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
             x = inputs[0].reshape(-1, layer.in_features)
-            xq, xs = rows(x)
-            # the int8 (or fp8) product in fp32 (exact but for the rounding of sums past 2^24; no
-            # kernel to tune, any device), then the kernel's dequantisation
-            got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
+            if name in grouped:
+                from models.mlp_hop import HOP_GROUP, quantize_groups
+
+                gq, gs = quantize_groups(x, kind == "fp8")
+                xd = (gq.float().unflatten(1, (-1, HOP_GROUP)) * gs[..., None]).flatten(1)
+                got = (xd @ wq.float().t()) * ws[None, :]
+            else:
+                xq, xs = rows(x)
+                # the int8 (or fp8) product in fp32 (exact but for the rounding of sums past
+                # 2^24; no kernel to tune, any device), then the kernel's dequantisation
+                got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
             want = torch.nn.functional.linear(x.float(), layer.weight.float())
             sums[name][0] += float((got.double() - want.double()).square().sum())
             sums[name][1] += float(want.double().square().sum())
@@ -160,10 +170,12 @@ def int8_include(
     max_kept: float = 0.25,
     hessians: bool = False,
     kind: str = "int8",
+    grouped: frozenset[str] = frozenset(),
 ) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
     """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
     `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
-    measured = measure_int8(module, run, candidates, hessians=hessians, kind=kind)
+    measured = measure_int8(module, run, candidates, hessians=hessians, kind=kind,
+                            grouped=grouped)  # fmt: skip
     errors = measured.errors
     kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
     chosen = tuple(name for name in errors if name not in kept)

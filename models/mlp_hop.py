@@ -43,6 +43,7 @@ __all__ = [
     "linear_from_groups_reference",
     "linear_to_groups",
     "linear_to_groups_reference",
+    "mlp_second_layers",
     "quantize_groups",
 ]
 
@@ -157,16 +158,36 @@ def _(
     return q.new_empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
+def _mlp_pairs() -> dict[type, tuple[str, str]]:
+    from models.sam.common import MLPBlock
+    from models.swin.model import Mlp
+
+    return {Mlp: ("fc1", "fc2"), MLPBlock: ("lin1", "lin2")}
+
+
+def mlp_second_layers(module: nn.Module) -> frozenset[str]:
+    """The names of the MLPs' second Linears whose input could come in groups (hidden width
+    a multiple of 128): what the per-layer choice measures so (`measure_int8(grouped=)`)."""
+    names = set()
+    pairs = _mlp_pairs()
+    for name, child in module.named_modules():
+        pair = pairs.get(type(child))
+        if pair is None:
+            continue
+        second = getattr(child, pair[1])
+        if isinstance(second, nn.Linear) and second.in_features % HOP_GROUP == 0:
+            names.add(f"{name}.{pair[1]}" if name else pair[1])
+    return frozenset(names)
+
+
 def fuse_mlp_hop(module: nn.Module) -> list[str]:
     """Hand the hidden activation of Swin's `Mlp` and SAM's `MLPBlock` quantised from the
     first Linear to the second where both are quantised alike by the fused kernel, GELU is
     in the first's epilogue (`fuse_gelu`) and the hidden width is a multiple of 128.
     Returns the first Linears' names."""
     from models.quantize import DynamicQuantLinear
-    from models.sam.common import MLPBlock
-    from models.swin.model import Mlp
 
-    pairs = {Mlp: ("fc1", "fc2"), MLPBlock: ("lin1", "lin2")}
+    pairs = _mlp_pairs()
     fused = []
     for name, child in module.named_modules():
         names = pairs.get(type(child))

@@ -159,11 +159,13 @@ def quantize_linears(
     hessians: dict[str, Tensor] = {}
     if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
+        from models.mlp_hop import mlp_second_layers
 
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
             max_error=INT8_MAX_ERROR if kind == "int8" else FP8_MAX_ERROR,
             max_kept=max_kept, hessians=kind == "int8", kind=kind,
+            grouped=mlp_second_layers(module) if mlp_hop else frozenset(),
         )  # fmt: skip
         means, hessians = choice.input_means, choice.hessians
     kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"

@@ -191,3 +191,29 @@ def test_sam_encoder_mlps_hand_their_hidden_activation_quantised(tiny_sam: Sam) 
         want = tiny_sam.encode(images)
     errors = [float((o - want).norm() / want.norm()) for o in outputs]
     assert 0 < errors[1] < 1.5 * errors[0] and errors[1] < 0.05, errors
+
+
+def test_the_per_layer_choice_measures_a_hop_input_in_groups() -> None:
+    """With the hop, fc2 sees its input quantised per 128 columns: the per-layer choice
+    measures it so (`grouped`). An outlier in one group then costs the others nothing, and
+    the measured error drops well below the per-row one."""
+    from models.int8_select import measure_int8
+    from models.mlp_hop import mlp_second_layers
+
+    torch.manual_seed(0)
+    model = SwinTransformer(TINY).eval()
+    assert mlp_second_layers(model) == {
+        f"layers.{s}.blocks.{b}.mlp.fc2" for s in range(2) for b in range(2)
+    }
+    layer = nn.Linear(512, 32)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    x[:, 3] *= 40  # an outlier channel in the first of 4 groups
+
+    def everything(name: str, module: nn.Linear) -> bool:
+        return True
+
+    for kind in ("int8", "fp8"):
+        rows = measure_int8(layer, lambda: layer(x), everything, kind=kind).errors[""]
+        groups = measure_int8(layer, lambda: layer(x), everything, kind=kind,
+                              grouped=frozenset({""})).errors[""]  # fmt: skip
+        assert 0 < groups < (0.7 if kind == "int8" else 1.0) * rows, (kind, groups, rows)

@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 PACK_PAD = 16  # bytes after each packed row: its fp32 scale, then padding
-_EPS = 1e-12
 
 
 def pack_rows(q: Tensor, scale: Tensor) -> Tensor:
@@ -61,7 +60,7 @@ def unpack_rows(packed: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:
     (after one when the rows are not laid out one after the other)."""
     k = packed.shape[1] - PACK_PAD
     if packed.stride(1) != 1 or packed.stride(0) % 16 or packed.storage_offset() % 16:
-        packed = packed.contiguous()
+        packed = packed.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
     q = packed[:, :k]
     scale = packed.view(torch.float32)[:, k // 4]
     return (q.view(FP8) if fp8 else q), scale

@@ -218,3 +218,15 @@ def test_kernel_compiles_for_hopper() -> None:
             assert bool(re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == fp8
             # the rounding by 1.5 * 2^23 (add, then subtract) is not folded away
             assert "0f4B400000" in ptx
+
+
+def test_rows_not_laid_out_one_after_another_are_copied_first() -> None:
+    """A packed tensor as a view at an odd offset or with a row gap still unpacks to the
+    same values and scales (through a fresh aligned copy)."""
+    q, s = quantize_rows(torch.randn(6, 32, generator=torch.Generator().manual_seed(4)))
+    packed = pack_rows(q, s)
+    wide = torch.zeros(7, 2 * (32 + PACK_PAD), dtype=torch.int8)
+    wide[1:, 3 : 3 + 32 + PACK_PAD] = packed
+    for view in (wide[1:, 3 : 3 + 32 + PACK_PAD], packed[::1]):
+        uq, us = unpack_rows(view, fp8=False)
+        assert torch.equal(uq, q) and torch.equal(us, s)

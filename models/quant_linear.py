@@ -70,6 +70,8 @@ class DynamicQuantLinear(nn.Module):
     """
 
     kind: ClassVar[Literal["int8", "fp8"]] = "int8"
+    # forward(x, residual=...) adds the residual in the epilogue (Swin's / SAM's MLP ask)
+    fuses_residual: ClassVar[bool] = True
     # buffers, typed for the checker (register_buffer makes them attributes)
     weight_q: Tensor
     weight_scale: Tensor
@@ -119,17 +121,21 @@ class DynamicQuantLinear(nn.Module):
                 f"kind={self.kind}, kernel={self.kernel}, gelu={self.gelu}, "
                 f"hop_out={self.hop_out}")  # fmt: skip
 
-    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor | tuple[Tensor, Tensor], residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """`x`: a float activation `[..., K]`; packed rows `[..., K + 16]` int8 from a
         `QuantizingLayerNorm`; or the MLP's hidden activation from the first Linear, as
-        (values, scales per 128 columns). The types are static: each traces to one path."""
+        (values, scales per 128 columns). The types are static: each traces to one path.
+        `residual` `[..., N]` is added to the output in the epilogue."""
         n = self.out_features
+        res = residual.reshape(-1, n) if residual is not None else None
         if isinstance(x, tuple):  # models.mlp_hop
             q, scales = x
             lead = q.shape[:-1]
             y = linear_from_groups(q.reshape(-1, self.in_features),
                                    scales.reshape(-1, scales.shape[-1]), self.weight_q,
-                                   self.weight_scale, self.bias, None, self.out_dtype)  # fmt: skip
+                                   self.weight_scale, self.bias, res, self.out_dtype)  # fmt: skip
             return y.reshape(*lead, n)
         lead = x.shape[:-1]
         packed = x.dtype == torch.int8  # by a QuantizingLayerNorm (models.ln_quant)
@@ -140,17 +146,19 @@ class DynamicQuantLinear(nn.Module):
         else:
             xq, x_scale = quantize_rows(x.reshape(-1, self.in_features))  # [M, K] int8, [M]
         if self.hop_out:  # models.mlp_hop: the output quantised per row and 128 columns
+            if residual is not None:
+                raise ValueError("a quantised output (hop_out) takes no residual")
             q, scales = linear_to_groups(xq, x_scale, self.weight_q, self.weight_scale,
                                          self.bias, self.gelu)  # fmt: skip
             return q.reshape(*lead, n), scales.reshape(*lead, scales.shape[-1])
         if x_scale is None:
-            y = packed_linear(xq, self.weight_q, self.weight_scale, self.bias, None,
+            y = packed_linear(xq, self.weight_q, self.weight_scale, self.bias, res,
                               self.gelu, self.out_dtype)  # fmt: skip
         elif self.kind == "fp8":
-            y = fp8_linear(xq, x_scale, self.weight_q, self.weight_scale, self.bias, None,
+            y = fp8_linear(xq, x_scale, self.weight_q, self.weight_scale, self.bias, res,
                            self.gelu, self.out_dtype)  # fmt: skip
         elif self.kernel == "fused":
-            y = int8_linear(xq, x_scale, self.weight_q, self.weight_scale, self.bias, None,
+            y = int8_linear(xq, x_scale, self.weight_q, self.weight_scale, self.bias, res,
                             self.gelu, self.out_dtype)  # fmt: skip
         else:
             acc = int8_mm(xq, self.weight_q.t())  # [M, N] int32
@@ -159,6 +167,8 @@ class DynamicQuantLinear(nn.Module):
                 y = y + self.bias.float()
             if self.gelu:
                 y = F.gelu(y)
+            if res is not None:
+                y = y + res.float()
             y = y.to(self.out_dtype)
         return y.reshape(*lead, n)
 

@@ -101,7 +101,7 @@ class Block(nn.Module):
         else:
             x = self.attn(x)
         x = shortcut + x
-        return x + self.mlp(self.norm2(x))
+        return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 
 class PatchEmbed(nn.Module):

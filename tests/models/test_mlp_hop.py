@@ -24,7 +24,7 @@ from models.mlp_hop import (
     quantize_groups,
 )
 from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
-from models.quantize import DynamicQuantLinear
+from models.quantize import DynamicQuantLinear, quantize_linears
 from models.sam import Sam
 from models.swin import SwinConfig, SwinTransformer
 
@@ -217,3 +217,28 @@ def test_the_per_layer_choice_measures_a_hop_input_in_groups() -> None:
         groups = measure_int8(layer, lambda: layer(x), everything, kind=kind,
                               grouped=frozenset({""})).errors[""]  # fmt: skip
         assert 0 < groups < (0.7 if kind == "int8" else 1.0) * rows, (kind, groups, rows)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_blocks_residual_is_added_in_the_mlps_last_epilogue(kind: str) -> None:
+    """Swin's and SAM's blocks hand `x` to their MLP as the residual: a quantised second
+    Linear adds it in its epilogue (the same fp32 sum, rounded once), with or without the
+    hop; a float one after it, exactly as `x + mlp(norm2(x))` did."""
+    from models.sam.common import MLPBlock
+    from models.swin.model import Mlp
+
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(3, 7, 64, generator=g), torch.randn(3, 7, 64, generator=g)
+    for cls in (Mlp, MLPBlock):
+        torch.manual_seed(1)
+        mlp = cls(64, 256).eval()
+        with torch.inference_mode():
+            assert torch.equal(mlp(x, residual=r), r + mlp(x))  # float: as before
+        for hop in (False, True):
+            quantised = copy.deepcopy(mlp)
+            quantize_linears(quantised, kind, lambda name, layer: True, mlp_hop=hop)  # type: ignore[arg-type]
+            assert isinstance(quantised.act, nn.Identity)  # GELU in the first epilogue
+            with torch.inference_mode():
+                fused, alone = quantised(x, residual=r), quantised(x)
+            assert fused.shape == r.shape
+            torch.testing.assert_close(fused, alone + r, rtol=1e-6, atol=1e-6)

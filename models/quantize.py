@@ -139,8 +139,9 @@ def quantize_linears(
     comparison. With the fused kernel an MLP's GELU moves into its first product
     (`fuse_gelu`), and with `norm_quant` the LayerNorm before qkv and the MLP quantises
     their input (`models.ln_quant.fuse_norm_quant`), with `mlp_hop` the MLP's first Linear
-    hands its output quantised to the second (`models.mlp_hop`). Refuses (ValueError) a
-    kind the module's device cannot run (`quantization_unsupported`).
+    hands its output quantised to the second (`models.mlp_hop`). Refuses
+    (NotImplementedError) a kind the module's device cannot run
+    (`quantization_unsupported`).
     """
     if kind == "none":
         return []
@@ -149,7 +150,8 @@ def quantize_linears(
         kind, backend, param.device if param is not None else torch.device("cpu")
     )
     if why_not is not None and backend != "torchao":
-        raise ValueError(why_not)
+        # a RuntimeError: the engine's start-up turns it into its VariantUnsupportedError
+        raise NotImplementedError(why_not)
 
     def quantizable(name: str, layer: nn.Linear) -> bool:
         return _quantizable(name, layer, include)

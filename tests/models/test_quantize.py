@@ -194,3 +194,11 @@ def test_a_kind_the_gpu_cannot_run_is_refused_at_load_naming_the_setting(monkeyp
     assert quantization_unsupported("none", "core", cuda) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "SERVE_QUANTIZATION=int8" in str(quantization_unsupported("int8", "int_mm", cuda))
+    # what quantize_linears raises, start-up turns into its refusal with what to do instead
+    from server.engine.build import variant_refusal
+    from tests.server.conftest import small_settings
+
+    refusal = variant_refusal(small_settings(quantization="fp8"), torch.device("cpu"),
+                              "loading Swin", NotImplementedError(why))  # fmt: skip
+    assert refusal is not None and str(refusal).startswith("SERVE_QUANTIZATION=fp8 cannot run")
+    assert "SERVE_QUANTIZATION=none" in str(refusal)

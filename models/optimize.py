@@ -81,6 +81,8 @@ class OptimizeOptions:
             parts.append(self.quantization)
             if self.quantization_backend != "core":
                 parts.append(self.quantization_backend)
+            # other graphs, other rounding: named (AOT packages are keyed by the variant)
+            parts += [name for name, on in (("lnq", self.norm_quant), ("hop", self.mlp_hop)) if on]
         if self.sparsity != "none":
             parts.append(self.sparsity)
         return "+".join(parts)

@@ -86,6 +86,9 @@ def test_variant_names():
     assert OptimizeOptions(precision="bf16", quantization="fp8").variant == "bf16+fp8"
     opts = OptimizeOptions(precision="bf16", quantization="int8", sparsity="2:4")
     assert opts.variant == "bf16+int8+2:4"
+    opts = OptimizeOptions(precision="bf16", quantization="fp8", norm_quant=True, mlp_hop=True)
+    assert opts.variant == "bf16+fp8+lnq+hop"
+    assert OptimizeOptions(precision="bf16", norm_quant=True).variant == "bf16"  # no effect
     assert opts.dtype == torch.bfloat16
 
 

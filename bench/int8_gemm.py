@@ -9,10 +9,19 @@ it times, each inside a CUDA graph of `--reps` calls (no launch overhead, as ser
 - `bf16`: `F.linear` in bf16 (cuBLAS, bias in its epilogue), then GELU where the layer has it;
 - `int_mm`: `torch._int_mm` (int32 out) with the dequantisation, bias, GELU and cast as one
   compiled pointwise kernel after it: the earlier int8 path;
-- `fused`: `models.int8_gemm.launch`, autotuned (the config it chose is printed).
+- `fused`: `models.int8_gemm.launch`, autotuned (the config it chose is printed);
+- `fp8`: the same kernel on e4m3 operands (`models.fp8_gemm`, fp32 accumulation).
 
-Activations are already int8 for both int8 forms (quantisation fuses into the layer norm
-before, under torch.compile). `max_rel` is the fused kernel's largest difference from the
+Activations are already int8 / e4m3 for those. The layers fed by a LayerNorm (qkv, fc1 /
+lin1) are also timed with the activation's preparation, from the block's bf16 input:
+`ln+bf16` (layer norm, then bf16 `F.linear`), `ln+q+int8` (layer norm and per-token
+quantisation compiled by inductor, then the fused kernel: what the model did before),
+`lnq+int8` / `lnq+fp8` (`models.ln_quant`: one kernel writes the quantised rows and their
+scales, the GEMM reads them in place). On the MLP's first layer (fc1 / lin1) the whole MLP
+is timed too, from its int8 / e4m3 input: `mlp bf16`, `mlp int8` (fc1's bf16 output
+quantised by an inductor kernel for fc2, as before), `mlp hop int8` / `mlp hop fp8`
+(`models.mlp_hop`: fc1 writes it quantised per 128 columns, fc2 reads that).
+`max_rel` is the fused kernel's largest difference from the
 torch reference (`int8_linear_reference`) relative to the output's largest magnitude;
 `equal` whether they are bit for bit equal. `--sweep` also times every candidate config
 (`HOPPER_CONFIGS`) per shape, to see what the autotuner had to choose from.
@@ -32,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import cuda_time_ms, environment, print_table, write_json
+from models.fp8_gemm import fp8_linear, quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import (
     HOPPER_CONFIGS,
     int8_linear,
@@ -39,6 +49,8 @@ from models.int8_gemm import (
     launch,
     quantize_rows,
 )
+from models.ln_quant import layer_norm_quant, packed_linear
+from models.mlp_hop import linear_from_groups, linear_to_groups
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -98,7 +110,90 @@ def _int_mm_epilogue(
     return (F.gelu(y) if gelu else y).to(torch.bfloat16)
 
 
-def measure(row: dict[str, Any], args: argparse.Namespace, epilogue: Callable[..., Any]) -> None:
+def _ln_quant_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return quantize_rows(F.layer_norm(x, (x.shape[-1],), w, b, 1e-5))
+
+
+def _norm_fed_forms(
+    x: torch.Tensor,
+    bf16_weights: tuple[torch.Tensor, torch.Tensor],
+    int8_weights: tuple[torch.Tensor, torch.Tensor],
+    fp8_weights: tuple[torch.Tensor, torch.Tensor],
+    bias: torch.Tensor,
+    gelu: bool,
+    prepare: Callable[..., Any],
+) -> list[tuple[str, Callable[[], object]]]:
+    """The product with its input's preparation from the block's bf16 activation `x`."""
+    k = x.shape[1]
+    nw, nb = (
+        torch.ones(k, device=DEVICE, dtype=x.dtype),
+        torch.zeros(k, device=DEVICE, dtype=x.dtype),
+    )
+    (wb, bb), (wq, ws), (wq8, ws8) = bf16_weights, int8_weights, fp8_weights
+
+    def ln_bf16() -> torch.Tensor:
+        y = F.linear(F.layer_norm(x, (k,), nw, nb, 1e-5), wb, bb)
+        return F.gelu(y) if gelu else y
+
+    def ln_q_int8() -> torch.Tensor:
+        q, s = prepare(x, nw, nb)
+        return int8_linear(q, s, wq, ws, bias, None, gelu, torch.bfloat16)
+
+    def lnq(fp8: bool) -> torch.Tensor:
+        packed = layer_norm_quant(x, nw, nb, 1e-5, fp8)
+        w, s = (wq8, ws8) if fp8 else (wq, ws)
+        return packed_linear(packed, w, s, bias, None, gelu, torch.bfloat16)
+
+    return [("ln+bf16", ln_bf16), ("ln+q+int8", ln_q_int8),
+            ("lnq+int8", lambda: lnq(False)), ("lnq+fp8", lambda: lnq(True))]  # fmt: skip
+
+
+def _mlp_forms(
+    x: torch.Tensor,
+    fc1: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    bias: torch.Tensor,
+    prepare_rows: Callable[..., Any],
+) -> list[tuple[str, Callable[[], object]]]:
+    """fc1 (GELU), then fc2 back to the width, from `x`; `fc1`'s weights by form."""
+    c, hidden = x.shape[1], fc1["bf16"][0].shape[0]
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    w2 = torch.randn(c, hidden, device=DEVICE, generator=g) / hidden**0.5
+    b2 = torch.randn(c, device=DEVICE, generator=g) * 0.1
+    w2s = w2.abs().amax(1) / 127
+    w2q = torch.round(w2 / w2s[:, None]).to(torch.int8)
+    w2q8, w2s8 = quantize_weight_fp8(w2)
+    w2b, b2b = w2.to(torch.bfloat16), b2.to(torch.bfloat16)
+    xq, xs = quantize_rows(x)
+    xq8, xs8 = quantize_rows_fp8(x)
+    (wb, bb), (wq, ws), (wq8, ws8) = fc1["bf16"], fc1["int8"], fc1["fp8"]
+
+    def mlp_bf16() -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, wb, bb)), w2b, b2b)
+
+    def mlp_int8() -> torch.Tensor:
+        h = int8_linear(xq, xs, wq, ws, bias, None, True, torch.bfloat16)
+        hq, hs = prepare_rows(h)
+        return int8_linear(hq, hs, w2q, w2s, b2, None, False, torch.bfloat16)
+
+    def mlp_hop(fp8: bool) -> torch.Tensor:
+        if fp8:
+            hq, hs = linear_to_groups(xq8, xs8, wq8, ws8, bias, True)
+            return linear_from_groups(hq, hs, w2q8, w2s8, b2, None, torch.bfloat16)
+        hq, hs = linear_to_groups(xq, xs, wq, ws, bias, True)
+        return linear_from_groups(hq, hs, w2q, w2s, b2, None, torch.bfloat16)
+
+    return [("mlp bf16", mlp_bf16), ("mlp int8", mlp_int8),
+            ("mlp hop int8", lambda: mlp_hop(False)),
+            ("mlp hop fp8", lambda: mlp_hop(True))]  # fmt: skip
+
+
+def measure(
+    row: dict[str, Any],
+    args: argparse.Namespace,
+    epilogue: Callable[..., Any],
+    prepare: Callable[..., Any],
+    prepare_rows: Callable[..., Any],
+) -> None:
     m, k, n, gelu = row["M"], row["K"], row["N"], row["gelu"]
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16)
@@ -122,17 +217,34 @@ def measure(row: dict[str, Any], args: argparse.Namespace, epilogue: Callable[..
             return launch(xq, xs, wq, ws, bias, None, gelu=gelu, out_dtype=torch.bfloat16)
         return int8_linear(xq, xs, wq, ws, bias, None, gelu, torch.bfloat16)
 
-    for name, fn in (("bf16", bf16), ("int_mm", int_mm), ("fused", fused)):
+    xq8, xs8 = quantize_rows_fp8(x)
+    wq8, ws8 = quantize_weight_fp8(w)
+
+    def fp8() -> torch.Tensor:
+        return fp8_linear(xq8, xs8, wq8, ws8, bias, None, gelu, torch.bfloat16)
+
+    forms: list[tuple[str, Callable[[], object]]] = [
+        ("bf16", bf16), ("int_mm", int_mm), ("fused", fused), ("fp8", fp8),
+    ]  # fmt: skip
+    if row["layer"].split(".")[-1] in ("qkv", "fc1", "lin1"):
+        forms += _norm_fed_forms(x, (wb, bb), (wq, ws), (wq8, ws8), bias, gelu, prepare)
+    if row["layer"].split(".")[-1] in ("fc1", "lin1"):
+        weights = {"bf16": (wb, bb), "int8": (wq, ws), "fp8": (wq8, ws8)}
+        forms += _mlp_forms(x, weights, bias, prepare_rows)
+    for name, fn in forms:
         try:
             ms = graphed_ms(fn, args.reps, args.iters)
             row[f"{name} ms"] = ms
             row[f"{name} TFLOP/s"] = flops / ms / 1e9
         except Exception as exc:  # one failing form must not lose the others
             row[f"{name} ms"] = f"{type(exc).__name__}: {str(exc)[:80]}"
-    if isinstance(row.get("fused ms"), float) and isinstance(row.get("bf16 ms"), float):
-        row["fused/bf16"] = row["bf16 ms"] / row["fused ms"]
+    for name, base in (("fused", "bf16"), ("fp8", "bf16"), ("lnq+int8", "ln+bf16"),
+                       ("lnq+fp8", "ln+bf16"), ("mlp hop int8", "mlp bf16"),
+                       ("mlp hop fp8", "mlp bf16")):  # fmt: skip
+        if isinstance(row.get(f"{name} ms"), float) and isinstance(row.get(f"{base} ms"), float):
+            row[f"{name}/{base}"] = row[f"{base} ms"] / row[f"{name} ms"]
     if CUDA:
-        from models.int8_gemm import _autotuned
+        from models.gemm_kernel import _autotuned
 
         # the autotuner launch() uses; best_config: the one its last call (this shape) ran
         chosen = getattr(_autotuned(HOPPER_CONFIGS), "best_config", None)
@@ -177,19 +289,25 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     # one compile for every shape: M, K and N symbolic
     epilogue = torch.compile(_int_mm_epilogue, dynamic=True) if CUDA else _int_mm_epilogue
+    prepare = torch.compile(_ln_quant_rows, dynamic=True) if CUDA else _ln_quant_rows
+    prepare_rows = torch.compile(quantize_rows, dynamic=True) if CUDA else quantize_rows
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for row in shapes(args.swin_batch_sizes, args.sam_batch_sizes):
             if time.perf_counter() - started > args.budget_s:
                 print(f"budget spent: skipping {row['model']} {row['layer']}", flush=True)
                 continue
-            measure(row, args, epilogue)
+            measure(row, args, epilogue, prepare, prepare_rows)
             rows.append(row)
             print(row, flush=True)
     write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     columns = ["model", "layer", "M", "K", "N", "bf16 ms", "int_mm ms", "fused ms", "fused/bf16",
-               "fused TFLOP/s", "max_rel", "equal", "config"]  # fmt: skip
+               "fp8 ms", "fp8/bf16", "fused TFLOP/s", "ln+bf16 ms", "ln+q+int8 ms",
+               "lnq+int8 ms", "lnq+fp8 ms", "lnq+int8/ln+bf16", "lnq+fp8/ln+bf16",
+               "mlp bf16 ms", "mlp int8 ms", "mlp hop int8 ms", "mlp hop fp8 ms",
+               "mlp hop int8/mlp bf16", "mlp hop fp8/mlp bf16",
+               "max_rel", "equal", "config"]  # fmt: skip
     if args.sweep:
         columns.append("sweep best")
     print_table(rows, columns)

@@ -40,9 +40,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-int8|-fp8|-2:4][-torchao|-int_mm]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
+    """`bf16[-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
-    `-int_mm` int8 through torch._int_mm on every layer (the fused kernel is the default)."""
+    `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
+    torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
+    the LayerNorm writing qkv's and lin1's input quantised (models.ln_quant), `-hop` lin1's
+    output handed to lin2 quantised (models.mlp_hop)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
@@ -56,6 +59,8 @@ def _variant(name: str) -> OptimizeOptions:
         window_attention="triton" if "win" in parts else "sdpa",
         compile_mode=compile_mode,  # type: ignore[arg-type]
         cuda_graphs=compile_mode != "none",
+        norm_quant="lnq" in parts,
+        mlp_hop="hop" in parts,
     )
 
 
@@ -75,6 +80,11 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
+        "bf16-fp8-int_mm-compile-triton-win",  # torch._scaled_mm, every layer (the same)
+        "bf16-int8-lnq-compile-triton-win",  # the norm writes the quantised rows
+        "bf16-fp8-lnq-compile-triton-win",
+        "bf16-int8-lnq-hop-compile-triton-win",  # and lin1's output handed to lin2 quantised
+        "bf16-fp8-lnq-hop-compile-triton-win",
         "bf16-int8-torchao-compile-triton-win",
         "bf16-fp8-torchao-compile-triton-win",
     ]

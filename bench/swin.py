@@ -11,7 +11,18 @@ int8 (issue 20): `bf16-int8-compile` is the earlier torch._int_mm path, `bf16-in
 the fused Triton kernel on every block Linear (weights rounded to nearest),
 `bf16-int8fused-gptq-compile` the same calibrated (GPTQ rounding, bias correction), and
 `bf16-int8fused-select-compile` that with the per-layer choice (the worst-measured layers
-kept in bf16): what SERVE_QUANTIZATION=int8 serves.
+kept in bf16): what SERVE_QUANTIZATION=int8 serves. fp8 alike: `bf16-fp8-compile` the
+earlier `torch._scaled_mm` path, `bf16-fp8fused-compile` the fused kernel on e4m3 operands
+(models.fp8_gemm) on every block Linear, `bf16-fp8fused-select-compile` with the per-layer
+choice and bias correction (SERVE_QUANTIZATION=fp8). `-lnq` adds the LayerNorm that writes
+qkv's and fc1's input quantised (models.ln_quant; OptimizeOptions.norm_quant), `-lnq-hop`
+also fc1's output handed to fc2 quantised (models.mlp_hop; OptimizeOptions.mlp_hop).
+One run:
+
+    python3 -m bench.swin --static --batch-sizes 256 --iters 10 --agreement-images 512 \
+        --variants bf16-compile bf16-int8fused-select-compile bf16-int8fused-select-lnq-compile \
+        bf16-int8fused-select-lnq-hop-compile bf16-fp8fused-select-compile \
+        bf16-fp8fused-select-lnq-compile bf16-fp8fused-select-lnq-hop-compile
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ from bench.common import (
 )
 from models.fidelity import swin_views
 from models.int8_select import calibration_run
+from models.ln_quant import QuantizingLayerNorm
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_swin
-from models.quantize import Int8DynamicLinear, quantize_linears
+from models.quantize import DynamicQuantLinear, Fp8RowwiseLinear, quantize_linears
 from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
 from models.swin import transforms as swin_tf
 
@@ -71,9 +83,28 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "bf16-int8fused-select-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
     ),
+    # fp8 through torch._scaled_mm, every block Linear (the earlier path)
     "bf16-fp8-compile": OptimizeOptions(
-        precision="bf16", quantization="fp8", compile_mode="default", cuda_graphs=True
+        precision="bf16",
+        quantization="fp8",
+        quantization_backend="int_mm",
+        compile_mode="default",
+        cuda_graphs=True,
     ),
+    **{
+        f"bf16-{kind}fused{how}{lnq}-compile": OptimizeOptions(
+            precision="bf16",
+            quantization=kind,  # type: ignore[arg-type]
+            compile_mode="default",
+            cuda_graphs=True,
+            norm_quant=bool(lnq),
+            mlp_hop="hop" in lnq,
+        )
+        for kind in ("int8", "fp8")
+        for how in ("", "-gptq", "-select")
+        for lnq in ("", "-lnq", "-lnq-hop")
+        if (kind == "fp8" or lnq) and not (kind == "fp8" and how == "-gptq")
+    },
     "bf16-autotune": OptimizeOptions(
         precision="bf16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
     ),
@@ -83,9 +114,16 @@ VARIANTS: dict[str, OptimizeOptions] = {
 }
 
 
-# variants whose int8 takes every candidate layer (prepare_swin would measure and choose):
-# uncalibrated (rounded to nearest), or calibrated as prepare_swin does but keeping none
-EVERY_LAYER = {"bf16-int8fused-compile": False, "bf16-int8fused-gptq-compile": True}
+# variants whose int8/fp8 takes every candidate layer (prepare_swin would measure and
+# choose): uncalibrated (rounded to nearest), or calibrated as prepare_swin does but keeping
+# none
+EVERY_LAYER = {
+    f"bf16-{kind}fused{how}{lnq}-compile": how == "-gptq"
+    for kind in ("int8", "fp8")
+    for how in ("", "-gptq")
+    for lnq in ("", "-lnq", "-lnq-hop")
+    if not (kind == "fp8" and how == "-gptq")
+}
 
 
 def _block_linear(name: str, layer: torch.nn.Linear) -> bool:
@@ -100,7 +138,8 @@ def prepare(model: torch.nn.Module, variant: str, opts: OptimizeOptions) -> None
     prepare_swin(model, replace(opts, quantization="none"))
     calibrate = calibration_run(model.config.img_size, 8) if EVERY_LAYER[variant] else None
     quantize_linears(model, opts.quantization, _block_linear, backend=opts.quantization_backend,
-                     calibrate=calibrate, max_kept=0.0)  # fmt: skip
+                     calibrate=calibrate, max_kept=0.0, norm_quant=opts.norm_quant,
+                     mlp_hop=opts.mlp_hop)  # fmt: skip
 
 
 def agreement_inputs(photos: list[torch.Tensor], n: int, config) -> torch.Tensor:
@@ -150,7 +189,10 @@ def main() -> None:
         try:
             model = copy.deepcopy(base).to(dtype=opts.dtype)
             prepare(model, variant, opts)
-            int8_layers = sum(isinstance(m, Int8DynamicLinear) for m in model.modules())
+            quantised = (DynamicQuantLinear, Fp8RowwiseLinear)
+            quant_layers = sum(isinstance(m, quantised) for m in model.modules())
+            lnq_norms = sum(isinstance(m, QuantizingLayerNorm) for m in model.modules())
+            hops = sum(getattr(m, "hop_out", False) for m in model.modules())
             for module in model.modules():
                 if isinstance(module, WindowAttention):
                     module.use_sdpa = attention == "sdpa"
@@ -176,7 +218,9 @@ def main() -> None:
                             "ms": ms,
                             "peak_gib": peak_gib(),
                             "compile_s": compile_s,
-                            "int8_layers": int8_layers,
+                            "quant_layers": quant_layers,
+                            "lnq_norms": lnq_norms,
+                            "hops": hops,
                         }
                     )
                     print(rows[-1], flush=True)
@@ -211,7 +255,9 @@ def main() -> None:
             "ms",
             "peak_gib",
             "compile_s",
-            "int8_layers",
+            "quant_layers",
+            "lnq_norms",
+            "hops",
             "top1_agree",
             "error",
         ],

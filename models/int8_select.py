@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from models.fp8_gemm import quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import quantize_rows
 
 __all__ = [
@@ -40,7 +41,9 @@ log = logging.getLogger(__name__)
 _EPS = 1e-12
 
 
-def _quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+def _quantize_weight(weight: Tensor, kind: str = "int8") -> tuple[Tensor, Tensor]:
+    if kind == "fp8":
+        return quantize_weight_fp8(weight.float())
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
@@ -63,10 +66,15 @@ def measure_int8(
     candidates: Callable[[str, nn.Linear], bool],
     *,
     hessians: bool = False,
+    kind: str = "int8",
+    grouped: frozenset[str] = frozenset(),
 ) -> Int8Measure:
-    """`||int8(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
+    """`||q(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
     the inputs it receives while `run()` runs the float `module` (no grad), in float64;
-    each layer's mean input, and with `hessians` its input's `X^T X`."""
+    each layer's mean input, and with `hessians` its input's `X^T X`. `kind`: the
+    quantisation measured, "int8" or "fp8" (e4m3, `models.fp8_gemm`'s scales); the layers
+    named in `grouped` have their input quantised per row and 128 columns, as the MLP's
+    second Linear gets it from the first (`models.mlp_hop`)."""
     layers = {
         name: layer
         for name, layer in module.named_modules()
@@ -79,14 +87,22 @@ def measure_int8(
     hooks = []
 
     def hook_for(name: str, layer: nn.Linear) -> Callable[..., None]:
-        wq, ws = _quantize_weight(layer.weight)
+        wq, ws = _quantize_weight(layer.weight, kind)
+        rows = quantize_rows_fp8 if kind == "fp8" else quantize_rows
 
         def measure(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
             x = inputs[0].reshape(-1, layer.in_features)
-            xq, xs = quantize_rows(x)
-            # the int8 product in fp32 (exact but for the rounding of sums past 2^24; no
-            # kernel to tune, any device), then the kernel's dequantisation
-            got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
+            if name in grouped:
+                from models.mlp_hop import HOP_GROUP, quantize_groups
+
+                gq, gs = quantize_groups(x, kind == "fp8")
+                xd = (gq.float().unflatten(1, (-1, HOP_GROUP)) * gs[..., None]).flatten(1)
+                got = (xd @ wq.float().t()) * ws[None, :]
+            else:
+                xq, xs = rows(x)
+                # the int8 (or fp8) product in fp32 (exact but for the rounding of sums past
+                # 2^24; no kernel to tune, any device), then the kernel's dequantisation
+                got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
             want = torch.nn.functional.linear(x.float(), layer.weight.float())
             sums[name][0] += float((got.double() - want.double()).square().sum())
             sums[name][1] += float(want.double().square().sum())
@@ -153,18 +169,21 @@ def int8_include(
     max_error: float,
     max_kept: float = 0.25,
     hessians: bool = False,
+    kind: str = "int8",
+    grouped: frozenset[str] = frozenset(),
 ) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
     """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
     `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
-    measured = measure_int8(module, run, candidates, hessians=hessians)
+    measured = measure_int8(module, run, candidates, hessians=hessians, kind=kind,
+                            grouped=grouped)  # fmt: skip
     errors = measured.errors
     kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
     chosen = tuple(name for name in errors if name not in kept)
     choice = Int8Choice(chosen, kept, errors, measured.input_means, measured.hessians)
     if kept:
         worst = ", ".join(f"{n} {errors[n]:.4f}" for n in kept)
-        log.info("int8: %d of %d layers kept in float (error > %.4f): %s",
-                 len(kept), len(errors), max_error, worst)  # fmt: skip
+        log.info("%s: %d of %d layers kept in float (error > %.4f): %s",
+                 kind, len(kept), len(errors), max_error, worst)  # fmt: skip
     excluded = set(kept)
 
     def include(name: str, layer: nn.Linear) -> bool:

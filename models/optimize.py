@@ -57,6 +57,11 @@ class OptimizeOptions:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Quantization = "none"
     quantization_backend: QuantBackend = "core"  # "int_mm", "torchao": see models.quantize
+    # core int8/fp8: the LayerNorm before qkv and the MLP writes their input quantised
+    # (models.ln_quant); off until measured on the GPU (bench/swin.py's -lnq variants)
+    norm_quant: bool = False
+    # ... and the MLP's hidden activation goes from fc1 to fc2 quantised (models.mlp_hop)
+    mlp_hop: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -76,6 +81,8 @@ class OptimizeOptions:
             parts.append(self.quantization)
             if self.quantization_backend != "core":
                 parts.append(self.quantization_backend)
+            # other graphs, other rounding: named (AOT packages are keyed by the variant)
+            parts += [name for name, on in (("lnq", self.norm_quant), ("hop", self.mlp_hop)) if on]
         if self.sparsity != "none":
             parts.append(self.sparsity)
         return "+".join(parts)
@@ -132,8 +139,8 @@ def _quantize(
     include: Callable[[str, nn.Linear], bool],
     image_size: int,
 ) -> list[str]:
-    """int8 measures each layer on 2 (SAM) or 8 (Swin) sample images and keeps the worst in
-    float (models.int8_select)."""
+    """int8 and fp8 measure each layer on 2 (SAM) or 8 (Swin) sample images and keep the
+    worst in float (models.int8_select)."""
     if options.quantization_backend == "torchao":
         return quantize_linears_torchao(module, options.quantization, include)
     images = 2 if image_size >= 512 else 8
@@ -141,6 +148,7 @@ def _quantize(
     return quantize_linears(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
+        norm_quant=options.norm_quant, mlp_hop=options.mlp_hop,
     )  # fmt: skip
 
 

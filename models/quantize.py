@@ -1,16 +1,18 @@
-"""Weight-and-activation quantization and 2:4 sparsity for `nn.Linear`, in core torch.
+"""Weight-and-activation quantization for `nn.Linear`, in core torch: the load-time swaps.
+The layers live in models/quant_linear.py and 2:4 sparsity in models/sparsity.py (both
+re-exported here).
 
 Small module swaps applied once at load time, like gpt-fast's quantizers:
 
-- `Int8DynamicLinear`: int8 weights (one scale per output channel) and int8 activations
-  quantized per token at run time. On CUDA with Triton the product is our kernel with the
-  dequantisation, bias and GELU fused into its epilogue (`models.int8_gemm`, bf16 out);
+- `Int8DynamicLinear` / `Fp8DynamicLinear` (`DynamicQuantLinear`): int8 or float8 e4m3
+  weights (one scale per output channel) and activations quantized per token at run time.
+  On CUDA with Triton the product is our kernel with the dequantisation, bias and GELU fused
+  into its epilogue (`models.int8_gemm`, `models.fp8_gemm`; bf16 out); the input may come
+  already quantised from the LayerNorm before (`models.ln_quant`). int8's
   `kernel="int_mm"` keeps the earlier `torch._int_mm` (int32 out) then separate kernels,
-  for comparison. On the CPU both run the same arithmetic in torch.
-- `Fp8RowwiseLinear`: float8 e4m3 weights and activations with one scale per row, through
-  `torch._scaled_mm` (Hopper's fp8 tensor cores; bf16 output).
-- `semi_structured_2to4`: prunes a weight to 2 non-zeros in every 4 along the input axis
-  (magnitude), and on CUDA stores it in cuSPARSELt's compressed form.
+  for comparison. On the CPU every form runs the same arithmetic in torch.
+- `Fp8RowwiseLinear`: the earlier fp8, through `torch._scaled_mm` (bias in it, no GELU),
+  for comparison (`backend="int_mm"`): on an H100 it ran Swin-T 6% slower than bf16.
 
 Under `torch.compile` the per-token quantization fuses into the kernel that produced the
 activation, so what remains is the low-precision matrix product. Whether that beats bf16
@@ -27,15 +29,26 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.int8_gemm import int8_linear, quantize_rows
-from models.int8_gptq import gptq_int8
+from models.int8_gemm import triton_gemm_available
+from models.quant_linear import (
+    DynamicQuantLinear,
+    Fp8DynamicLinear,
+    Fp8RowwiseLinear,
+    Int8DynamicLinear,
+    Int8Kernel,
+    int8_mm,
+    linear_reference,
+)
+from models.sparsity import Sparse24Linear, prune_2to4, semi_structured_2to4
 
 __all__ = [
+    "FP8_MAX_ERROR",
     "INT8_MAX_ERROR",
     "INT8_MAX_KEPT",
+    "DynamicQuantLinear",
+    "Fp8DynamicLinear",
     "Fp8RowwiseLinear",
     "Int8DynamicLinear",
     "Int8Kernel",
@@ -46,6 +59,7 @@ __all__ = [
     "int8_mm",
     "linear_reference",
     "prune_2to4",
+    "quantization_unsupported",
     "quantize_linears",
     "quantize_linears_torchao",
     "semi_structured_2to4",
@@ -53,131 +67,10 @@ __all__ = [
 ]
 
 Quantization = Literal["none", "int8", "fp8"]
-# "fused": models.int8_gemm (Triton on CUDA); "int_mm": torch._int_mm, then the epilogue
-Int8Kernel = Literal["fused", "int_mm"]
-# core: our layers (int8: the fused kernel and the per-layer choice); int_mm: our layers
-# through torch._int_mm, every layer (the earlier int8, for comparison); torchao: quantize_
+# core: our layers (the fused kernels and the per-layer choice); int_mm: the earlier torch
+# paths, every layer (int8 through torch._int_mm, fp8 through torch._scaled_mm), for
+# comparison; torchao: quantize_
 QuantBackend = Literal["core", "int_mm", "torchao"]
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-_EPS = 1e-12
-
-
-@torch.library.custom_op("serve::int8_mm", mutates_args=())
-def int8_mm(a: Tensor, b: Tensor) -> Tensor:
-    """`torch._int_mm(a, b)` with `a` row-major, whatever layout it arrives in.
-
-    cuBLASLt refuses an int8 product whose activation is column-major once it has 65,536
-    rows or more and few columns (`CUBLAS_STATUS_NOT_SUPPORTED ... transpose_mat1 1
-    transpose_mat2 1`, H100, `python -m bench.int8_probe`), and inductor lays a quantized
-    activation out as the op before it did: Swin-T's first stage at batch 64 arrives
-    column-major. As a custom op the call is opaque to the compiler, so the `contiguous`
-    here runs as written (a no-op for a row-major input).
-    """
-    return torch._int_mm(a.contiguous(), b)
-
-
-@int8_mm.register_fake
-def _int8_mm_shape(a: Tensor, b: Tensor) -> Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.int32)
-
-
-class Int8DynamicLinear(nn.Module):
-    """`y = x W^T + b` (then GELU where `gelu`) with int8 W (per output channel) and int8 x
-    (per token)."""
-
-    # buffers, typed for the checker (register_buffer makes them attributes)
-    weight_int8: Tensor
-    weight_scale: Tensor
-    bias: Tensor | None
-
-    def __init__(
-        self,
-        linear: nn.Linear,
-        *,
-        kernel: Int8Kernel = "fused",
-        gelu: bool = False,
-        input_mean: Tensor | None = None,
-        hessian: Tensor | None = None,
-    ) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()  # [N, K]
-        if hessian is not None:  # GPTQ rounding (models.int8_gptq): the same scales
-            q, scale = gptq_int8(weight, hessian)
-        else:
-            scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
-            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        # [N, K] contiguous: K-major, what int8 tensor cores take (its .t() is col-major)
-        self.register_buffer("weight_int8", q.contiguous())
-        self.register_buffer("weight_scale", scale)
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
-        if input_mean is not None:
-            # Bias correction (Nagel et al., 2019): the weights' rounding shifts the output
-            # for the mean input by mean (W_q - W)^T, every token alike (so it survives
-            # Swin's pooling; models/int8_gptq.py); taken out of the bias, in fp32.
-            rounded = q.double() * scale.double()[:, None] - weight.double()
-            shift = input_mean.to(rounded) @ rounded.t()  # [N]
-            base = bias.double() if bias is not None else torch.zeros_like(shift)
-            bias = (base - shift).float()
-        self.register_buffer("bias", bias)
-        self.out_dtype = linear.weight.dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel: Int8Kernel = kernel
-        self.gelu = gelu  # nn.GELU() (exact erf) fused after the bias; see fuse_gelu
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kernel={self.kernel}, gelu={self.gelu}")  # fmt: skip
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))  # [M, K] int8, [M]
-        if self.kernel == "fused":
-            y = int8_linear(xq, x_scale, self.weight_int8, self.weight_scale, self.bias, None,
-                            self.gelu, self.out_dtype)  # fmt: skip
-            return y.reshape(*shape[:-1], self.out_features)
-        acc = int8_mm(xq, self.weight_int8.t())  # [M, N] int32
-        y = acc.float() * x_scale[:, None] * self.weight_scale
-        if self.bias is not None:
-            y = y + self.bias.float()
-        if self.gelu:
-            y = F.gelu(y)
-        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
-
-
-class Fp8RowwiseLinear(nn.Module):
-    """`y = x W^T + b` with float8 e4m3 W and x, one scale per row of each (bf16 output)."""
-
-    weight_fp8: Tensor
-    weight_scale: Tensor
-    bias: Tensor | None
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()  # [N, K]
-        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=_EPS) / FP8_MAX  # [N, 1]
-        self.register_buffer("weight_fp8", (weight / scale).to(FP8).contiguous())  # [N, K]
-        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N] fp32
-        bias = linear.bias.detach().to(torch.bfloat16) if linear.bias is not None else None
-        self.register_buffer("bias", bias)
-        self.out_dtype = linear.weight.dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # [M, K]
-        x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=_EPS) / FP8_MAX  # [M, 1]
-        xq = (x2.float() / x_scale).to(FP8)
-        y = torch._scaled_mm(
-            xq,
-            self.weight_fp8.t(),
-            scale_a=x_scale,
-            scale_b=self.weight_scale,
-            bias=self.bias,
-            out_dtype=torch.bfloat16,
-        )
-        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
 
 def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear], bool]) -> bool:
@@ -195,6 +88,32 @@ def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear]
 # 0.009-0.011 (the same order on `smooth_images`, Spearman 0.97).
 INT8_MAX_ERROR = 0.0125
 INT8_MAX_KEPT = 0.125
+# fp8 e4m3 (3 mantissa bits) errs 3.5x int8 and on every layer alike (its rounding is
+# relative to each value, not to the row's largest): random Swin-T on 8 `smooth_images`,
+# 0.0356-0.0385 (median 0.0370, fc2 not worse) against int8's 0.0088-0.0153. Past the
+# median plus a little: the per-layer choice keeps its usual share (INT8_MAX_KEPT).
+FP8_MAX_ERROR = 0.0375
+
+
+def quantization_unsupported(
+    kind: Quantization, backend: QuantBackend, device: torch.device
+) -> str | None:
+    """Why `kind` cannot run on `device` with `backend` (core, int_mm), or None when it can:
+    what the engine says at start (naming SERVE_QUANTIZATION), not a CUBLAS or Triton error
+    at the first request. The CPU runs every form (torch references)."""
+    if kind == "none" or device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    # "not supported": server.engine.build's variant_refusal adds what to start with instead
+    if kind == "fp8" and cap < (8, 9):
+        return (f"SERVE_QUANTIZATION=fp8 is not supported on compute capability "
+                f"{cap[0]}.{cap[1]}: fp8 tensor cores need 8.9 or more (Ada, Hopper)")  # fmt: skip
+    if kind == "int8" and cap < (8, 0):
+        return (f"SERVE_QUANTIZATION=int8 is not supported on compute capability "
+                f"{cap[0]}.{cap[1]}: int8 tensor cores need 8.0 or more")  # fmt: skip
+    if backend == "core" and not triton_gemm_available():
+        return f"SERVE_QUANTIZATION={kind} is not supported here: its CUDA kernel needs Triton"
+    return None
 
 
 def quantize_linears(
@@ -205,20 +124,34 @@ def quantize_linears(
     backend: QuantBackend = "core",
     calibrate: Callable[[nn.Module], object] | None = None,
     max_kept: float = INT8_MAX_KEPT,
+    norm_quant: bool = False,
+    mlp_hop: bool = False,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
-    they are. int8 with the `core` backend: the fused kernel, and when `calibrate` is given
-    (it runs `module` on sample inputs), the layers whose measured int8 error is worst stay
-    in float (at most `max_kept` of them; `models.int8_select`), the others' weights are
-    rounded by GPTQ and their biases corrected for it (`Int8DynamicLinear(input_mean=...,
-    hessian=...)`); `int_mm`: `torch._int_mm`, every accepted layer, rounded to nearest
-    (the earlier path, for comparison). With int8, an MLP's GELU moves into its first
-    product (`fuse_gelu`).
+    they are. The `core` backend: the fused kernel (int8 or fp8), and when `calibrate` is
+    given (it runs `module` on sample inputs), the layers whose measured error is worst stay
+    in float (at most `max_kept` of them; `models.int8_select`), the others' biases are
+    corrected for their weights' rounding, which for int8 is GPTQ's
+    (`Int8DynamicLinear(input_mean=..., hessian=...)`); `int_mm`: the earlier torch paths
+    (`torch._int_mm`, `torch._scaled_mm`), every accepted layer, rounded to nearest, for
+    comparison. With the fused kernel an MLP's GELU moves into its first product
+    (`fuse_gelu`), and with `norm_quant` the LayerNorm before qkv and the MLP quantises
+    their input (`models.ln_quant.fuse_norm_quant`), with `mlp_hop` the MLP's first Linear
+    hands its output quantised to the second (`models.mlp_hop`). Refuses
+    (NotImplementedError) a kind the module's device cannot run
+    (`quantization_unsupported`).
     """
     if kind == "none":
         return []
+    param = next(module.parameters(), None)
+    why_not = quantization_unsupported(
+        kind, backend, param.device if param is not None else torch.device("cpu")
+    )
+    if why_not is not None and backend != "torchao":
+        # a RuntimeError: the engine's start-up turns it into its VariantUnsupportedError
+        raise NotImplementedError(why_not)
 
     def quantizable(name: str, layer: nn.Linear) -> bool:
         return _quantizable(name, layer, include)
@@ -226,12 +159,15 @@ def quantize_linears(
     accepted: Callable[[str, nn.Linear], bool] = quantizable
     means: dict[str, Tensor] = {}
     hessians: dict[str, Tensor] = {}
-    if kind == "int8" and backend == "core" and calibrate is not None:
+    if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
+        from models.mlp_hop import mlp_second_layers
 
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
-            max_error=INT8_MAX_ERROR, max_kept=max_kept, hessians=True,
+            max_error=INT8_MAX_ERROR if kind == "int8" else FP8_MAX_ERROR,
+            max_kept=max_kept, hessians=kind == "int8", kind=kind,
+            grouped=mlp_second_layers(module) if mlp_hop else frozenset(),
         )  # fmt: skip
         means, hessians = choice.input_means, choice.hessians
     kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"
@@ -242,23 +178,32 @@ def quantize_linears(
             if not isinstance(layer, nn.Linear) or not accepted(full, layer):
                 continue
             mean, hessian = means.get(full), hessians.pop(full, None)
-            new = (
-                Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian)
-                if kind == "int8"
-                else Fp8RowwiseLinear(layer)
-            )
+            new: nn.Module
+            if kind == "int8":
+                new = Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian)
+            elif backend == "int_mm":
+                new = Fp8RowwiseLinear(layer)
+            else:
+                new = Fp8DynamicLinear(layer, input_mean=mean)
             setattr(child, attr, new)
             swapped.append(full)
-    if kind == "int8":
-        fuse_gelu(module)
+    fuse_gelu(module)
+    if norm_quant:
+        from models.ln_quant import fuse_norm_quant
+
+        fuse_norm_quant(module)
+    if mlp_hop:
+        from models.mlp_hop import fuse_mlp_hop
+
+        fuse_mlp_hop(module)
     return swapped
 
 
 def fuse_gelu(module: nn.Module) -> list[str]:
-    """Move exact GELU into the int8 product before it, where the structure is known.
+    """Move exact GELU into the int8/fp8 product before it, where the structure is known.
 
     Swin's `Mlp` is `fc2(act(fc1(x)))` and SAM's `MLPBlock` `lin2(act(lin1(x)))`: when the
-    first Linear is an `Int8DynamicLinear` and `act` is `nn.GELU()` (erf), the layer
+    first Linear is a `DynamicQuantLinear` and `act` is `nn.GELU()` (erf), the layer
     applies GELU in its epilogue and `act` becomes `nn.Identity()`: one pass over the
     hidden activation (4x the block's width) fewer. Returns the fused layers' names.
     """
@@ -273,7 +218,7 @@ def fuse_gelu(module: nn.Module) -> list[str]:
         if attr is None or type(act) is not nn.GELU or act.approximate != "none":
             continue
         layer = getattr(child, attr)
-        if isinstance(layer, Int8DynamicLinear) and not layer.gelu:
+        if isinstance(layer, DynamicQuantLinear) and not layer.gelu:
             layer.gelu = True
             child.act = nn.Identity()
             fused.append(f"{name}.{attr}" if name else attr)
@@ -328,90 +273,3 @@ def quantize_linears_torchao(
 
     quantize_(module, config, filter_fn=accept)
     return chosen
-
-
-def prune_2to4(weight: Tensor) -> Tensor:
-    """Keep the 2 largest-magnitude values of every 4 consecutive inputs; zero the rest."""
-    out_features, in_features = weight.shape
-    if in_features % 4:
-        raise ValueError(f"2:4 sparsity needs in_features divisible by 4, got {in_features}")
-    groups = weight.reshape(out_features, in_features // 4, 4)
-    keep = groups.abs().topk(2, dim=-1).indices
-    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
-    return (groups * mask).reshape(out_features, in_features)
-
-
-@torch.library.custom_op("samserve::sparse24_linear", mutates_args=())
-def sparse24_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """`x [M, K] @ W^T + b` with W 2:4-sparse and compressed by cuSPARSELt (`packed`).
-
-    An opaque op for torch.compile: the compressed weight is a plain tensor here, which
-    dynamo can trace, where torch's own sparse tensor subclass cannot be (torch 2.11).
-    """
-    m = x.shape[0]
-    pad = -m % 16  # cuSPARSELt wants the dense operand's dimensions in multiples of 16
-    dense = F.pad(x, (0, 0, 0, pad)) if pad else x
-    out = torch._cslt_sparse_mm(packed, dense.t(), bias=bias, transpose_result=True)
-    return out[:m] if pad else out
-
-
-@sparse24_linear.register_fake
-def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-class Sparse24Linear(nn.Module):
-    """A Linear whose 2:4-pruned weight lives in cuSPARSELt's compressed form (CUDA only)."""
-
-    packed: Tensor
-    bias: Tensor | None
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        pruned = prune_2to4(linear.weight.detach())
-        self.register_buffer("packed", torch._cslt_compress(pruned))
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
-        self.register_buffer("bias", bias)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = sparse24_linear(x.reshape(-1, shape[-1]), self.packed, self.bias, self.out_features)
-        return y.reshape(*shape[:-1], self.out_features)
-
-
-def semi_structured_2to4(
-    module: nn.Module, include: Callable[[str, nn.Linear], bool], *, compress: bool
-) -> list[str]:
-    """Prune the accepted Linear layers to 2:4; with `compress`, store them for cuSPARSELt.
-
-    Compression needs CUDA (fp16/bf16 weights); without it the pruned weights stay dense,
-    which gives the same numbers (used by the CPU tests and as the fidelity reference).
-    """
-    done = []
-    for name, child in list(module.named_modules()):
-        for attr, layer in list(child.named_children()):
-            full = f"{name}.{attr}" if name else attr
-            if not isinstance(layer, nn.Linear) or not include(full, layer):
-                continue
-            if compress:
-                setattr(child, attr, Sparse24Linear(layer))
-            else:
-                layer.weight = nn.Parameter(prune_2to4(layer.weight.detach()), requires_grad=False)
-            done.append(full)
-    return done
-
-
-def linear_reference(layer: nn.Module, x: Tensor) -> Tensor:
-    """The float result a quantized layer approximates (for fidelity checks)."""
-    gelu = False
-    if isinstance(layer, Int8DynamicLinear):
-        w = layer.weight_int8.float() * layer.weight_scale[:, None]
-        gelu = layer.gelu
-    elif isinstance(layer, Fp8RowwiseLinear):
-        w = layer.weight_fp8.float() * layer.weight_scale.t()
-    else:
-        raise TypeError(f"not a quantized layer: {type(layer).__name__}")
-    bias = None if layer.bias is None else layer.bias.float()
-    y = F.linear(x.float(), w, bias)
-    return F.gelu(y) if gelu else y

@@ -18,8 +18,15 @@ class MLPBlock(nn.Module):
         self.lin2 = nn.Linear(mlp_dim, embedding_dim)
         self.act = act()
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.lin2(self.act(self.lin1(x)))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """`lin2(act(lin1(x)))`, plus `residual` if given: in lin2's epilogue where lin2 is a
+        quantised layer that fuses it (`models.quant_linear`), else after it, as before."""
+        h = self.act(self.lin1(x))
+        if residual is None:
+            return self.lin2(h)
+        if getattr(self.lin2, "fuses_residual", False):
+            return self.lin2(h, residual=residual)
+        return residual + self.lin2(h)
 
 
 class LayerNorm2d(nn.Module):

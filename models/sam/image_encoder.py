@@ -63,7 +63,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: `[B, h, w, D]` -> `[B, h, w, D]`."""
-        B, h, w, D = x.shape
+        # the width from the projection: x may be packed quantised rows (models.ln_quant)
+        B, h, w = x.shape[:3]
+        D = self.proj.out_features
         qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1)  # [B, N, 3, heads, C]
         if self.impl == "triton":
             # the kernel reads q, k, v out of qkv and writes [B, N, heads * C]: no copies
@@ -99,7 +101,7 @@ class Block(nn.Module):
         else:
             x = self.attn(x)
         x = shortcut + x
-        return x + self.mlp(self.norm2(x))
+        return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 
 class PatchEmbed(nn.Module):

@@ -127,7 +127,9 @@ class WindowAttention(nn.Module):
         Windows and heads share one head axis (`[B, nW*heads, N, d]`), so the additive
         mask `[1, nW*heads, N, N]` broadcasts over the batch instead of being copied per image.
         """
-        B, nW, N, C = x.shape
+        # the width from the projection: x may be packed quantised rows (models.ln_quant)
+        B, nW, N = x.shape[:3]
+        C = self.proj.out_features
         heads = self.num_heads
         qkv = self.qkv(x).view(B, nW, N, 3, heads, C // heads)
         qkv = qkv.permute(3, 0, 1, 4, 2, 5).reshape(3, B, nW * heads, N, C // heads)
@@ -154,8 +156,15 @@ class Mlp(nn.Module):
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """`fc2(act(fc1(x)))`, plus `residual` if given: in fc2's epilogue where fc2 is a
+        quantised layer that fuses it (`models.quant_linear`), else after it, as before."""
+        h = self.act(self.fc1(x))
+        if residual is None:
+            return self.fc2(h)
+        if getattr(self.fc2, "fuses_residual", False):
+            return self.fc2(h, residual=residual)
+        return residual + self.fc2(h)
 
 
 class SwinBlock(nn.Module):
@@ -194,7 +203,7 @@ class SwinBlock(nn.Module):
         if self.shift:
             y = torch.roll(y, shifts=(self.shift, self.shift), dims=(1, 2))
         x = x + y
-        return x + self.mlp(self.norm2(x))
+        return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 
 class PatchMerging(nn.Module):

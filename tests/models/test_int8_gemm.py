@@ -166,18 +166,21 @@ def test_kernel_compiles_for_hopper_to_int8_wgmma_and_wide_stores() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.int8_gemm import HOPPER_CONFIGS, _kernel
+    from models.gemm_kernel import HOPPER_CONFIGS, _kernel
 
     pointers = {"A": "*i8", "B": "*i8", "XS": "*fp32", "WS": "*fp32", "BIAS": "*bf16",
-                "RES": "*bf16", "C": "*bf16"}  # fmt: skip
-    ints = ["M", "N", "K", "M_BUCKET", "stride_am", "stride_bn", "stride_rm", "stride_cm"]
+                "RES": "*bf16", "C": "*bf16", "OS": "*fp32"}  # fmt: skip
+    ints = ["M", "N", "K", "M_BUCKET", "stride_am", "stride_bn", "stride_rm", "stride_cm",
+            "stride_xs", "stride_os"]  # fmt: skip
     signature = {**pointers, **dict.fromkeys(ints, "i32")}
     names = list(signature)
     aligned = [*pointers, "N", "K", "stride_am", "stride_bn", "stride_rm", "stride_cm"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     for c in HOPPER_CONFIGS:
-        constexprs = {"HAS_BIAS": True, "HAS_RES": False, "GELU": True, "BLOCK_M": c.block_m,
-                      "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": 8}  # fmt: skip
+        constexprs = {"HAS_BIAS": True, "HAS_RES": False, "GELU": True, "IS_FP8": False,
+                      "GROUP_K": 0, "QUANT_OUT": False,
+                      "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                      "GROUP_M": 8}  # fmt: skip
         source = ASTSource(_kernel(), {**signature, **dict.fromkeys(constexprs, "constexpr")},
                            constexprs, attrs)  # fmt: skip
         compiled = triton.compile(

@@ -12,11 +12,14 @@ from torch import nn
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
 from models.quantize import (
     INT8_MAX_KEPT,
+    DynamicQuantLinear,
+    Fp8DynamicLinear,
     Fp8RowwiseLinear,
     Int8DynamicLinear,
     int8_mm,
     linear_reference,
     prune_2to4,
+    quantization_unsupported,
     quantize_linears,
     semi_structured_2to4,
     torchao_unsupported,
@@ -28,7 +31,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize(("cls", "tol"), [(Int8DynamicLinear, 1.5e-2), (Fp8RowwiseLinear, 6e-2)])
+@pytest.mark.parametrize(
+    ("cls", "tol"),
+    [(Int8DynamicLinear, 1.5e-2), (Fp8DynamicLinear, 6e-2), (Fp8RowwiseLinear, 6e-2)],
+)
 def test_quantized_linear_approximates_float(cls, tol):
     g = torch.Generator().manual_seed(0)
     layer = nn.Linear(64, 48)
@@ -80,6 +86,9 @@ def test_variant_names():
     assert OptimizeOptions(precision="bf16", quantization="fp8").variant == "bf16+fp8"
     opts = OptimizeOptions(precision="bf16", quantization="int8", sparsity="2:4")
     assert opts.variant == "bf16+int8+2:4"
+    opts = OptimizeOptions(precision="bf16", quantization="fp8", norm_quant=True, mlp_hop=True)
+    assert opts.variant == "bf16+fp8+lnq+hop"
+    assert OptimizeOptions(precision="bf16", norm_quant=True).variant == "bf16"  # no effect
     assert opts.dtype == torch.bfloat16
 
 
@@ -93,17 +102,16 @@ def test_prepared_encoder_stays_close(tiny_sam: Sam, quantization, tol):
     )
     blocks = model.image_encoder.blocks
     linears = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear)]
-    swapped = [m for b in blocks for m in b.modules()
-               if isinstance(m, (Int8DynamicLinear, Fp8RowwiseLinear))]  # fmt: skip
-    # int8 keeps its worst-measured layers in float (models.int8_select), at most this many
-    kept = int(INT8_MAX_KEPT * (len(linears) + len(swapped))) if quantization == "int8" else 0
+    swapped = [m for b in blocks for m in b.modules() if isinstance(m, DynamicQuantLinear)]
+    assert {m.kind for m in swapped} == {quantization}
+    # the worst-measured layers stay in float (models.int8_select), at most this many
+    kept = int(INT8_MAX_KEPT * (len(linears) + len(swapped)))
     assert len(linears) <= kept and len(swapped) >= 3 * kept
-    if quantization == "int8":  # GELU runs in lin1's epilogue wherever lin1 is int8
-        for b in blocks:
-            if isinstance(b.mlp.lin1, Int8DynamicLinear):
-                assert b.mlp.lin1.gelu and isinstance(b.mlp.act, nn.Identity)
-            else:
-                assert isinstance(b.mlp.act, nn.GELU)
+    for b in blocks:  # GELU runs in lin1's epilogue wherever lin1 is quantised
+        if isinstance(b.mlp.lin1, DynamicQuantLinear):
+            assert b.mlp.lin1.gelu and isinstance(b.mlp.act, nn.Identity)
+        else:
+            assert isinstance(b.mlp.act, nn.GELU)
     assert [b.attn.impl for b in blocks] == ["flex" if b.window == 0 else "sdpa" for b in blocks]
     images = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -175,3 +183,25 @@ def test_the_int8_product_takes_a_column_major_activation_as_a_row_major_one() -
     strided = x.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # same values, other strides
     compiled = torch.compile(module, dynamic=False)
     assert torch.equal(compiled(strided), module(x))
+
+
+def test_a_kind_the_gpu_cannot_run_is_refused_at_load_naming_the_setting(monkeypatch):
+    """No GPU here: the capability query is answered as an A100's (8.0) would be, which
+    has int8 tensor cores but no fp8 ones. The CPU runs every kind (torch references)."""
+    assert quantization_unsupported("fp8", "core", torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda")
+    why = quantization_unsupported("fp8", "core", cuda)
+    assert why is not None and "SERVE_QUANTIZATION=fp8" in why and "8.0" in why
+    assert quantization_unsupported("int8", "core", cuda) is None
+    assert quantization_unsupported("none", "core", cuda) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "SERVE_QUANTIZATION=int8" in str(quantization_unsupported("int8", "int_mm", cuda))
+    # what quantize_linears raises, start-up turns into its refusal with what to do instead
+    from server.engine.build import variant_refusal
+    from tests.server.conftest import small_settings
+
+    refusal = variant_refusal(small_settings(quantization="fp8"), torch.device("cpu"),
+                              "loading Swin", NotImplementedError(why))  # fmt: skip
+    assert refusal is not None and str(refusal).startswith("SERVE_QUANTIZATION=fp8 cannot run")
+    assert "SERVE_QUANTIZATION=none" in str(refusal)

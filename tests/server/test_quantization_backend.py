@@ -29,6 +29,17 @@ def test_torchao_is_used_where_it_can_and_core_stands_in_where_not(caplog) -> No
     assert Settings().quantization_backend == "core"
 
 
+def test_int8_on_a_gpu_quantises_in_the_layer_norms() -> None:
+    """The variant measured right on an H100 (norm_quant), chosen without a GPU here: the
+    options are resolved from the device's type alone."""
+    cuda = torch.device("cuda")
+    int8 = optimize_options(Settings(quantization="int8"), cuda)
+    assert int8.norm_quant and int8.variant.endswith("+lnq"), int8.variant
+    assert not optimize_options(Settings(quantization="int8"), CPU).norm_quant
+    assert not optimize_options(Settings(quantization="fp8"), cuda).norm_quant
+    assert not optimize_options(Settings(), cuda).norm_quant
+
+
 @pytest.fixture(scope="module")
 def torchao_server():
     server = LiveServer(small_settings(quantization="int8", quantization_backend="torchao"))

@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     cuda_graphs: bool = True  # one graph per warmed bucket (CUDA and compile only)
     """one CUDA graph per warmed batch bucket (CUDA with compile only)"""
     decoder_graphs: bool = True
-    """CUDA graphs of SAM's decoder too, per (prompt sets, tokens) bucket (with cuda_graphs)"""
+    """CUDA graphs of the SAM and SAM 2 decoders per (sets, tokens) bucket (with cuda_graphs)"""
     compile_cache_dir: Path | None = None  # persistent inductor/triton caches (fast restarts)
     """folder for persistent inductor/Triton caches, so restarts skip most compilation"""
 

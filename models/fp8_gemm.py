@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-from models.int8_gemm import epilogue_reference, launch, triton_gemm_available
+from models.int8_gemm import define_linear_op, epilogue_reference, triton_gemm_available
 
 __all__ = [
     "FP8",
@@ -79,34 +79,5 @@ def fp8_linear_reference(
     return epilogue_reference(acc, x_scale, w_scale, bias, residual, gelu, out_dtype)
 
 
-@torch.library.custom_op("serve::fp8_linear", mutates_args=())
-def fp8_linear(
-    xq: Tensor,
-    x_scale: Tensor,
-    weight: Tensor,
-    w_scale: Tensor,
-    bias: Tensor | None,
-    residual: Tensor | None,
-    gelu: bool,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    """`gelu?(xq x_scale (weight w_scale)^T + bias) + residual` as `out_dtype` `[M, N]`,
-    with e4m3 `xq` and `weight`: the Triton kernel where it runs, the torch reference
-    elsewhere."""
-    if fp8_supported(xq.device):
-        return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu, out_dtype=out_dtype)
-    return fp8_linear_reference(xq, x_scale, weight, w_scale, bias, residual, gelu, out_dtype)
-
-
-@fp8_linear.register_fake
-def _(
-    xq: Tensor,
-    x_scale: Tensor,
-    weight: Tensor,
-    w_scale: Tensor,
-    bias: Tensor | None,
-    residual: Tensor | None,
-    gelu: bool,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+# with e4m3 `xq` and `weight`: the Triton kernel where it runs, the torch reference elsewhere
+fp8_linear = define_linear_op("fp8_linear", fp8_supported, fp8_linear_reference)

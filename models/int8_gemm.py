@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -126,36 +127,46 @@ def epilogue_reference(
     return y.to(out_dtype)
 
 
-@torch.library.custom_op("serve::int8_linear", mutates_args=())
-def int8_linear(
-    xq: Tensor,
-    x_scale: Tensor,
-    weight: Tensor,
-    w_scale: Tensor,
-    bias: Tensor | None,
-    residual: Tensor | None,
-    gelu: bool,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    """`gelu?(xq x_scale (weight w_scale)^T + bias) + residual` as `out_dtype` `[M, N]`.
+def define_linear_op(
+    name: str, supported: Callable[[torch.device], bool], reference: Callable[..., Tensor]
+) -> Callable[..., Tensor]:
+    """The `serve::<name>` op of one operand format (int8 here, e4m3 in models.fp8_gemm):
+    `gelu?(xq x_scale (weight w_scale)^T + bias) + residual` as `out_dtype` `[M, N]`, the
+    Triton kernel where `supported`, `reference` elsewhere (the same numbers up to the
+    erf's last bits and fused multiply-adds). An op of its own, opaque to the compiler,
+    with a fake that gives the output's shape."""
 
-    The Triton kernel where it runs (`fused_supported`); the torch reference elsewhere
-    (the same numbers up to the erf's last bits and fused multiply-adds).
-    """
-    if fused_supported(xq.device):
-        return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu, out_dtype=out_dtype)
-    return int8_linear_reference(xq, x_scale, weight, w_scale, bias, residual, gelu, out_dtype)
+    def linear(
+        xq: Tensor,
+        x_scale: Tensor,
+        weight: Tensor,
+        w_scale: Tensor,
+        bias: Tensor | None,
+        residual: Tensor | None,
+        gelu: bool,
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        if supported(xq.device):
+            return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
+                          out_dtype=out_dtype)  # fmt: skip
+        return reference(xq, x_scale, weight, w_scale, bias, residual, gelu, out_dtype)
+
+    op = torch.library.custom_op(f"serve::{name}", linear, mutates_args=())
+
+    @op.register_fake
+    def _(
+        xq: Tensor,
+        x_scale: Tensor,
+        weight: Tensor,
+        w_scale: Tensor,
+        bias: Tensor | None,
+        residual: Tensor | None,
+        gelu: bool,
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+
+    return op
 
 
-@int8_linear.register_fake
-def _(
-    xq: Tensor,
-    x_scale: Tensor,
-    weight: Tensor,
-    w_scale: Tensor,
-    bias: Tensor | None,
-    residual: Tensor | None,
-    gelu: bool,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+int8_linear = define_linear_op("int8_linear", fused_supported, int8_linear_reference)

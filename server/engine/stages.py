@@ -465,9 +465,17 @@ class SamStages:
             # compiled, a refinement click (mask_input) runs the same graph: see decode
             self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
         if self._graphs is not None and bucket in self._graphs.set_buckets:
-            with torch.inference_mode():
-                took = self._graphs.capture(bucket)
-            log.info("captured decoder graphs for %d prompt sets in %.2fs", bucket, took)
+            try:
+                with torch.inference_mode():
+                    took = self._graphs.capture(bucket)
+            except RuntimeError as exc:
+                # a capture the device refuses (an op that syncs, a driver's limit): the
+                # decoder runs as it does without graphs, and the log says why
+                log.warning("decoder CUDA graphs off: capturing %d prompt sets failed (%s: %s)",
+                            bucket, type(exc).__name__, str(exc)[:200])  # fmt: skip
+                self._graphs = None
+            else:
+                log.info("captured decoder graphs for %d prompt sets in %.2fs", bucket, took)
         log.info("warmed decoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
 

@@ -10,6 +10,7 @@ for every prompt form, and rows an earlier batch filled must never leak into a l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -238,3 +239,32 @@ def test_traced_whole_no_graph_more_and_none_under_load(photos) -> None:
                 assert g_masks.masks is not None and w_masks.masks is not None
                 assert (g_masks.masks != w_masks.masks).mean() <= 1e-5
                 np.testing.assert_allclose(g_masks.scores, w_masks.scores, atol=1e-5)
+
+
+def test_a_refused_capture_turns_the_graphs_off_and_decoding_goes_on(photos, caplog) -> None:
+    """A device that refuses a capture (an op that syncs, a driver's limit) must not stop
+    start-up: the warm-up logs why and the decoder runs as it does without graphs."""
+    plain, graphed = _stages(), _stages()
+    graphed.compiled = True
+    graphed._graphs = buffers = graphed.decoder_graphs(graphs=False)
+    decode = buffers.decode
+
+    def refusing(*args: object) -> tuple[Tensor, Tensor]:
+        if args[0].shape[0] == 2:  # type: ignore[attr-defined]  # the 2-set bucket
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return decode(*args)
+
+    buffers.decode = refusing
+    with caplog.at_level(logging.WARNING, logger="server.engine.stages"):
+        graphed.warmup()
+    assert graphed._graphs is None
+    assert "decoder CUDA graphs off: capturing 2 prompt sets failed" in caplog.text
+    (entry,) = graphed.encode([EncodeItem("p", torch.from_numpy(photos[0]))])
+    (plain_entry,) = plain.encode([EncodeItem("p", torch.from_numpy(photos[0]))])
+    h, w = entry.original_size
+    prompt = (Prompt(points=((w / 2, h / 2),), labels=(1,)),)
+    (got,) = graphed.decode([DecodeItem(entry, prompt, True)])
+    (want,) = plain.decode([DecodeItem(plain_entry, prompt, True)])
+    assert got[0].masks is not None and want[0].masks is not None
+    assert (got[0].masks != want[0].masks).mean() <= 1e-5
+    np.testing.assert_allclose(got[0].scores, want[0].scores, atol=1e-5)

@@ -25,6 +25,7 @@ TARGETS = {
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
     "gpu-shared": K8S / "overlays" / "gpu-shared",
+    "gpu-aot": K8S / "overlays" / "gpu-aot",
     "ingress-nginx": K8S / "overlays" / "ingress-nginx",
     "gateway-envoy": K8S / "overlays" / "gateway-envoy",
     "adapter": K8S / "prometheus-adapter",

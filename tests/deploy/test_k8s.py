@@ -8,6 +8,7 @@ Operator), absent from those schemas, so it is checked structurally here instead
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,7 +33,7 @@ TIME_SLICING = GPU_SHARED / "device-plugin-time-slicing.yaml"
 KUBERNETES_VERSIONS = ("1.30", latest_version())
 CRD_GROUPS = ("monitoring.coreos.com/",)
 APP = "sam-swin-serve"
-OVERLAYS = ("base", "gpu", "cpu", "gpu-shared")
+OVERLAYS = ("base", "gpu", "cpu", "gpu-shared", "gpu-aot")
 DEPLOYED = {  # kinds each render must hold (the cpu overlay drops shared storage and CRDs)
     "base": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
              "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
@@ -40,6 +41,8 @@ DEPLOYED = {  # kinds each render must hold (the cpu overlay drops shared storag
             "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
     "gpu-shared": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
                    "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
+    "gpu-aot": {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment",
+                "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"},
     "cpu": {"ConfigMap", "Service", "Deployment", "HorizontalPodAutoscaler",
             "PodDisruptionBudget"},
 }  # fmt: skip
@@ -298,6 +301,25 @@ def test_gpu_overlay_takes_one_whole_gpu_on_gpu_nodes(rendered, monkeypatch):
     assert one(objects, "Deployment", APP)["spec"]["template"]["spec"]["containers"][0][
         "image"
     ].endswith(":gpu")
+
+
+def test_gpu_aot_overlay_is_the_gpu_one_with_packages_on_the_cache_volume(rendered, monkeypatch):
+    aot, gpu = rendered["gpu-aot"], rendered["gpu"]
+
+    def unhashed(spec: dict[str, Any]) -> str:  # the ConfigMap's name carries its hash
+        return re.sub(r"(sam-swin-serve-config)-[a-z0-9]+", r"\1", json.dumps(spec))
+
+    assert unhashed(pod_spec(aot)) == unhashed(pod_spec(gpu))  # only the settings differ
+    settings = settings_from(config(aot), monkeypatch)
+    assert settings.compile_mode == "aot"
+    mounts = {m["name"]: m["mountPath"] for m in server_container(aot)["volumeMounts"]}
+    # the packages (and inductor's caches) live on the shared, persistent volume
+    assert settings.compile_cache_dir is not None
+    assert settings.compile_cache_dir.as_posix() == mounts["compile-cache"]
+    volumes = {v["name"]: v for v in pod_spec(aot)["volumes"]}
+    assert "persistentVolumeClaim" in volumes["compile-cache"]
+    others = {k: v for k, v in config(aot).items() if not k.startswith("SERVE_COMPILE_")}
+    assert others == config(gpu)
 
 
 def test_cpu_overlay_is_small_and_needs_no_gpu(rendered, monkeypatch):

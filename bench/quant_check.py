@@ -67,6 +67,9 @@ def check(m: int, k: int, n: int, device: str) -> list[dict[str, Any]]:
             row["max_rel"] = _rel(got, want)
             row["ok"] = row["max_rel"] <= tolerance
         rows.append(row)
+        # as it goes: a run cut short (autotuning every path takes minutes) still says
+        # which paths it checked
+        print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
 
     for kind, ((wq, ws), (w2q, w2s)) in weights.items():
         fp8 = kind == "fp8"

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from models.cuda_graphs import warm_and_capture
 from models.int8_select import calibration_run
 from models.quantize import (
     QuantBackend,
@@ -233,15 +234,7 @@ class GraphedBuckets:
             self.fn(*inputs)
             return
         static = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup_runs):
-                self.fn(*static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.fn(*static)
+        graph, out = warm_and_capture(lambda: self.fn(*static), self._pool, warmup_runs)
         self._graphs[self._key(static)] = (graph, static, out)
 
     def __call__(self, *inputs: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ check.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from models.cuda_graphs import warm_and_capture
 from models.sam.prompt_encoder import LABEL_NOT_A_POINT, LABEL_PAD
 from models.sam.prompts import PromptBatch
 
@@ -146,15 +148,10 @@ class DecoderGraphs:
                 low_res, iou = self.decode(*inputs, prompts)
                 self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
                 continue
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(warmup_runs):
-                    self.decode(*inputs, prompts)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                low_res, iou = self.decode(*inputs, prompts)
+            with torch.cuda.device(self.device):
+                graph, (low_res, iou) = warm_and_capture(
+                    functools.partial(self.decode, *inputs, prompts), self._pool, warmup_runs
+                )
             self._captured[(sets, tokens)] = _Captured(graph, low_res, iou)
         return time.perf_counter() - started
 

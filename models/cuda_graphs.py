@@ -1,0 +1,54 @@
+"""Capturing CUDA graphs cheaply, for every graph the service records at start-up."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+__all__ = ["capturing", "warm_and_capture"]
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None) -> Iterator[None]:
+    """Record `graph` on a side stream, like `torch.cuda.graph` without its cache flushes.
+
+    `torch.cuda.graph` empties the device and pinned-host caches before every capture so
+    that the graph may take freed memory (and, with a flag set, runs a full `gc.collect`);
+    capturing thirty-odd buckets in a row then re-allocates the cache thirty-odd times at
+    start-up. Our graphs share one pool and the warm-up runs have already sized the cache,
+    so the flushes buy nothing here.
+    """
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
+def warm_and_capture(
+    fn: Callable[[], T], pool: _POOL_HANDLE | None, warmup_runs: int = 2
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `fn` a few times on a side stream (compiling or tuning what it meets first),
+    then capture one more call; the graph and that call's outputs, which every replay
+    overwrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_runs):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph, pool):
+        out = fn()
+    return graph, out

@@ -7,7 +7,8 @@
 # says so in $OUT/summary.txt, and the logs say how far it got (start-up n of m lines).
 #
 #   OUT=/tmp/out bash bench/gpu_startup.sh          (EXTRA_ENV="SERVE_X=y ..." to vary;
-#   DUMPS=1 samples the engine's stacks with py-spy during the first warm start)
+#   DUMPS=1 samples the engine's stacks with py-spy during the first warm start; SPY=1
+#   records every engine thread through the second one, summed up in $OUT/startup_spy.txt)
 #
 # Needs the wheels of bench/gpu_wheels.txt on PYTHONPATH.
 set -uo pipefail
@@ -39,11 +40,28 @@ SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$C
       py-spy dump --native --pid "$engine" 2>&1 | awk '/^Thread/ {show = /gpu-sam_encoder/} show' | head -120
     done > "$OUT/engine_dumps.txt" 2>&1
   }
+  spy_engine() {  # SPY=1: the engine's threads sampled from its start to ready
+    local sup engine
+    for _ in $(seq 100); do
+      sleep 0.1
+      sup=$(pgrep -f -- "-m server --port" | head -1)
+      [ -n "$sup" ] || continue
+      # the first child spawned (not multiprocessing's resource tracker) is the engine
+      engine=$(ps --ppid "$sup" -o pid=,args= --sort=pid | grep spawn_main | head -1 | awk '{print $1}')
+      [ -n "$engine" ] && break
+    done
+    [ -n "${engine:-}" ] || return
+    py-spy record --threads --idle -d "${SPY_SECONDS:-25}" -r 200 -f raw -o /tmp/startup_spy.raw \
+      -p "$engine" > /dev/null 2>&1
+    python3 -m bench.spy_summary /tmp/startup_spy.raw --top 40 > "$OUT/startup_spy.txt" 2>&1
+  }
   for run in 1 2; do
     [ -z "${DUMPS:-}" ] || [ "$run" != 1 ] || dump_engine &
+    [ -z "${SPY:-}" ] || [ "$run" != 2 ] || spy_engine &
     timeout 200 python3 -m bench.startup --timeout "${WARM_TIMEOUT:-120}" --log "$OUT/warm$run.log" \
       --env "${SERVER_ENV[@]}" 2>&1 | tail -1 | sed "s/^/warm start $run: /"
     grep -o '"message": "[^"]*"' "$OUT/warm$run.log" | grep -E "AOT|start-up|warmed|ready|engine:|captured" | head -60
   done
+  wait
   du -sh "$CACHE"/aot
 } 2>&1 | tee "$OUT/summary.txt"

@@ -33,15 +33,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.cuda_graphs import warm_and_capture
 from models.sam.prompt_encoder import LABEL_NOT_A_POINT, LABEL_PAD
 from models.sam.prompts import PromptBatch
+from models.sam.transformer import decoder_attention
 
 __all__ = ["TOKEN_BUCKETS", "DecoderGraphs"]
 
-_CAPTURE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 log = logging.getLogger(__name__)
 
 # 2: one click (its point and the not-a-point token) or a box; 4: up to three clicks, or a
@@ -150,11 +149,9 @@ class DecoderGraphs:
                 low_res, iou = self.decode(*inputs, prompts)
                 self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
                 continue
-            # cuDNN's attention builds an execution plan per new shape on its first call;
-            # a bucket's shapes are new by definition, and the plans are what made each
-            # capture take 0.2 s (py-spy on the H100 machine). Flash or memory-efficient
-            # attention start at once, and the graph replays whichever kernel it recorded.
-            with torch.cuda.device(self.device), sdpa_kernel(_CAPTURE_BACKENDS):
+            # cuDNN attention's per-shape plans made each capture take 0.2 s (py-spy on the
+            # H100 machine); a bucket's shapes are new by definition
+            with torch.cuda.device(self.device), decoder_attention():
                 graph, (low_res, iou) = warm_and_capture(
                     functools.partial(self.decode, *inputs, prompts), self._pool, warmup_runs
                 )

@@ -8,12 +8,34 @@ never read, so a set decoded in a batch gives the same result as decoded alone.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.sam.common import MLPBlock
 
-__all__ = ["TwoWayTransformer"]
+__all__ = ["TwoWayTransformer", "decoder_attention"]
+
+# Not cuDNN's fused attention: it builds an execution plan for each new shape on its first
+# call, 40 to 70 ms each (1 s for the first) on an H100 with torch 2.11, and a decoder's
+# shapes change with every batch's prompt count. Flash and memory-efficient attention
+# start at once and were as fast on these shapes (.device probe, docs/BENCHMARKS.md).
+_DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
+# interleaving their enter and exit could leave them restricted for everyone after
+_BACKENDS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def decoder_attention() -> Iterator[None]:
+    """The attention kernels a mask decoder (SAM's, SAM 2's) runs, compiled or captured or
+    eager: wrap every decoder call in this."""
+    with _BACKENDS_LOCK, sdpa_kernel(_DECODER_BACKENDS):
+        yield
 
 
 class Attention(nn.Module):

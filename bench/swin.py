@@ -75,6 +75,8 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "bf16-int8fused-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
     ),
+    # ... eager (no compiler: the kernel called as the model runs), every block Linear
+    "bf16-int8fused-eager": OptimizeOptions(precision="bf16", quantization="int8"),
     # ... calibrated (8 smooth_images): GPTQ rounding and bias correction, every layer
     "bf16-int8fused-gptq-compile": OptimizeOptions(
         precision="bf16", quantization="int8", compile_mode="default", cuda_graphs=True
@@ -123,7 +125,7 @@ EVERY_LAYER = {
     for how in ("", "-gptq")
     for lnq in ("", "-lnq", "-lnq-hop")
     if not (kind == "fp8" and how == "-gptq")
-}
+} | {"bf16-int8fused-eager": False}
 
 
 def _block_linear(name: str, layer: torch.nn.Linear) -> bool:

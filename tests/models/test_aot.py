@@ -78,6 +78,29 @@ def test_the_weights_and_the_code_are_in_the_key(model, key):
     assert weights_hash(other) != weights_hash(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weights_hash_sees_one_changed_byte(dtype):
+    """The hash folds each tensor's bytes into sums where they live: equal weights hash
+    equal, and the smallest change to one value anywhere (the last element of the last
+    tensor included) changes it, as does a weight moved to another tensor."""
+    model = load_swin(CONFIG, None, seed=0).to(dtype)
+    same = load_swin(CONFIG, None, seed=0).to(dtype)
+    assert weights_hash(same) == weights_hash(model)
+    name, last = list(model.state_dict().items())[-1]
+    for tensor in (next(model.parameters()), last):
+        with torch.no_grad():
+            flat = tensor.view(-1)
+            before = flat[-1].clone()
+            flat[-1] = torch.nextafter(before, torch.tensor(float("inf"), dtype=dtype))
+            assert weights_hash(model) != weights_hash(same), name
+            flat[-1] = before
+    assert weights_hash(model) == weights_hash(same)
+    with torch.no_grad():  # two values swapped: the same bytes at other positions
+        w = next(model.parameters()).view(-1)
+        w[0], w[1] = w[1].clone(), w[0].clone()
+    assert weights_hash(model) != weights_hash(same)
+
+
 def test_a_stale_package_says_what_changed(key, folder, example, built):
     store = AotStore(folder, key)
     package = store.path("swin", tuple(example.shape))

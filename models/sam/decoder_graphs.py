@@ -145,16 +145,18 @@ class DecoderGraphs:
         started = time.perf_counter()
         for tokens in self.token_buckets:
             inputs, prompts = self._inputs(sets, tokens)
-            if not self.graphs:
-                low_res, iou = self.decode(*inputs, prompts)
-                self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
-                continue
             # cuDNN attention's per-shape plans made each capture take 0.2 s (py-spy on the
-            # H100 machine); a bucket's shapes are new by definition
-            with torch.cuda.device(self.device), decoder_attention():
-                graph, (low_res, iou) = warm_and_capture(
-                    functools.partial(self.decode, *inputs, prompts), self._pool, warmup_runs
-                )
+            # H100 machine); a bucket's shapes are new by definition. The stages' decode
+            # functions enter the same context again: it is reentrant.
+            with decoder_attention():
+                if not self.graphs:
+                    low_res, iou = self.decode(*inputs, prompts)
+                    self._captured[(sets, tokens)] = _Captured(None, low_res, iou)
+                    continue
+                with torch.cuda.device(self.device):
+                    graph, (low_res, iou) = warm_and_capture(
+                        functools.partial(self.decode, *inputs, prompts), self._pool, warmup_runs
+                    )
             self._captured[(sets, tokens)] = _Captured(graph, low_res, iou)
         return time.perf_counter() - started
 

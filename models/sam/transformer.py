@@ -26,8 +26,10 @@ __all__ = ["TwoWayTransformer", "decoder_attention"]
 # start at once and were as fast on these shapes (.device probe, docs/BENCHMARKS.md).
 _DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
-# interleaving their enter and exit could leave them restricted for everyone after
-_BACKENDS_LOCK = threading.Lock()
+# interleaving their enter and exit could leave them restricted for everyone after.
+# Reentrant: a graph capture enters it around a stage's decode function, which enters it
+# again (a plain lock deadlocked there).
+_BACKENDS_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager

@@ -5,12 +5,15 @@ reads are the same ones (models.sam.decoder_graphs)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import Tensor
 
 from models.sam import PromptSet, Sam, pack_prompts
 from models.sam.decoder_graphs import DecoderGraphs
+from models.sam.transformer import decoder_attention
 
 TOL = 1e-4
 
@@ -134,3 +137,33 @@ def test_the_image_inputs_are_named_one_way(tiny_sam: Sam) -> None:
             DecoderGraphs(tiny_sam.decode, **shapes, **common)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one image input"):
         DecoderGraphs(tiny_sam.decode, input_shapes=[], **common)  # type: ignore[arg-type]
+
+
+def test_decoder_attention_nests_and_restores_the_flags():
+    """A graph capture enters `decoder_attention` around a stage's decode function, which
+    enters it again: that must not block (a plain lock deadlocked on the GPU), and on the
+    way out every backend flag is as it was."""
+    before = [
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+    ]
+    done = threading.Event()
+
+    def nested() -> None:
+        with decoder_attention():
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            with decoder_attention():
+                q = torch.randn(1, 2, 3, 8)
+                torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        done.set()
+
+    threading.Thread(target=nested, daemon=True).start()
+    assert done.wait(10), "decoder_attention blocked when entered twice by one thread"
+    assert before == [
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+    ]

@@ -21,9 +21,9 @@ from models.sam.common import MLPBlock
 __all__ = ["TwoWayTransformer", "decoder_attention"]
 
 # Not cuDNN's fused attention: it builds an execution plan for each new shape on its first
-# call, 40 to 70 ms each (1 s for the first) on an H100 with torch 2.11, and a decoder's
+# call, 40 to 100 ms each (1 s for the first) on an H100 with torch 2.11, and a decoder's
 # shapes change with every batch's prompt count. Flash and memory-efficient attention
-# start at once and were as fast on these shapes (.device probe, docs/BENCHMARKS.md).
+# start at once and were as fast on these shapes (bench/sdpa_probe.py, docs/BENCHMARKS.md).
 _DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
 # interleaving their enter and exit could leave them restricted for everyone after.

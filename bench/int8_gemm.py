@@ -159,8 +159,7 @@ def _mlp_forms(
     g = torch.Generator(device=DEVICE).manual_seed(1)
     w2 = torch.randn(c, hidden, device=DEVICE, generator=g) / hidden**0.5
     b2 = torch.randn(c, device=DEVICE, generator=g) * 0.1
-    w2s = w2.abs().amax(1) / 127
-    w2q = torch.round(w2 / w2s[:, None]).to(torch.int8)
+    w2q, w2s = quantize_rows(w2)  # per output channel
     w2q8, w2s8 = quantize_weight_fp8(w2)
     w2b, b2b = w2.to(torch.bfloat16), b2.to(torch.bfloat16)
     xq, xs = quantize_rows(x)
@@ -200,8 +199,7 @@ def measure(
     w = torch.randn(n, k, device=DEVICE, generator=g) / k**0.5
     bias = torch.randn(n, device=DEVICE, generator=g) * 0.1
     xq, xs = quantize_rows(x)
-    ws = w.abs().amax(1) / 127
-    wq = torch.round(w / ws[:, None]).to(torch.int8)
+    wq, ws = quantize_rows(w)  # per output channel
     wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
     flops = 2 * m * k * n
 

@@ -29,11 +29,6 @@ from models.mlp_hop import linear_from_groups, linear_to_groups
 SHAPES = [(4096 + 17, 96, 384), (8192, 768, 3072)]  # M (not a tile multiple), K, N
 
 
-def _int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.abs().amax(1) / 127
-    return torch.round(w / scale[:, None]).to(torch.int8), scale
-
-
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float().cpu(), want.float().cpu()
     return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
@@ -50,7 +45,7 @@ def check(m: int, k: int, n: int, device: str) -> list[dict[str, Any]]:
     bias, residual = torch.randn(n, generator=g) / 4, torch.randn(m, n, generator=g).bfloat16()
     nw, nb = torch.randn(k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
     w2 = torch.randn(k, n, generator=g) / n**0.5
-    weights = {"int8": (_int8_weight(w), _int8_weight(w2)),
+    weights = {"int8": (quantize_rows(w), quantize_rows(w2)),
                "fp8": (quantize_weight_fp8(w), quantize_weight_fp8(w2))}  # fmt: skip
     rows = []
 

@@ -44,9 +44,7 @@ _EPS = 1e-12
 def _quantize_weight(weight: Tensor, kind: str = "int8") -> tuple[Tensor, Tensor]:
     if kind == "fp8":
         return quantize_weight_fp8(weight.float())
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    return quantize_rows(weight.detach())  # per output channel, as DynamicQuantLinear
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.fp8_gemm import FP8, fp8_linear, quantize_rows_fp8
-from models.int8_gemm import int8_linear, quantize_rows, triton_gemm_available
+from models.int8_gemm import fused_supported, int8_linear, quantize_rows
 
 __all__ = [
     "PACK_PAD",
@@ -136,20 +136,11 @@ def launch_layer_norm_quant(
     return out
 
 
-@functools.cache
-def _kernel_runs(device: torch.device) -> bool:
-    """Triton on CUDA (capability 8.0 on; the norm needs no tensor cores, e4m3 conversion
-    is emulated before 8.9 and the fp8 GEMM after it is refused there anyway)."""
-    if device.type != "cuda" or not triton_gemm_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 @torch.library.custom_op("serve::layer_norm_quant", mutates_args=())
 def layer_norm_quant(x: Tensor, weight: Tensor, bias: Tensor, eps: float, fp8: bool) -> Tensor:
     """LayerNorm of `x [M, C]` -> `[M, C + 16]` int8 packed rows (int8 or e4m3 values, each
     row's fp32 scale after them): the Triton kernel on CUDA, its torch reference elsewhere."""
-    if _kernel_runs(x.device):
+    if fused_supported(x.device):
         return launch_layer_norm_quant(x, weight, bias, eps, fp8)
     return layer_norm_quant_reference(x, weight, bias, eps, fp8)
 

@@ -59,7 +59,7 @@ class OptimizeOptions:
     quantization: Quantization = "none"
     quantization_backend: QuantBackend = "core"  # "int_mm", "torchao": see models.quantize
     # core int8/fp8: the LayerNorm before qkv and the MLP writes their input quantised
-    # (models.ln_quant); off until measured on the GPU (bench/swin.py's -lnq variants)
+    # (models.ln_quant); the server turns it on for int8 on CUDA (server/engine/build.py)
     norm_quant: bool = False
     # ... and the MLP's hidden activation goes from fc1 to fc2 quantised (models.mlp_hop)
     mlp_hop: bool = False

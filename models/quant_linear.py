@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.fp8_gemm import fp8_linear, quantize_rows_fp8, quantize_weight_fp8
-from models.int8_gemm import int8_linear, quantize_rows
+from models.fp8_gemm import FP8, FP8_MAX, fp8_linear, quantize_rows_fp8, quantize_weight_fp8
+from models.int8_gemm import epilogue_reference, int8_linear, quantize_rows
 from models.int8_gptq import gptq_int8
 from models.ln_quant import PACK_PAD, packed_linear
 from models.mlp_hop import linear_from_groups, linear_to_groups
@@ -32,13 +32,12 @@ __all__ = [
     "Int8Kernel",
     "int8_mm",
     "linear_reference",
+    "linear_then_residual",
 ]
 
 # "fused": models.int8_gemm (Triton on CUDA); "int_mm": torch._int_mm, then the epilogue
 Int8Kernel = Literal["fused", "int_mm"]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 _EPS = 1e-12
 
 
@@ -95,8 +94,7 @@ class DynamicQuantLinear(nn.Module):
         elif hessian is not None:  # GPTQ rounding (models.int8_gptq): the same scales
             q, scale = gptq_int8(weight, hessian)
         else:
-            scale = weight.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
-            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            q, scale = quantize_rows(weight)  # per output channel, as activations per token
         # [N, K] contiguous: K-major, what int8/fp8 tensor cores take (its .t() is col-major)
         self.register_buffer("weight_q", q.contiguous())
         self.register_buffer("weight_scale", scale)
@@ -162,14 +160,8 @@ class DynamicQuantLinear(nn.Module):
                             self.gelu, self.out_dtype)  # fmt: skip
         else:
             acc = int8_mm(xq, self.weight_q.t())  # [M, N] int32
-            y = acc.float() * x_scale[:, None] * self.weight_scale
-            if self.bias is not None:
-                y = y + self.bias.float()
-            if self.gelu:
-                y = F.gelu(y)
-            if res is not None:
-                y = y + res.float()
-            y = y.to(self.out_dtype)
+            y = epilogue_reference(acc.float(), x_scale, self.weight_scale, self.bias, res,
+                                   self.gelu, self.out_dtype)  # fmt: skip
         return y.reshape(*lead, n)
 
 
@@ -218,6 +210,17 @@ class Fp8RowwiseLinear(nn.Module):
             out_dtype=torch.bfloat16,
         )
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+
+def linear_then_residual(linear: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
+    """`linear(x) + residual`: the residual added in the layer's epilogue where the layer
+    fuses it (`DynamicQuantLinear.fuses_residual`), after it otherwise. The MLPs of SAM's
+    encoder and Swin end in it."""
+    if residual is None:
+        return linear(x)
+    if getattr(linear, "fuses_residual", False):
+        return linear(x, residual=residual)
+    return residual + linear(x)
 
 
 def linear_reference(layer: nn.Module, x: Tensor) -> Tensor:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.quant_linear import linear_then_residual
+
 __all__ = ["MLP", "LayerNorm2d", "MLPBlock"]
 
 
@@ -19,14 +21,9 @@ class MLPBlock(nn.Module):
         self.act = act()
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """`lin2(act(lin1(x)))`, plus `residual` if given: in lin2's epilogue where lin2 is a
-        quantised layer that fuses it (`models.quant_linear`), else after it, as before."""
-        h = self.act(self.lin1(x))
-        if residual is None:
-            return self.lin2(h)
-        if getattr(self.lin2, "fuses_residual", False):
-            return self.lin2(h, residual=residual)
-        return residual + self.lin2(h)
+        """`lin2(act(lin1(x)))`, plus `residual` if given (in lin2's epilogue where a
+        quantised lin2 fuses it)."""
+        return linear_then_residual(self.lin2, self.act(self.lin1(x)), residual)
 
 
 class LayerNorm2d(nn.Module):

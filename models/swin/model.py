@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.quant_linear import linear_then_residual
 from models.swin.config import SwinConfig
 
 __all__ = [
@@ -157,14 +158,9 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """`fc2(act(fc1(x)))`, plus `residual` if given: in fc2's epilogue where fc2 is a
-        quantised layer that fuses it (`models.quant_linear`), else after it, as before."""
-        h = self.act(self.fc1(x))
-        if residual is None:
-            return self.fc2(h)
-        if getattr(self.fc2, "fuses_residual", False):
-            return self.fc2(h, residual=residual)
-        return residual + self.fc2(h)
+        """`fc2(act(fc1(x)))`, plus `residual` if given (in fc2's epilogue where a
+        quantised fc2 fuses it)."""
+        return linear_then_residual(self.fc2, self.act(self.fc1(x)), residual)
 
 
 class SwinBlock(nn.Module):

@@ -9,11 +9,6 @@ fp32; and it is compiled, not run, for an H100 to check it becomes fp8 warpgroup
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,8 +25,7 @@ from models.fp8_gemm import (
 from models.optimize import OptimizeOptions, prepare_swin
 from models.quantize import Fp8DynamicLinear, Int8DynamicLinear
 from models.swin import SwinConfig, SwinTransformer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.models.interpreter import run_interpreted
 
 SCRIPT = r"""
 import json, sys
@@ -74,14 +68,7 @@ CASES = [
 
 
 def test_fp8_kernel_matches_the_reference_and_the_float_product_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    results = run_interpreted(SCRIPT, CASES)
     for r, case in zip(results, CASES, strict=True):
         M, _, N, _, _, _, dtype, _ = case
         assert r["shape"] == [M, N] and r["dtype"] == f"torch.{dtype}", r

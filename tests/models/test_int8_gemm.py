@@ -11,12 +11,6 @@ the CPU: checked eagerly and under torch.compile(fullgraph=True).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from models.int8_gemm import (
@@ -25,8 +19,7 @@ from models.int8_gemm import (
     int8_linear_reference,
     quantize_rows,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.models.interpreter import run_interpreted
 
 SCRIPT = r"""
 import json, sys
@@ -73,18 +66,7 @@ CASES = [
 
 
 def test_kernel_matches_the_torch_reference_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    results = run_interpreted(SCRIPT, CASES)
     for r, case in zip(results, CASES, strict=True):
         M, _, N, _, gelu, _, dtype, _ = case
         assert r["shape"] == [M, N] and r["dtype"] == f"torch.{dtype}", r

@@ -5,11 +5,6 @@ and the norms swapped in Swin's and SAM's encoder blocks (same output, one graph
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +24,7 @@ from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.quantize import DynamicQuantLinear
 from models.sam import Sam
 from models.swin import SwinConfig, SwinTransformer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.models.interpreter import run_interpreted
 
 SCRIPT = r"""
 import json, sys
@@ -88,14 +82,7 @@ CASES = [
 
 
 def test_kernel_matches_the_reference_and_the_gemm_reads_its_rows_in_place() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    results = run_interpreted(SCRIPT, CASES)
     for r, (M, C, _, _, fp8) in zip(results, CASES, strict=True):
         assert r["shape"] == [M, C + PACK_PAD] and r["dtype"] == "torch.int8", r
         assert r["q_strided"] and r["s_strided"], r  # views into the packed rows, no copy

@@ -5,11 +5,6 @@ interpreter against the torch references, compiled for an H100, and in Swin and 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +22,7 @@ from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.quantize import DynamicQuantLinear, quantize_linears
 from models.sam import Sam
 from models.swin import SwinConfig, SwinTransformer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.models.interpreter import run_interpreted
 
 SCRIPT = r"""
 import json, sys
@@ -69,13 +63,7 @@ CASES = [(40, 96, 384, False), (33, 64, 256, True), (70, 128, 512, False)]  # M,
 
 
 def test_the_hop_matches_its_references_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_interpreted(SCRIPT, CASES)
     for r, (M, _, H, fp8) in zip(results, CASES, strict=True):
         dtype = "torch.float8_e4m3fn" if fp8 else "torch.int8"
         assert r["hidden"] == [[M, H], dtype, [M, H // HOP_GROUP]], r

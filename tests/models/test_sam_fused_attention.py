@@ -12,17 +12,10 @@ arbitrary strides); speed is measured on the GPU by bench/sam_encoder.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from models.sam.fused_attention import MAX_GRID_W, fused_supported, triton_available
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.models.interpreter import run_interpreted
 
 SCRIPT = r"""
 import json, sys
@@ -66,18 +59,7 @@ CASES = [
 
 
 def test_kernel_matches_dense_bias_attention() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    results = run_interpreted(SCRIPT, CASES)
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r  # fp32 throughout: only summation order differs

@@ -1,0 +1,30 @@
+"""Running a Triton kernel's test script in Triton's interpreter, for the kernel tests.
+
+CI has no GPU: `TRITON_INTERPRET=1` executes the same kernel source on the CPU. Triton reads
+the variable when it is imported, so each script runs in a fresh process, which prints its
+results as one JSON list on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(script: str, cases: list[Any], timeout: float = 240) -> list[Any]:
+    """`python -c script <cases as JSON>` under the interpreter; one result per case."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases), results
+    return results

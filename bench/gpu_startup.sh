@@ -26,13 +26,18 @@ SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$C
   echo "cold: python -m server compile rc=$rc (124: cut at ${COMPILE_TIMEOUT:-330} s) in $(( ($(date +%s%N) - started) / 1000000 )) ms"
   grep -o '"message": "start-up [^"]*"' "$OUT/compile.log" | tail -1
   grep -c '"message": "AOT [^"]*: built in' "$OUT/compile.log" | sed 's/^/AOT packages built: /'
+  engine_pid() {  # the server's engine process, once it exists (else nothing)
+    local sup
+    sup=$(pgrep -f -- "-m server --port" | head -1)
+    [ -n "$sup" ] || return
+    # the first child spawned (not multiprocessing's resource tracker) is the engine
+    ps --ppid "$sup" -o pid=,args= --sort=pid | grep spawn_main | head -1 | awk '{print $1}'
+  }
   dump_engine() {  # DUMPS=1: the engine's native + Python stacks at a few moments of a start
-    local sup engine
+    local engine
     for t in 3 3 3 3 4 4 5 5 10 10; do
       sleep "$t"
-      sup=$(pgrep -f -- "-m server --port" | head -1)
-      [ -n "$sup" ] || continue
-      engine=$(ps --ppid "$sup" -o pid=,rss= --sort=-rss | head -1 | awk '{print $1}')
+      engine=$(engine_pid)
       [ -n "$engine" ] || continue
       echo "=== engine $engine at $(date +%T); its child processes:"
       ps --ppid "$engine" -o pid=,etimes=,args= | cut -c1-400
@@ -41,13 +46,10 @@ SERVER_ENV=(SERVE_DEVICE=cuda SERVE_COMPILE_MODE=aot "SERVE_COMPILE_CACHE_DIR=$C
     done > "$OUT/engine_dumps.txt" 2>&1
   }
   spy_engine() {  # SPY=1: the engine's threads sampled from its start to ready
-    local sup engine
+    local engine
     for _ in $(seq 100); do
       sleep 0.1
-      sup=$(pgrep -f -- "-m server --port" | head -1)
-      [ -n "$sup" ] || continue
-      # the first child spawned (not multiprocessing's resource tracker) is the engine
-      engine=$(ps --ppid "$sup" -o pid=,args= --sort=pid | grep spawn_main | head -1 | awk '{print $1}')
+      engine=$(engine_pid)
       [ -n "$engine" ] && break
     done
     [ -n "${engine:-}" ] || return

@@ -14,7 +14,10 @@ frontend serves each kind; the engine and its embedding cache stay.
 less its idle rate (status polls, samplers) over the same wall time, per request; then
 the same by thread (`loop`: the event loop's; `zmq I/O`: libzmq's own threads; `pool`:
 the decode pool and the metrics sampler) and as user and system time, idle not taken
-off. With
+off. `engine ms` is the engine process's CPU per request measured the same way (idle taken
+off), and by thread: its event loop (zmq, pickles, tasks), zmq's I/O threads, the stage
+`workers` (on the CPU their time is mostly the models' arithmetic; the loop's is not, and
+is the same Python on a GPU machine), and the rest. With
 random weights vit_tiny's masks are noise (tens of thousands of runs: `bytes/resp` says
 how big); `--checkpoint` with synthetic weights (`python -m models.weights synthesize
 vit_tiny`) gives compact masks, as trained weights do. `--profile` runs cProfile in every
@@ -61,9 +64,11 @@ from bench.common import DEFAULT_IMAGES, print_table
 from bench.frontend_profile import run_frontend, steps, top_functions
 from bench.openloop.kinds import KINDS, Photo, RequestMaker
 from server.settings import Settings
+from server.threadnames import os_thread_name
 
 WARMUP_REQUESTS = 20
 THREAD_GROUPS = ("loop", "zmq I/O", "pool", "user", "system")
+ENGINE_GROUPS = ("loop", "zmq I/O", "workers", "pool")
 # What the engine on 2 CPU cores keeps up with (its queue would otherwise grow all along)
 RATES = {"segment": 2.5, "click": 10.0, "classify": 10.0, "healthz": 50.0}
 IDLE_SECONDS = 3.0
@@ -87,16 +92,21 @@ def _cpu_s(pid: int) -> float:
 
 def _threads(pid: int) -> dict[str, float]:
     """CPU seconds by thread group: the event loop's (the main thread), zmq's I/O
-    threads (libzmq names them), the rest (the decode pool, the metrics sampler); and the
-    process's user and system time."""
+    threads (libzmq names them), the engine's stage workers (`gpu-<stage>`, named by
+    `server.threadnames`), the rest (the decode pool, the metrics sampler, torch's
+    intra-op threads); and the process's user and system time."""
     process = psutil.Process(pid)
-    groups = {"loop": 0.0, "zmq I/O": 0.0, "pool": 0.0}
+    groups = {"loop": 0.0, "zmq I/O": 0.0, "workers": 0.0, "pool": 0.0}
     for thread in process.threads():
-        try:
-            name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
-        except OSError:
+        name = os_thread_name(pid, thread.id)
+        if name is None:
             continue  # ended meanwhile
-        group = "loop" if thread.id == pid else "zmq I/O" if name.startswith("ZMQ") else "pool"
+        group = (
+            "loop" if thread.id == pid
+            else "zmq I/O" if name.startswith("ZMQ")
+            else "workers" if name.startswith("gpu-")
+            else "pool"
+        )  # fmt: skip
         groups[group] += thread.user_time + thread.system_time
     times = process.cpu_times()
     return {**groups, "user": times.user, "system": times.system}
@@ -214,17 +224,35 @@ async def _measure_kind(
     rate = args.rate or RATES[kind]
     base = nth * 1_000_000  # segment photos never repeat: a new seq range per kind
     await _load(service.url, maker, kind, WARMUP_REQUESTS, rate, base)
+    engine_pid = service.engine.pid
+    assert engine_pid is not None
     idle_at, idle_cpu = time.perf_counter(), _cpu_s(pid)
+    idle_engine, idle_engine_threads = _cpu_s(engine_pid), _threads(engine_pid)
     await asyncio.sleep(IDLE_SECONDS)
-    idle_rate = (_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_at)
+    idle_wall = time.perf_counter() - idle_at
+    idle_rate = (_cpu_s(pid) - idle_cpu) / idle_wall
+    engine_idle = {k: (v - idle_engine_threads[k]) / idle_wall
+                   for k, v in _threads(engine_pid).items()}  # fmt: skip
+    engine_idle["all"] = (_cpu_s(engine_pid) - idle_engine) / idle_wall
     perf = _start_perf(pid, service.folder / f"{kind}.perf") if args.perf else None
     cpu0, wall0, threads0 = _cpu_s(pid), time.perf_counter(), _threads(pid)
+    engine0, engine_threads0 = _cpu_s(engine_pid), _threads(engine_pid)
     results = await _load(service.url, maker, kind, args.requests, rate, base + 1000)
     cpu, wall = _cpu_s(pid) - cpu0, time.perf_counter() - wall0
+    engine_cpu = _cpu_s(engine_pid) - engine0
+    engine_threads = _threads(engine_pid)
     if perf is not None:
         perf.send_signal(signal.SIGINT)
         perf.wait(60)
     threads = {k: (v - threads0[k]) / args.requests * 1000 for k, v in _threads(pid).items()}
+
+    def per_request(busy: float, idle: float) -> float:
+        """ms per request of CPU seconds `busy` over the load, less the idle rate's share."""
+        return (busy - idle * wall) / args.requests * 1000
+
+    engine = {f"engine {k} ms": per_request(engine_threads[k] - engine_threads0[k],
+                                            engine_idle[k]) for k in ENGINE_GROUPS}  # fmt: skip
+    engine["engine ms"] = per_request(engine_cpu, engine_idle["all"])
     service.stop_frontend()
     statuses = sorted({s for s, _, _ in results})
     if statuses != [200]:
@@ -235,6 +263,7 @@ async def _measure_kind(
         "CPU ms/req": (cpu - idle_rate * wall) / args.requests * 1000,
         "idle CPU %": idle_rate * 100,
         **{f"{k} ms": v for k, v in threads.items()},
+        **engine,
         "bytes/resp": round(statistics.mean(b for _, b, _ in results)),
         "p50 ms": statistics.median(t for _, _, t in results),
     }
@@ -339,6 +368,8 @@ async def _run(args: argparse.Namespace) -> None:
             "CPU ms/req",
             *[f"{k} ms" for k in THREAD_GROUPS],
             "idle CPU %",
+            "engine ms",
+            *[f"engine {k} ms" for k in ENGINE_GROUPS],
             "bytes/resp",
             "p50 ms",
         ],

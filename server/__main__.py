@@ -23,7 +23,7 @@ import logging
 import sys
 
 from server.http.worker import SHUTDOWN_GRACE_S
-from server.logs import configure_logging
+from server.logs import configure_logging, stacks_on_sigusr1
 from server.progress import StartupProgress
 from server.settings import Settings
 from server.settings_cli import BadSettingError, load_settings, settings_help
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, "python -m server compile: needs SERVE_COMPILE_CACHE_DIR (a folder)\n")
         return asyncio.run(compile_only(settings))
     configure_logging(settings.log_level, "supervisor")
+    stacks_on_sigusr1()
     return serve(settings, args.host, args.port)
 
 

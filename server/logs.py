@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
+import signal
 import time
 from typing import Any
 
@@ -50,3 +52,13 @@ def configure_logging(level: str, role: str | None = None) -> None:
         logging.getLogger(name).propagate = True
     # Our access line replaces uvicorn's, which lacks the request id and timings.
     logging.getLogger("uvicorn.access").disabled = True
+
+
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the log).
+
+    For a process that hangs, where its own logging cannot run (a blocked event loop, a
+    stop that never finishes); each of the service's processes installs it (supervisor,
+    engines, frontends), and the tests send it before they give up on a stop.
+    """
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

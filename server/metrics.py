@@ -44,6 +44,7 @@ from server.metrics_multiprocess import (
     render_folder,
 )
 from server.observers import BatchObserver, CacheObserver
+from server.threadnames import name_this_thread
 
 if TYPE_CHECKING:
     from server.domain import ModelInfo
@@ -325,6 +326,7 @@ class Metrics(BatchObserver, CacheObserver):
         self._stop.set()
 
     def _sample_forever(self) -> None:
+        name_this_thread()
         while True:
             with self._lock:
                 samplers = list(self._samplers)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import PHOTOS
-from tests.server.conftest import ROOT, free_port, spawn_server, wait_until_ready
+from tests.server.conftest import ROOT, free_port, spawn_server, stop_server, wait_until_ready
 
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
@@ -80,8 +80,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             wait_until_ready(proc, url, folder / "server.log", 240)
             yield url
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_server(proc, folder / "server.log")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import importlib
 import logging
 import os
@@ -336,15 +335,13 @@ class EngineServer:
 def engine_main(settings: Settings, address: str, role: str = "engine-0") -> None:
     """An engine process's entry point (spawned by the supervisor, one per GPU: the GPU is
     the one its CUDA_VISIBLE_DEVICES names, `cuda:0` here)."""
-    from server.logs import configure_logging
+    from server.logs import configure_logging, stacks_on_sigusr1
 
     configure_logging(settings.log_level, role)
     tracing.setup(role)
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
-    # `kill -USR1 <engine pid>`: every thread's Python stack to the log, for a hung engine
-    # (a blocked event loop cannot log anything itself)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stacks_on_sigusr1()
     # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):
     # 7 s on the H100 machine. On a thread of its own it overlaps the device's start and
     # the weights' loading, which spend their time in C++ with the GIL released (issue 21).

@@ -22,6 +22,8 @@ from typing import TypeVar
 
 import torch
 
+from server.threadnames import name_this_thread
+
 __all__ = ["STAGES", "StageWorkers"]
 
 T = TypeVar("T")
@@ -32,7 +34,8 @@ STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -1, "swin": -1, "ever
 
 def _bind(stream: torch.cuda.Stream | None) -> None:
     """A worker thread's initializer: its current stream is the stage's for good (the
-    current stream is per thread in PyTorch)."""
+    current stream is per thread in PyTorch), and the OS knows it by its stage's name."""
+    name_this_thread()
     if stream is not None:
         torch.cuda.set_stream(stream)
 
@@ -46,7 +49,9 @@ class StageWorkers:
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._executors: dict[str, ThreadPoolExecutor] = {}
         if not self.per_stage:
-            one = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-worker")
+            one = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="gpu-worker", initializer=name_this_thread
+            )
             self._executors = dict.fromkeys(STAGES, one)
             return
         for stage, priority in STAGES.items():

@@ -40,6 +40,7 @@ from server.http.routes import router
 from server.http.state import ServeState, serve_state
 from server.metrics import Metrics
 from server.settings import Settings
+from server.threadnames import name_this_thread
 from server.tracing import enabled as tracing_enabled
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,9 @@ def build_app(
     app.state.serve = ServeState(
         settings=settings,
         metrics=metrics,
-        decode_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode"),
+        decode_pool=ThreadPoolExecutor(
+            settings.decode_threads, thread_name_prefix="decode", initializer=name_this_thread
+        ),
         engine_address=engine_address,
     )
     app.include_router(router)

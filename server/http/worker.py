@@ -22,7 +22,7 @@ import uvicorn
 from server import tracing
 from server.http.app import build_app, drain
 from server.http.state import ServeState, serve_state
-from server.logs import configure_logging
+from server.logs import configure_logging, stacks_on_sigusr1
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -94,6 +94,7 @@ def frontend_main(
     """A frontend process's entry point (spawned by the supervisor); it talks to every
     engine (`server.http.engine_client` picks one per call)."""
     configure_logging(settings.log_level, role)
+    stacks_on_sigusr1()
     if not keep_freed_memory():
         log.info("malloc thresholds not set (not glibc): uploads fault in fresh pages")
     tracing.setup(role)  # before build_app, which adds the tracing middleware when on

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import uvicorn
 from PIL import Image
@@ -38,6 +41,46 @@ def spawn_server(env: dict[str, str], port: int, log: object) -> subprocess.Pope
         [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+def service_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The supervisor `proc` and the service's processes it started (engines, frontends),
+    not multiprocessing's resource tracker (which a SIGUSR1 would end)."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        return [p for p in family if "resource_tracker" not in " ".join(p.cmdline())]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_server(proc: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> int:
+    """SIGTERM `python -m server` and its exit status once it has drained and stopped.
+
+    A stop that takes longer fails the test with the log, after every process of the
+    service has written its threads' stacks to it (SIGUSR1, `server.logs`), and nothing is
+    left running.
+    """
+    proc.terminate()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    alive = service_processes(proc)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in p.children(recursive=True):  # the resource tracker too
+                child.kill()
+            p.kill()
+    proc.wait(timeout=30)
+    names = ", ".join(f"{p.pid}" for p in alive)
+    pytest.fail(
+        f"python -m server did not stop within {timeout_s:.0f} s of SIGTERM (still running: "
+        f"{names}); its log, with every thread's stack at the end:\n{log_path.read_text()[-20000:]}"
+    )
 
 
 def wait_until_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
+import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.swin import IMAGENET_CLASSES
-from tests.server.conftest import free_port, spawn_server, wait_until_ready
+from tests.server.conftest import (
+    free_port,
+    service_processes,
+    spawn_server,
+    stop_server,
+    wait_until_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,9 +115,20 @@ def test_python_dash_m_server_serves(real_photo, tmp_path):
                        data={"request": '{"box": [100, 50, 600, 500]}'})  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["results"][0]["masks"][0]["segmentation"]["size"] == [534, 800]
+        # `kill -USR1`, for a hung server: each process writes its threads' stacks to the
+        # log, and goes on serving
+        family = service_processes(proc)
+        assert len(family) >= 3  # supervisor, engine, frontends
+        for member in family:
+            member.send_signal(signal.SIGUSR1)
+        wanted = ("server/supervisor.py", "server/engine/process.py", "server/http/worker.py")
+        deadline = time.monotonic() + 10
+        while not all(w in (tmp_path / "server.log").read_text() for w in wanted):
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-5000:]
+            time.sleep(0.1)
+        assert httpx.get(url + "/readyz", timeout=5).status_code == 200
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc, tmp_path / "server.log")
         log.close()
     out = (tmp_path / "server.log").read_text()
     assert proc.returncode == 0, out

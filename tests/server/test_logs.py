@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,14 @@ import httpx
 import pytest
 
 from server.logs import JsonFormatter
-from tests.server.conftest import encode, free_port, photo_like, spawn_server, wait_until_ready
+from tests.server.conftest import (
+    encode,
+    free_port,
+    photo_like,
+    spawn_server,
+    stop_server,
+    wait_until_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BOX = [10, 10, 100, 90]
@@ -195,8 +204,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             wait_until_ready(proc, url, path, 120)
             yield url, path
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_server(proc, path)
 
 
 def file_lines(path: Path, request_id: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
@@ -258,3 +266,32 @@ def test_probes_and_scrapes_log_at_debug_only(client, access):
         client.get(path, headers={"X-Request-ID": f"debug{path}"})
         line = one_line(access, f"debug{path}")
         assert (line["level"], line["route"], line["status"]) == ("debug", path, 200)
+
+
+def test_a_stop_that_hangs_fails_with_every_threads_stack(tmp_path: Path) -> None:
+    """The tests' way out of a server that ignores SIGTERM: its stacks (`kill -USR1`,
+    `server.logs.stacks_on_sigusr1`) in the failure, and the process killed."""
+    path = tmp_path / "hung.log"
+    script = (
+        "import signal, threading, time\n"
+        "from server.logs import stacks_on_sigusr1\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "stacks_on_sigusr1()\n"
+        "def wait_forever():\n"
+        "    time.sleep(300)\n"
+        "threading.Thread(target=wait_forever, name='stuck', daemon=True).start()\n"
+        "print('up', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    with path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        while "up" not in path.read_text():
+            assert proc.poll() is None, path.read_text()
+            time.sleep(0.05)
+        with pytest.raises(pytest.fail.Exception) as failed:
+            stop_server(proc, path, timeout_s=1)
+    assert proc.poll() is not None  # killed
+    message = str(failed.value)
+    assert "did not stop within 1 s" in message
+    assert "in wait_forever" in message and "most recent call first" in message

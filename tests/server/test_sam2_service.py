@@ -31,7 +31,14 @@ from server.http.imaging import decode_image, square_min_size
 from server.settings_cli import BadSettingError, load_settings
 from tests.conftest import PHOTOS
 
-from .conftest import LiveServer, free_port, small_settings, spawn_server, wait_until_ready
+from .conftest import (
+    LiveServer,
+    free_port,
+    small_settings,
+    spawn_server,
+    stop_server,
+    wait_until_ready,
+)
 
 MODEL = "sam2_test_tiny"
 CONFIG = SAM2_CONFIGS[MODEL]
@@ -343,8 +350,7 @@ def test_python_m_server_on_meta_format_weights(tmp_path: Path) -> None:
         assert_same_masks(masks_of(body), masks)
         np.testing.assert_allclose(scores_of(body), scores, atol=1e-4)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc, log_path)
 
 
 def test_a_wrong_checkpoint_stops_start_up_with_its_message(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ thread are the same code as on a GPU.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from server.domain import Image, Prompt, SegmentRequest
 from server.engine.services import Engine
 from server.engine.workers import STAGES, StageWorkers
+from server.threadnames import os_thread_name
 from tests.server.conftest import small_settings
 
 
@@ -31,6 +33,12 @@ def test_each_stage_has_its_own_thread_per_stage_and_one_shared_otherwise() -> N
         }
         assert len(set(names.values())) == len(STAGES)
         assert all(name.startswith(f"gpu-{stage}") for stage, name in names.items())
+        # the OS knows them too (top -H, py-spy, the bench's CPU by thread): 15 bytes of it
+        tids = {stage: per_stage[stage].submit(threading.get_native_id).result()
+                for stage in STAGES}  # fmt: skip
+        for stage, tid in tids.items():
+            assert os_thread_name(os.getpid(), tid) == f"gpu-{stage}_0"[:15]
+        assert os_thread_name(os.getpid(), 2**22 + 1) is None  # no such thread
         assert not shared.per_stage and len({id(shared[s]) for s in STAGES}) == 1
         assert per_stage.handed_over([1, 2]) == [1, 2]
     finally:

@@ -21,7 +21,7 @@ from models.sam.shapes import ShapePrompts, shape_masks
 from models.sam.transforms import resize_longest_side_size, scale_coords
 from tests.conftest import SYNTHETIC_TIMEOUT_S, photo_like_array
 from tests.models.test_synthesize import MIN_HELDOUT_IOU
-from tests.server.conftest import encode, free_port, spawn_server, wait_until_ready
+from tests.server.conftest import encode, free_port, spawn_server, stop_server, wait_until_ready
 
 WIDTH, HEIGHT = 400, 300
 POINT = [180, 140]
@@ -74,8 +74,7 @@ def test_server_reports_synthetic_weights_and_draws_the_disc(synthetic_checkpoin
         # a shape, not noise: a few runs per row, not hundreds of thousands
         assert len(rle["counts"]) < 2000
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc, tmp_path / "server.log")
         log.close()
     out = (tmp_path / "server.log").read_text()
     assert "sam_vit_tiny has SYNTHETIC weights" in out

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-import zmq.asyncio
 
 from models.sam import SAM_CONFIGS, CheckpointError
 from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
@@ -58,6 +57,8 @@ from server.messages import (
     call_id_of,
     dump,
     load,
+    readable,
+    socket_fd,
 )
 from server.metrics import Metrics
 from server.progress import StartupProgress, process_started
@@ -82,7 +83,7 @@ class EngineServer:
         self.progress: StartupProgress | None = None
         self.stop = asyncio.Event()
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
-        self._socket: zmq.asyncio.Socket | None = None
+        self._socket: zmq.Socket[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pixels: PixelMaps | None = None
         self.bound = threading.Event()  # set once the socket listens (embedded mode waits)
@@ -90,16 +91,18 @@ class EngineServer:
     # -- life cycle -------------------------------------------------------------------
 
     async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        context = zmq.asyncio.Context()
+        loop = self._loop = asyncio.get_running_loop()
+        context: zmq.Context[Any] = zmq.Context()
         sock = self._socket = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
+        fd = socket_fd(sock)
+        loop.add_reader(fd, self._read_all)
+        loop.call_soon(self._read_all)  # what came before the reader was added
         self.bound.set()
         background = [
             asyncio.create_task(self._start(), name="engine-start"),
             asyncio.create_task(self._watchdog(), name="watchdog"),
-            asyncio.create_task(self._receive(sock), name="engine-receive"),
             asyncio.create_task(self._give_back(), name="pixel-releases"),
         ]
         try:
@@ -111,6 +114,8 @@ class EngineServer:
             await asyncio.gather(*background, return_exceptions=True)
             if self.engine is not None:
                 await self.engine.close()
+            loop.remove_reader(fd)
+            self._socket = None
             sock.close(linger=0)
             context.term()
 
@@ -210,35 +215,50 @@ class EngineServer:
 
     # -- the socket ---------------------------------------------------------------------
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            received = time.perf_counter()
-            identity, call_frame, *payload = frames
-            owner = identity.bytes
-            call_id = call_id_of(call_frame)
+    def _read_all(self) -> None:
+        """Take every call waiting on the socket (the loop calls this when its descriptor
+        turns readable, `_send` after a send that left one unread: `socket_fd` says why)."""
+        sock = self._socket
+        while sock is not None and not sock.closed and readable(sock):
             try:
-                call = load(payload)
-            except Exception:
-                log.exception("an unreadable call from a frontend")
-                continue
-            if isinstance(call, CancelCall):
-                task = self._tasks.get((owner, call.call_id))
-                if task is not None:
-                    task.cancel()
-                continue
-            if isinstance(call, StatusCall):
-                self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
-                continue
-            key = (owner, call_id)
-            self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call, received))
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._receive(frames, time.perf_counter())
+
+    def _receive(self, frames: list[Any], received: float) -> None:
+        identity, call_frame, *payload = frames
+        owner = identity.bytes
+        call_id = call_id_of(call_frame)
+        try:
+            call = load(payload)
+        except Exception:
+            log.exception("an unreadable call from a frontend")
+            return
+        if isinstance(call, CancelCall):
+            task = self._tasks.get((owner, call.call_id))
+            if task is not None:
+                task.cancel()
+            return
+        if isinstance(call, StatusCall):
+            self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
+            return
+        key = (owner, call_id)
+        self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call, received))
 
     def _send(self, frames: list[Any]) -> None:
-        assert self._socket is not None
+        """Queue a message to a frontend without blocking: a ROUTER never waits, it drops
+        what a gone frontend (or one whose queue is full) cannot take."""
+        sock = self._socket
+        if sock is None or sock.closed:
+            return
         try:
-            self._socket.send_multipart(frames, copy=False)
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # the frontend is gone; nothing to tell
             log.warning("could not answer a frontend: %s", exc)
+        if readable(sock):
+            assert self._loop is not None
+            self._loop.call_soon(self._read_all)
 
     def _release_soon(self, owner: bytes, slot: int) -> None:
         """Give a pixel slot back to its frontend (from any thread)."""

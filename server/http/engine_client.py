@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
@@ -59,6 +59,8 @@ from server.messages import (
     call_id_of,
     dump,
     load,
+    readable,
+    socket_fd,
 )
 
 log = logging.getLogger(__name__)
@@ -141,15 +143,6 @@ def combined_status(statuses: Sequence[Status | None]) -> Status | None:
     )
 
 
-def _readable(sock: zmq.Socket[Any]) -> bool:
-    """A message waits to be read (the level behind the descriptor's edges)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _fd(sock: zmq.Socket[Any]) -> int:
-    return cast(int, sock.getsockopt(zmq.FD))
-
-
 def _expire(future: asyncio.Future[tuple[Reply, float]]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
@@ -177,7 +170,7 @@ class EngineClient:
             sock = link.socket = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(link.address)
-            loop.add_reader(_fd(sock), self._drain, link)
+            loop.add_reader(socket_fd(sock), self._drain, link)
             self._tasks.append(
                 asyncio.create_task(self._poll_status(link), name=f"engine-{link.index}-status")
             )
@@ -193,7 +186,7 @@ class EngineClient:
                     future.set_exception(ServiceError(503, "not_ready", "the service is stopping"))
             link.waiting.clear()
             if link.socket is not None:
-                loop.remove_reader(_fd(link.socket))
+                loop.remove_reader(socket_fd(link.socket))
                 link.socket.close(linger=0)
         if self._context is not None:
             self._context.term()
@@ -254,18 +247,12 @@ class EngineClient:
 
     def _drain(self, link: EngineLink) -> None:
         """Handle every reply waiting on `link`'s socket (the event loop calls this when
-        its descriptor turns readable, `_send` after each send).
-
-        A plain socket read without blocking, rather than zmq.asyncio's futures and
-        poller per message: the frontend's cost per engine call was a tenth of its CPU
-        per click (`python -m bench.frontend_cpu --profile`). zmq's descriptor signals
-        edges, not levels: after it fires, everything queued must be read, and a send may
-        consume the edge of a reply that arrived meanwhile, hence the drain after sends.
-        """
+        its descriptor turns readable, `_send` after each send: `server.messages.socket_fd`
+        says why)."""
         sock = link.socket
         if sock is None or sock.closed:
             return
-        while _readable(sock):
+        while readable(sock):
             try:
                 head, *payload = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -292,7 +279,7 @@ class EngineClient:
             except zmq.Again:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.05)
-        if _readable(link.socket):
+        if readable(link.socket):
             asyncio.get_running_loop().call_soon(self._drain, link)
 
     async def _call(

@@ -9,7 +9,6 @@ elsewhere naming is skipped, as nothing depends on it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from functools import cache
@@ -22,10 +21,11 @@ _NAME_BYTES = 15  # the kernel's limit (TASK_COMM_LEN 16, with the terminating z
 
 @cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library this process already has loaded (no search: `find_library` would run
+    `ldconfig` in a subprocess, on the thread that asked)."""
     if not sys.platform.startswith("linux"):
         return None
-    path = ctypes.util.find_library("c")
-    return ctypes.CDLL(path, use_errno=True) if path else None
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def name_this_thread(name: str | None = None) -> None:

@@ -208,17 +208,19 @@ class SamStages:
         the same steps as small torch ops took about four times as long on the host.
         """
         height, width = entry.original_size
-        limit = np.array([width, height], dtype=np.float32)
+        limit = np.array([width, height], dtype=np.float64)
 
-        def to_input(xy: np.ndarray) -> np.ndarray:
-            clipped = np.clip(xy.reshape(-1, 2), np.float32(0), limit)
-            return self._to_input_frame(clipped, entry.original_size)
+        def to_input(xy: object) -> np.ndarray:
+            # clipped while still float64: a coordinate past float32's range (a client's
+            # 1e300) is clipped, not first cast to inf with a warning
+            clipped = np.clip(np.asarray(xy, dtype=np.float64).reshape(-1, 2), 0.0, limit)
+            return self._to_input_frame(clipped.astype(np.float32), entry.original_size)
 
         box = None
         if prompt.box is not None:
-            box = to_input(np.asarray(prompt.box, dtype=np.float32)).reshape(4)
+            box = to_input(prompt.box).reshape(4)
         return PromptSet(
-            points=to_input(np.asarray(prompt.points, dtype=np.float32)),
+            points=to_input(prompt.points),
             labels=np.asarray(prompt.labels, dtype=np.int64),
             box=box,
             mask_input=mask_input,

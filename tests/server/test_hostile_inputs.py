@@ -512,6 +512,7 @@ def test_a_number_of_five_thousand_digits_is_422(client):
         "box negative", "box wholly outside", "boxes outside and whole", "empty box",
     ],
 )  # fmt: skip
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no overflow on the way (1e300)
 def test_coordinates_outside_the_image_are_clipped(client, fields, results):
     assert_segment(post_json(client, JPEG, fields), 160, 120, results=results)
 

@@ -13,7 +13,11 @@ them and routes by image, `server.http.engine_client`), and then only watches:
   frontend, and the supervisor gives up (exit 4).
 - SIGTERM: every frontend drains (readiness 503, accepted requests finish; see
   `server.http.worker`), then every engine stops, then the supervisor exits 0. A second
-  SIGTERM, or SIGINT, stops everything at once.
+  SIGTERM, or SIGINT, stops everything at once. The stop is bounded: a frontend still
+  running `FRONTEND_EXIT_S` after its drain's timeout, or an engine `ENGINE_EXIT_S` after
+  the frontends are gone (a batch that never returns), writes its threads' stacks to the
+  log (SIGUSR1), is killed, and an error line names it; the supervisor still exits 0, as
+  it was asked to stop and did, within the sum docs/DEPLOYMENT.md gives Kubernetes.
 
 Spawned, not forked: an engine initialises CUDA, which does not survive a fork, and
 nothing here has imported torch.
@@ -45,6 +49,11 @@ from server.settings import Settings
 log = logging.getLogger("server.supervisor")
 
 RESTART_WINDOW_S = 10.0  # a frontend dying this soon after its start counts as a crash loop
+# after the drain's timeout: uvicorn's grace for what still runs (SHUTDOWN_GRACE_S, 5 s) and
+# the process's own exit
+FRONTEND_EXIT_S = 7.0
+ENGINE_EXIT_S = 5.0  # the engine's close once no frontend is left: its batch in hand ends
+STACKS_WAIT_S = 1.0  # between SIGUSR1 (stacks to the log) and SIGKILL
 MAX_QUICK_DEATHS = 5
 EXIT_START_FAILED = 1
 EXIT_ENGINE_DIED = 3
@@ -79,6 +88,7 @@ class Supervisor:
         self.frontends: dict[int, tuple[BaseProcess, float]] = {}
         self.quick_deaths = 0
         self.stopping = False  # SIGTERM: drain, then stop
+        self.stop_started: float | None = None  # monotonic time of the first SIGTERM
 
     # -- processes --------------------------------------------------------------------
 
@@ -110,6 +120,7 @@ class Supervisor:
         if signum == signal.SIGTERM and not self.stopping:
             log.info("SIGTERM: draining every frontend, then stopping the engines")
             self.stopping = True
+            self.stop_started = time.monotonic()
             self._signal_frontends(signal.SIGTERM)
             return
         log.info("%s: stopping at once", signal.Signals(signum).name)
@@ -178,13 +189,42 @@ class Supervisor:
                     log.error("frontends keep dying at start: stopping the service")
                     return EXIT_FRONTENDS_FAIL
                 self._start_frontend(index)
+            if self.stopping and self.frontends and self._frontends_overdue():
+                self._force_stop([p for p, _ in self.frontends.values()], "its drain")
             if self.stopping and not self.frontends:
                 log.info("every frontend drained; stopping the engines")
                 self._terminate_engines()
-                deadline = time.monotonic() + self.settings.drain_timeout_s + 30
+                deadline = time.monotonic() + ENGINE_EXIT_S
                 for engine in self.engines:
                     engine.join(timeout=max(0.1, deadline - time.monotonic()))
+                self._force_stop(self.engines, "the frontends' drain")
                 return 0
+
+    def _frontends_overdue(self) -> bool:
+        if self.stop_started is None:
+            return False
+        allowed = self.settings.drain_timeout_s + FRONTEND_EXIT_S
+        return time.monotonic() - self.stop_started > allowed
+
+    def _force_stop(self, processes: list[BaseProcess], after: str) -> None:
+        """Kill what has not stopped in its time, its threads' stacks written to the log
+        first (`server.logs.stacks_on_sigusr1`): a stop that hangs is bounded and says
+        where it hung."""
+        stuck = [p for p in processes if p.is_alive() and p.pid is not None]
+        for process in stuck:
+            assert process.pid is not None
+            log.error(
+                "%s (pid %d) did not stop in time after %s: its threads' stacks follow in "
+                "the log; killing it", process.name, process.pid, after,
+            )  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGUSR1)
+        if not stuck:
+            return
+        time.sleep(STACKS_WAIT_S)
+        for process in stuck:
+            process.kill()
+            process.join(timeout=5)
 
     def _forget(self, process: BaseProcess) -> None:
         """A dead process's live gauges leave /metrics (its counters stay), and a dead

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import PHOTOS
-from tests.server.conftest import ROOT, free_port, spawn_server, wait_until_ready
+from tests.server.conftest import ROOT, free_port, spawn_server, stop_server, wait_until_ready
 
 ENV = {
     "SERVE_DEVICE": "cpu",
@@ -64,15 +64,12 @@ class Service:
         raise AssertionError(f"no start of {role} in the log:\n{self.log_path.read_text()}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM and the exit status (`stop_server`), or the status it already exited with."""
         try:
-            code = self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
+            code = self.proc.poll()
+            return code if code is not None else stop_server(self.proc, self.log_path, 90)
+        finally:
+            self.log.close()
 
 
 def fresh(url: str) -> httpx.Client:
@@ -180,6 +177,31 @@ def test_kill_9_of_the_engine_stops_the_service_non_zero(tmp_path):
     for role in ("frontend-0", "frontend-1"):  # nothing left behind
         status = Path(f"/proc/{service.pid_of(role)}/status")
         assert not status.exists() or "zombie" in status.read_text().lower()
+
+
+def test_a_batch_that_never_returns_does_not_keep_the_service_from_stopping(tmp_path):
+    """SIGTERM while a classify batch hangs: the frontend drains (its request ends at its
+    deadline), the engine cannot finish its batch, so after its time the supervisor has it
+    write its stacks to the log and kills it; the stop is bounded and says where it hung."""
+    service = Service(
+        tmp_path, workers=1, SERVE_ENABLE_SAM="false", SERVE_WARMUP="false",
+        SERVE_FAULT_HANG_STAGE="swin", SERVE_FAULT_HANG_S="300",
+        SERVE_DRAIN_TIMEOUT_S="2", SERVE_REQUEST_TIMEOUT_S="2",
+    )  # fmt: skip
+    photo = (PHOTOS / "dog.jpg").read_bytes()
+    with fresh(service.url) as c:
+        r = c.post("/v1/classify", files={"image": ("dog.jpg", photo, "image/jpeg")})
+    assert r.status_code == 504, r.text  # the hung batch runs on in the engine
+    started = time.monotonic()
+    code = service.stop()
+    took = time.monotonic() - started
+    log = service.log_path.read_text()
+    assert code == 0, log
+    # drain (2 s, nothing in flight: at once), the engine's 5 s, 1 s for its stacks
+    assert took < 2 + 7 + 5 + 1 + 5, (took, log)
+    assert "engine-0 (pid" in log and "did not stop in time" in log
+    assert "in faulty" in log  # the engine's stack: the hung batch function
+    assert "frontend-0 (pid" not in log  # the frontend stopped by itself
 
 
 def test_a_frontend_never_imports_torch():

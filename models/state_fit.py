@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
@@ -19,6 +19,8 @@ _INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "
                  "kaiming_normal_", "orthogonal_", "sparse_")  # fmt: skip
 
 SHOWN = 5  # keys quoted per kind of problem
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _keep(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -86,3 +88,19 @@ def fit_problems(
     if non_float:
         problems.append(f"non-floating-point tensors, e.g. {non_float[:SHOWN]}")
     return problems
+
+
+def adopt(model: M, state: dict[str, Tensor]) -> None:
+    """Take a checked state dict's tensors as the model's own (no copy: the file's memory
+    map), in fp32."""
+    model.load_state_dict(state, strict=True, assign=True)
+    model.float()
+
+
+def ready_for_inference(model: M, label: str) -> M:
+    """The filled model in eval mode with gradients off; a tensor no loader filled is a
+    bug in the model's module, not in the file, and says which."""
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftovers:
+        raise RuntimeError(f"{label}: tensors left uninitialised: {leftovers[:SHOWN]}")
+    return model.eval().requires_grad_(False)

@@ -20,12 +20,18 @@ from models.sam.image_encoder import Attention as EncoderAttention
 from models.sam.image_encoder import ImageEncoderViT
 from models.sam.prompt_encoder import PositionEmbeddingRandom
 from models.sam.sam import Sam
-from models.state_fit import fit_problems, non_tensor_entries, unfilled
+from models.state_fit import (
+    SHOWN,
+    adopt,
+    fit_problems,
+    non_tensor_entries,
+    ready_for_inference,
+    unfilled,
+)
 
 __all__ = ["CheckpointError", "init_random", "load_sam"]
 
 log = logging.getLogger(__name__)
-_SHOWN = 5  # keys listed in an error message
 
 
 class CheckpointError(ValueError):
@@ -48,14 +54,10 @@ def load_sam(config: SamConfig, checkpoint: Path | str | None, *, seed: int = 0)
         path = Path(checkpoint)
         state = _read_state_dict(path)
         _check_state_dict(path, model, state, config)
-        model.load_state_dict(state, strict=True, assign=True)
-        model.float()
+        adopt(model, state)
         log.info("SAM %s: weights from %s", config.name, path)
     model.reset_constant_buffers()
-    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftovers:  # a bug in this module, not in the file
-        raise RuntimeError(f"SAM {config.name}: tensors left uninitialised: {leftovers[:_SHOWN]}")
-    return model.eval().requires_grad_(False)
+    return ready_for_inference(model, f"SAM {config.name}")
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
@@ -82,7 +84,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
     if bad:
         raise CheckpointError(
             f"SAM checkpoint {path}: not a state dict of tensors; {len(bad)} entries are not "
-            f"tensors, e.g. {bad[:_SHOWN]}"
+            f"tensors, e.g. {bad[:SHOWN]}"
         )
     return state
 
@@ -135,4 +137,4 @@ def init_random(model: nn.Module, seed: int) -> None:
             normal_(module.positional_encoding_gaussian_matrix, 1.0)
     missed = [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in done]
     if missed:  # a new module type without an init rule would keep to_empty() garbage
-        raise RuntimeError(f"init_random has no rule for {missed[:_SHOWN]}")
+        raise RuntimeError(f"init_random has no rule for {missed[:SHOWN]}")

@@ -21,7 +21,14 @@ from torch import Tensor, nn
 from models.sam.checkpoint import init_random as init_random_sam
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2
-from models.state_fit import fit_problems, non_tensor_entries, unfilled
+from models.state_fit import (
+    SHOWN,
+    adopt,
+    fit_problems,
+    non_tensor_entries,
+    ready_for_inference,
+    unfilled,
+)
 
 __all__ = [
     "IMAGE_PREFIXES",
@@ -33,7 +40,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_SHOWN = 5  # keys listed in an error message
 
 IMAGE_PREFIXES = ("image_encoder.", "sam_prompt_encoder.", "sam_mask_decoder.", "no_mem_embed")
 _MLP_KEY = re.compile(r"^(sam_mask_decoder\.transformer\.layers\.\d+\.mlp\.)layers\.([01])\.")
@@ -83,8 +89,7 @@ def load_sam2(config: Sam2Config, checkpoint: Path | str | None, *, seed: int = 
         path = Path(checkpoint)
         state, skipped = map_checkpoint_keys(_read_model_state(path))
         _check(path, model, state, config)
-        model.load_state_dict(state, strict=True, assign=True)
-        model.float()
+        adopt(model, state)
         log.info(
             "SAM 2 %s: %d image-path tensors from %s (%d video-only tensors skipped)",
             config.name,
@@ -92,10 +97,7 @@ def load_sam2(config: Sam2Config, checkpoint: Path | str | None, *, seed: int = 
             path,
             len(skipped),
         )
-    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftovers:  # a bug in this module, not in the file
-        raise RuntimeError(f"SAM 2 {config.name}: tensors left uninitialised: {leftovers[:_SHOWN]}")
-    return model.eval().requires_grad_(False)
+    return ready_for_inference(model, f"SAM 2 {config.name}")
 
 
 @torch.no_grad()
@@ -129,7 +131,7 @@ def init_random(model: Sam2, seed: int) -> None:
         normal_(table, 0.1)
     missed = [n for n, t in encoder.state_dict(keep_vars=True).items() if id(t) not in done]
     if missed:  # a new module type without a rule would keep to_empty() garbage
-        raise RuntimeError(f"init_random has no rule for image_encoder.{missed[:_SHOWN]}")
+        raise RuntimeError(f"init_random has no rule for image_encoder.{missed[:SHOWN]}")
 
 
 def _read_model_state(path: Path) -> dict[str, Tensor]:
@@ -144,7 +146,7 @@ def _read_model_state(path: Path) -> dict[str, Tensor]:
             f"or not a torch.save file): {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
-        got = sorted(map(str, blob))[:_SHOWN] if isinstance(blob, dict) else type(blob).__name__
+        got = sorted(map(str, blob))[:SHOWN] if isinstance(blob, dict) else type(blob).__name__
         raise Sam2CheckpointError(
             f"SAM 2 checkpoint {path}: expected Meta's format {{'model': state_dict}}, got {got}"
         )
@@ -153,7 +155,7 @@ def _read_model_state(path: Path) -> dict[str, Tensor]:
     if bad:
         raise Sam2CheckpointError(
             f"SAM 2 checkpoint {path}: {len(bad)} entries of 'model' are not tensors, "
-            f"e.g. {bad[:_SHOWN]}"
+            f"e.g. {bad[:SHOWN]}"
         )
     return state
 

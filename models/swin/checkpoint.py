@@ -18,14 +18,20 @@ import torch
 from torch import Tensor, nn
 
 from models.sam.checkpoint import CheckpointError
-from models.state_fit import fit_problems, non_tensor_entries, unfilled
+from models.state_fit import (
+    SHOWN,
+    adopt,
+    fit_problems,
+    non_tensor_entries,
+    ready_for_inference,
+    unfilled,
+)
 from models.swin.config import SwinConfig
 from models.swin.model import SwinTransformer, WindowAttention
 
 __all__ = ["CheckpointError", "init_random", "load_swin", "to_timm_layout"]
 
 log = logging.getLogger(__name__)
-_SHOWN = 5  # keys listed in an error message
 _SAFETENSORS = (".safetensors",)
 
 
@@ -48,14 +54,10 @@ def load_swin(
         path = Path(checkpoint)
         state = to_timm_layout(_read_state_dict(path))
         _check_state_dict(path, model, state, config)
-        model.load_state_dict(state, strict=True, assign=True)
-        model.float()
+        adopt(model, state)
         log.info("Swin %s: weights from %s", config.name, path)
     model.reset_constant_buffers()
-    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftovers:  # a bug in this module, not in the file
-        raise RuntimeError(f"Swin {config.name}: tensors left uninitialised: {leftovers[:_SHOWN]}")
-    return model.eval().requires_grad_(False)
+    return ready_for_inference(model, f"Swin {config.name}")
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
@@ -81,7 +83,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
     if bad:
         raise CheckpointError(
             f"Swin checkpoint {path}: not a state dict of tensors; {len(bad)} entries are not "
-            f"tensors, e.g. {bad[:_SHOWN]}"
+            f"tensors, e.g. {bad[:SHOWN]}"
         )
     return state
 
@@ -178,4 +180,4 @@ def init_random(model: nn.Module, seed: int) -> None:
             normal_(module.relative_position_bias_table, 0.5)
     missed = [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in done]
     if missed:  # a new module type without an init rule would keep to_empty() garbage
-        raise RuntimeError(f"init_random has no rule for {missed[:_SHOWN]}")
+        raise RuntimeError(f"init_random has no rule for {missed[:SHOWN]}")

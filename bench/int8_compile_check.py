@@ -11,18 +11,36 @@ the same inputs, and prints each one's error against the fp32 product and compil
 against eager: a row whose compiled error is far above its eager error is the fault.
 
     python3 -m bench.int8_compile_check
+
+`--swin` bisects the whole model instead: Swin-T with only one kind of block Linear int8
+(qkv, proj, fc1, fc2, or all of them: every accepted layer, no per-layer choice, as the
+87% variant; or none, the yardstick of inductor's own rounding), run on views of the real
+photos eager and then through three compiled paths: dynamo's `aot_eager` (graph capture
+and functionalisation, no code generation), inductor, and inductor replayed from a CUDA
+graph (`GraphedBuckets`, as the bench and the service run it). The first path whose logits
+leave eager's says where the fault is: in tracing (aot_eager), in inductor's kernels, or
+in the graph capture around our op.
+
+    python3 -m bench.int8_compile_check --swin --images .benchdata/images
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from bench.common import environment, print_table
+from bench.common import DEFAULT_IMAGES, environment, load_photos, print_table
+from models.fidelity import swin_views
+from models.optimize import GraphedBuckets
 from models.quant_linear import DynamicQuantLinear
+from models.quantize import quantize_linears
+from models.swin import SWIN_CONFIGS, load_swin
+from models.swin import transforms as swin_tf
 
 # (tokens, K, N): Swin-T's stage 1 qkv and fc1 at batch 64 (56 x 56 tokens), stage 3 fc1
 # (14 x 14), stage 4 fc2 (7 x 7)
@@ -97,12 +115,84 @@ def check(m: int, k: int, n: int, device: str) -> list[dict[str, Any]]:
     return rows
 
 
+# which block Linear layers are int8 in each bisection step (`--swin`)
+GROUPS = {
+    "none": (),  # the bf16 model: how far inductor's own fusions move the logits
+    "all": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
+    "qkv": ("attn.qkv",),
+    "proj": ("attn.proj",),
+    "fc1": ("mlp.fc1",),
+    "fc2": ("mlp.fc2",),
+}
+BACKENDS = ("aot_eager", "inductor", "inductor+graph")
+
+
+def _compiled(model: nn.Module, backend: str, x: Tensor) -> Tensor:
+    torch._dynamo.reset()
+    if backend == "inductor+graph":
+        graphed = GraphedBuckets(torch.compile(model, dynamic=False), enabled=x.is_cuda)
+        graphed.capture(x)
+        return graphed(x).clone()
+    return torch.compile(model, backend=backend, dynamic=False)(x)
+
+
+def swin_bisect(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (int8 group, compiled path): its logits against the same model eager."""
+    config = SWIN_CONFIGS[args.model]
+    device = torch.device(args.device)
+    base = load_swin(config, None, seed=0).to(device, torch.bfloat16)
+    photos = load_photos(args.images)
+    x = swin_tf.preprocess_images(swin_views(photos, args.batch), config, device)
+    x = x.to(torch.bfloat16)
+    with torch.inference_mode():
+        reference = base(x).float()
+    rows = []
+    for group in args.groups:
+        wanted = GROUPS[group]
+        model = copy.deepcopy(base)
+
+        def include(name: str, layer: nn.Linear, wanted: tuple[str, ...] = wanted) -> bool:
+            return name.startswith("layers.") and ".blocks." in name and name.endswith(wanted)
+
+        swapped = quantize_linears(model, "int8", include, max_kept=0.0)
+        with torch.inference_mode():
+            eager = model(x).float()
+            for backend in args.backends:
+                try:
+                    got = _compiled(model, backend, x).float()
+                except Exception as exc:  # one failing path must not hide the others
+                    rows.append({"int8": group, "layers": len(swapped), "path": backend,
+                                 "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
+                    print(rows[-1], flush=True)
+                    continue
+                rows.append({
+                    "int8": group, "layers": len(swapped), "path": backend,
+                    "eager_vs_bf16": _rel(eager, reference),
+                    "vs_eager": _rel(got, eager),
+                    "top1_vs_eager": float((got.argmax(-1) == eager.argmax(-1)).float().mean()),
+                })  # fmt: skip
+                print(rows[-1], flush=True)  # kept when a run is cut short
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, default=0, help="cap M (a CPU smoke test)")
+    parser.add_argument("--swin", action="store_true", help="bisect Swin-T instead")
+    parser.add_argument("--model", default="swin_tiny_patch4_window7_224", choices=SWIN_CONFIGS)
+    parser.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    parser.add_argument("--batch", type=int, default=64, help="views of the photos (--swin)")
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     args = parser.parse_args()
     print(environment(), flush=True)
+    if args.swin:
+        cols = ["int8", "layers", "path", "eager_vs_bf16", "vs_eager", "top1_vs_eager", "error"]
+        print_table(swin_bisect(args), cols)
+        return
     rows = []
     for m, k, n in SHAPES:
         rows += check(min(m, args.rows) if args.rows else m, k, n, args.device)

@@ -89,6 +89,7 @@ class Supervisor:
         self.quick_deaths = 0
         self.stopping = False  # SIGTERM: drain, then stop
         self.stop_started: float | None = None  # monotonic time of the first SIGTERM
+        self._signals: list[int] = []  # received, not yet acted on (`_on_signal`)
 
     # -- processes --------------------------------------------------------------------
 
@@ -117,17 +118,27 @@ class Supervisor:
     # -- signals ------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM and not self.stopping:
-            log.info("SIGTERM: draining every frontend, then stopping the engines")
+        """Note it; `_watch` acts on it within its half-second wait. Nothing more here: a
+        handler runs between any two bytecodes of the main thread, and a log line (its
+        stream's buffer) or a lock taken here may be the one the interrupted code holds,
+        which hung a frontend on SIGTERM (`server.http.state.ServeState.refuse_new_work`)."""
+        self._signals.append(signum)
+
+    def _act_on_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGTERM and not self.stopping:
+                log.info("SIGTERM: draining every frontend, then stopping the engines")
+                self.stopping = True
+                self.stop_started = time.monotonic()
+                self._signal_frontends(signal.SIGTERM)
+                continue
+            log.info("%s: stopping at once", signal.Signals(signum).name)
             self.stopping = True
-            self.stop_started = time.monotonic()
+            self.stop_started = self.stop_started or time.monotonic()
+            self._signal_frontends(signal.SIGTERM)  # their second: they stop at once
             self._signal_frontends(signal.SIGTERM)
-            return
-        log.info("%s: stopping at once", signal.Signals(signum).name)
-        self.stopping = True
-        self._signal_frontends(signal.SIGTERM)  # their second: they stop at once
-        self._signal_frontends(signal.SIGTERM)
-        self._terminate_engines()
+            self._terminate_engines()
 
     def _terminate_engines(self) -> None:
         """SIGTERM: each engine finishes the calls in hand, then exits."""
@@ -159,9 +170,11 @@ class Supervisor:
 
     def _watch(self) -> int:
         while True:
+            self._act_on_signals()
             sentinels = [e.sentinel for e in self.engines]
             sentinels += [p.sentinel for p, _ in self.frontends.values()]
             multiprocessing.connection.wait(sentinels, timeout=0.5)
+            self._act_on_signals()
             for engine in self.engines:
                 if engine.is_alive():
                     continue

@@ -36,6 +36,7 @@ class ServeState:
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
     drain_deadline: float | None = None  # monotonic; the drain waits for no one past it
+    drain_reported: bool = False  # serve_ready set to 0 for the drain
 
     @property
     def ready(self) -> bool:
@@ -64,11 +65,24 @@ class ServeState:
 
     def begin_drain(self) -> None:
         """From now on: readiness 503, new requests 503; accepted ones still complete,
-        within `drain_timeout_s` from this first call (a second drain adds no time)."""
-        if not self.draining:
-            self.draining = True
-            self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        within `drain_timeout_s` from the first call (a second drain adds no time); and
+        `serve_ready` 0. On the event loop, never in a signal handler (`refuse_new_work`)."""
+        self.refuse_new_work()
+        if not self.drain_reported:
+            self.drain_reported = True
             self.metrics.ready.set(0)
+
+    def refuse_new_work(self) -> None:
+        """The part of `begin_drain` a signal handler may run: assignments, no lock.
+
+        A handler runs between two bytecodes of whatever the thread was doing. One that set
+        the metric took prometheus_client's lock, which the code it interrupted (a request's
+        first observation, creating its series) already held: the frontend hung for good
+        on SIGTERM (CI, 2026-11-24; its stacks showed both frames in one thread).
+        """
+        if not self.draining:
+            self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+            self.draining = True
 
     def require_engine(self) -> EngineClient:
         """The engine, or 503 while loading, warming, draining or failed."""

@@ -41,17 +41,22 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self._drain: asyncio.Task[None] | None = None
+        self._drain_asked = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or self._drain is not None or self.should_exit:
-            super().handle_exit(sig, frame)
+        if sig != signal.SIGTERM or self._drain_asked or self.should_exit:
+            super().handle_exit(sig, frame)  # uvicorn's: flags only
             return
-        log.info("SIGTERM: draining (readiness off, new requests 503)")
-        self.state.begin_drain()  # takes effect before the next request is read
+        self._drain_asked = True
+        # Only what is safe between any two bytecodes: no log line, no metric (their locks
+        # may be held by the code this interrupted); the rest runs on the loop, next.
+        self.state.refuse_new_work()  # takes effect before the next request is read
         loop = asyncio.get_running_loop()  # signal handlers run on the loop's thread
         loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        log.info("SIGTERM: draining (readiness off, new requests 503)")
+        self.state.begin_drain()
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:

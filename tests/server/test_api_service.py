@@ -6,7 +6,6 @@ import base64
 import os
 import signal
 import time
-import warnings
 from pathlib import Path
 
 import httpx
@@ -133,10 +132,9 @@ def test_python_dash_m_server_serves(real_photo, tmp_path):
         log.close()
     out = (tmp_path / "server.log").read_text()
     assert proc.returncode == 0, out
-    if "did not stop in time" in out:
-        # the supervisor bounded a stop that hung (server.supervisor); the service did
-        # stop, so this reports the hung process's stacks rather than failing
-        warnings.warn(f"a process of python -m server hung on SIGTERM:\n{out[-12000:]}",
-                      stacklevel=1)  # fmt: skip
+    # SIGTERM right after a response: the frontend may still be in the request's first
+    # observation (prometheus_client's lock held), where a handler that took the lock hung
+    # it for good (server.http.state.ServeState.refuse_new_work)
+    assert "did not stop in time" not in out, out[-12000:]
     assert "RANDOM weights" in out
     assert '"route": "/v1/segment"' in out  # structured access log line

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from server.engine.entry import run_engine
 from server.gpus import EnginePlan, plan_engines
@@ -90,6 +91,11 @@ class Supervisor:
         self.stopping = False  # SIGTERM: drain, then stop
         self.stop_started: float | None = None  # monotonic time of the first SIGTERM
         self._signals: list[int] = []  # received, not yet acted on (`_on_signal`)
+        # a signal writes a byte to the second (`signal.set_wakeup_fd`, in `run`), which
+        # wakes the watch loop's wait on the first at once
+        self._wakeup, self._wake = socket.socketpair()
+        for end in (self._wakeup, self._wake):
+            end.setblocking(False)
 
     # -- processes --------------------------------------------------------------------
 
@@ -118,7 +124,7 @@ class Supervisor:
     # -- signals ------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Note it; `_watch` acts on it within its half-second wait. Nothing more here: a
+        """Note it; `_watch`, woken by the signal's byte, acts on it. Nothing more here: a
         handler runs between any two bytecodes of the main thread, and a log line (its
         stream's buffer) or a lock taken here may be the one the interrupted code holds,
         which hung a frontend on SIGTERM (`server.http.state.ServeState.refuse_new_work`)."""
@@ -155,6 +161,7 @@ class Supervisor:
     # -- the watch ------------------------------------------------------------------------
 
     def run(self) -> int:
+        previous_fd = signal.set_wakeup_fd(self._wake.fileno())
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
@@ -167,13 +174,18 @@ class Supervisor:
             self._stop_all()
             self.sock.close()
             shutil.rmtree(self.folder, ignore_errors=True)
+            signal.set_wakeup_fd(previous_fd)
+            self._wake.close()
+            self._wakeup.close()
 
     def _watch(self) -> int:
         while True:
             self._act_on_signals()
-            sentinels = [e.sentinel for e in self.engines]
+            sentinels: list[Any] = [e.sentinel for e in self.engines]
             sentinels += [p.sentinel for p, _ in self.frontends.values()]
-            multiprocessing.connection.wait(sentinels, timeout=0.5)
+            multiprocessing.connection.wait([*sentinels, self._wakeup], timeout=0.5)
+            with contextlib.suppress(BlockingIOError):
+                self._wakeup.recv(4096)  # the signals' bytes: `_signals` holds them
             self._act_on_signals()
             for engine in self.engines:
                 if engine.is_alive():

@@ -180,7 +180,6 @@ class Supervisor:
 
     def _watch(self) -> int:
         while True:
-            self._act_on_signals()
             sentinels: list[Any] = [e.sentinel for e in self.engines]
             sentinels += [p.sentinel for p, _ in self.frontends.values()]
             multiprocessing.connection.wait([*sentinels, self._wakeup], timeout=0.5)
@@ -235,19 +234,18 @@ class Supervisor:
         """Kill what has not stopped in its time, its threads' stacks written to the log
         first (`server.logs.stacks_on_sigusr1`): a stop that hangs is bounded and says
         where it hung."""
-        stuck = [p for p in processes if p.is_alive() and p.pid is not None]
-        for process in stuck:
-            assert process.pid is not None
-            log.error(
-                "%s (pid %d) did not stop in time after %s: its threads' stacks follow in "
-                "the log; killing it", process.name, process.pid, after,
-            )  # fmt: skip
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGUSR1)
+        stuck = [(p, p.pid) for p in processes if p.is_alive() and p.pid is not None]
         if not stuck:
             return
+        for process, pid in stuck:
+            log.error(
+                "%s (pid %d) did not stop in time after %s: its threads' stacks follow in "
+                "the log; killing it", process.name, pid, after,
+            )  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(STACKS_WAIT_S)
-        for process in stuck:
+        for process, _ in stuck:
             process.kill()
             process.join(timeout=5)
 
@@ -269,11 +267,10 @@ class Supervisor:
         self._signal_frontends(signal.SIGTERM)
         self._terminate_engines()
         deadline = time.monotonic() + 10
-        for process in [p for p, _ in self.frontends.values()] + self.engines:
+        remaining = [p for p, _ in self.frontends.values()] + self.engines
+        for process in remaining:
             process.join(timeout=max(0.1, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        self._force_stop(remaining, "the supervisor's exit")
 
 
 @contextlib.contextmanager

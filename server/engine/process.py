@@ -365,10 +365,9 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):
     # 7 s on the H100 machine. On a thread of its own it overlaps the device's start and
     # the weights' loading, which spend their time in C++ with the GIL released (issue 21).
-    preimport = threading.Thread(
+    threading.Thread(
         target=importlib.import_module, args=("torch._dynamo",), name="preimport", daemon=True
-    )
-    preimport.start()
+    ).start()
     server = EngineServer(settings, address, Metrics(role))
 
     async def main() -> None:
@@ -390,8 +389,4 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
         asyncio.run(main())
     finally:
         tracing.shutdown()  # export what is batched before the process ends
-        # Not left half-way through an import at exit: a CPU engine is ready before it ends
-        # (seconds), and finalisation with another thread inside the import system is
-        # where a stop could hang (an exit handler waiting on that import's locks).
-        preimport.join(timeout=60)
     raise SystemExit(1 if server.failure is not None else 0)

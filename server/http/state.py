@@ -36,7 +36,6 @@ class ServeState:
     started_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # set by the launcher to stop the server
     drain_deadline: float | None = None  # monotonic; the drain waits for no one past it
-    drain_reported: bool = False  # serve_ready set to 0 for the drain
 
     @property
     def ready(self) -> bool:
@@ -68,9 +67,7 @@ class ServeState:
         within `drain_timeout_s` from the first call (a second drain adds no time); and
         `serve_ready` 0. On the event loop, never in a signal handler (`refuse_new_work`)."""
         self.refuse_new_work()
-        if not self.drain_reported:
-            self.drain_reported = True
-            self.metrics.ready.set(0)
+        self.metrics.ready.set(0)
 
     def refuse_new_work(self) -> None:
         """The part of `begin_drain` a signal handler may run: assignments, no lock.

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, spawn_server, wait_until_ready
+from tests.server.conftest import free_port, spawn_server, stop_server, wait_until_ready
 
 # Tiny models on the CPU, one frontend each.
 REPLICA_ENV = {
@@ -58,16 +58,12 @@ class Replica:
         return self
 
     def stop(self) -> int:
-        """SIGTERM, as Kubernetes stops a pod: the replica drains and exits 0."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM, as Kubernetes stops a pod: the replica drains and exits 0 (`stop_server`)."""
         try:
-            code = self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
+            code = self.proc.poll()
+            return code if code is not None else stop_server(self.proc, self.log_path, 90)
+        finally:
+            self.log.close()
 
 
 def nginx_binary() -> str:

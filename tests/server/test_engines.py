@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.http.engine_client import rendezvous_hash
 from tests.conftest import PHOTOS
-from tests.server.conftest import free_port, spawn_server, wait_until_ready
+from tests.server.conftest import free_port, spawn_server, stop_server, wait_until_ready
 from tests.server.test_processes import ENV, fresh
 
 IMAGES = 50
@@ -73,15 +72,12 @@ class Engines:
         )
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM and the exit status (`stop_server`), or the status it already exited with."""
         try:
-            code = self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
+            code = self.proc.poll()
+            return code if code is not None else stop_server(self.proc, self.log_path, 90)
+        finally:
+            self.log.close()
 
 
 def engine_values(url: str, name: str, **labels: str) -> Counter[str]:

@@ -50,6 +50,7 @@ from models.sam.config import SamConfig
 from models.sam.prompt_encoder import LABEL_NOT_A_POINT
 from models.sam.prompts import PromptBatch
 from models.sam.sam import Sam
+from models.sam.transformer import decoder_attention
 from models.sam.transforms import (
     postprocess_masks,
     preprocess_images,
@@ -136,7 +137,8 @@ class AutomaticMaskGenerator(GridMaskGenerator[Tensor]):
 
     def _decode(self, embedding: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
         """SAM's three multimask outputs per point (the single-mask token is dropped)."""
-        low_res, iou = self.model.decode(embedding, single_point_prompts(points))
+        with decoder_attention():
+            low_res, iou = self.model.decode(embedding, single_point_prompts(points))
         return low_res[:, 1:], iou[:, 1:]  # [n, 3, m, m], [n, 3]
 
     def _upscale(self, low_res: Tensor, job: CropJob) -> Tensor:

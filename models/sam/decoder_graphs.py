@@ -146,7 +146,8 @@ class DecoderGraphs:
         for tokens in self.token_buckets:
             inputs, prompts = self._inputs(sets, tokens)
             # cuDNN attention's per-shape plans made each capture take 0.2 s (py-spy on the
-            # H100 machine); a bucket's shapes are new by definition
+            # H100 machine); a bucket's shapes are new by definition. The stages' decode
+            # functions enter the same context again: it is reentrant.
             with decoder_attention():
                 if not self.graphs:
                     low_res, iou = self.decode(*inputs, prompts)

@@ -27,17 +27,15 @@ __all__ = ["TwoWayTransformer", "decoder_attention"]
 _DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
 # interleaving their enter and exit could leave them restricted for everyone after.
-# Reentrant: a decode function that enters it too may be captured (a plain lock
-# deadlocked there).
+# Reentrant: a graph capture enters it around a stage's decode function, which enters it
+# again (a plain lock deadlocked there).
 _BACKENDS_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
 def decoder_attention() -> Iterator[None]:
-    """The attention kernels a mask decoder (SAM's, SAM 2's) runs while its CUDA graphs are
-    captured (`DecoderGraphs.capture`). The decoder's other calls (batches no graph holds,
-    segment everything) would gain too, at the first call of each new prompt count; that
-    change has not run on a GPU yet, so they keep torch's default choice for now."""
+    """The attention kernels a mask decoder (SAM's, SAM 2's) runs, compiled or captured or
+    eager: wrap every decoder call in this."""
     with _BACKENDS_LOCK, sdpa_kernel(_DECODER_BACKENDS):
         yield
 

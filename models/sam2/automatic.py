@@ -29,6 +29,7 @@ from models.images import Size
 from models.sam.automatic_memory import estimate_peak_bytes
 from models.sam.automatic_pipeline import GridMaskGenerator
 from models.sam.automatic_types import AutomaticMasks, AutomaticMaskSettings, CropJob
+from models.sam.transformer import decoder_attention
 from models.sam2.config import Sam2Config
 from models.sam2.model import Sam2, Sam2Features
 from models.sam2.transforms import scale_points
@@ -153,12 +154,13 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
         with their own logits under `use_m2m`: `[n, k, m, m]`, `[n, k]`."""
         n = points.shape[0]
         labels = torch.ones(n, 1, dtype=torch.int64, device=points.device)
-        pred = self.model.decode(
-            embedding, points[:, None], labels, multimask=self.settings.multimask_output
-        )
-        low_res, iou = pred.low_res_masks, pred.iou
-        if self.settings.use_m2m:
-            low_res, iou = self._refine(embedding, points, low_res)
+        with decoder_attention():
+            pred = self.model.decode(
+                embedding, points[:, None], labels, multimask=self.settings.multimask_output
+            )
+            low_res, iou = pred.low_res_masks, pred.iou
+            if self.settings.use_m2m:
+                low_res, iou = self._refine(embedding, points, low_res)
         return low_res, iou
 
     def _refine(

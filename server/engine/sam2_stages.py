@@ -38,6 +38,7 @@ from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, pack_prompts
 from models.sam.decoder_graphs import DecoderGraphs
 from models.sam.prompts import PromptBatch
+from models.sam.transformer import decoder_attention
 from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
 from models.sam2.mask_decoder import select_masks
@@ -201,7 +202,7 @@ class Sam2Stages(SamStages):
         self, embed: Tensor, s0: Tensor, s1: Tensor, prompts: PromptBatch
     ) -> tuple[Tensor, Tensor]:
         # as SamStages._decode_unpadded_tokens: no duck shaping, so P == T is not a graph of its own
-        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+        with fx_config.patch(use_duck_shape=False), decoder_attention():  # type: ignore[attr-defined]
             return self._decode_sets(embed, s0, s1, prompts)  # type: ignore[return-value]
 
     def _full_size_masks(

@@ -140,9 +140,9 @@ def test_the_image_inputs_are_named_one_way(tiny_sam: Sam) -> None:
 
 
 def test_decoder_attention_nests_and_restores_the_flags():
-    """A graph capture enters `decoder_attention` around a decode function that may enter
-    it again: that must not block (a plain lock deadlocked on the GPU), and on the way out
-    every backend flag is as it was."""
+    """A graph capture enters `decoder_attention` around a stage's decode function, which
+    enters it again: that must not block (a plain lock deadlocked on the GPU), and on the
+    way out every backend flag is as it was."""
     before = [
         torch.backends.cuda.cudnn_sdp_enabled(),
         torch.backends.cuda.flash_sdp_enabled(),

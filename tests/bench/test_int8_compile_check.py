@@ -13,14 +13,15 @@ from tests.conftest import PHOTOS
 def test_the_swin_bisection_swaps_each_group_and_tracing_changes_nothing() -> None:
     args = argparse.Namespace(
         model="swin_test", device="cpu", images=PHOTOS, batch=4,
-        groups=["none", "fc1", "all"], backends=["aot_eager"],
+        groups=["none", "fc1", "all", "mlp"], backends=["aot_eager"],
     )  # fmt: skip
     rows = swin_bisect(args)
     assert [(r["int8"], r["path"]) for r in rows] == [
-        ("none", "aot_eager"), ("fc1", "aot_eager"), ("all", "aot_eager"),
+        ("none", "aot_eager"), ("fc1", "aot_eager"), ("all", "aot_eager"), ("mlp", "aot_eager"),
     ]  # fmt: skip
     layers = {r["int8"]: r["layers"] for r in rows}
     assert layers["none"] == 0 < layers["fc1"] < layers["all"]
+    assert layers["mlp"] == 2 * layers["fc1"]
     for row in rows:
         assert row["vs_eager"] == 0.0 and row["top1_vs_eager"] == 1.0, row
     assert rows[0]["eager_vs_bf16"] == 0.0 < rows[2]["eager_vs_bf16"] < 0.05

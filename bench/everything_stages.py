@@ -131,13 +131,21 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
     from models.sam2 import SAM2_CONFIGS
 
     if args.model in SAM2_CONFIGS:
+        from models.optimize import compile_fn
         from models.sam2 import load_sam2
-        from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
+        from models.sam2.automatic import (
+            Sam2AutomaticMaskGenerator,
+            Sam2AutomaticMaskSettings,
+            point_decoder,
+        )
 
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
+        decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
-        return Sam2AutomaticMaskGenerator(sam2, Sam2AutomaticMaskSettings(**fields))
+            if args.compile_decoder:
+                decode = compile_fn(point_decoder(sam2), "default", dynamic=True)
+        return Sam2AutomaticMaskGenerator(sam2, Sam2AutomaticMaskSettings(**fields), decode)
     from models.sam import SAM_CONFIGS, load_sam
     from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
 
@@ -217,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stability-thresh", type=float, default=0.95)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument(
+        "--compile-decoder", action="store_true", help="SAM 2: the grid's decoder call too"
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")
     p.add_argument("--out", type=Path, default=None)

@@ -13,8 +13,10 @@ initialisation), then loaded by both sides through their official loaders. Per s
 - a click's latency (the image set, then one point -> 3 masks at the photo's size on the
   host, median of `--clicks`): ours decode + upscale + copy, Meta's
   `SAM2ImagePredictor.predict` under autocast;
-- segment everything, seconds per photo (masks on the host at the end): ours fp32 and bf16
-  against `SAM2AutomaticMaskGenerator` fp32 and under autocast, with the mIoU of each
+- segment everything, seconds per photo until the masks are on the host as COCO runs (what
+  the service returns): ours fp32 and bf16, eager and with the grid's decoder call
+  compiled, against `SAM2AutomaticMaskGenerator` fp32 and under autocast (its
+  `uncompressed_rle` output), with the mIoU of each
   against Meta's fp32 masks (each of Meta's masks matched to the best of the other run's,
   averaged; an unmatched one counts 0).
 
@@ -69,9 +71,15 @@ from bench.sam2_meta import (
     meta_predictor,
     official_checkpoint,
 )
+from models.optimize import compile_fn
 from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
-from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
+from models.sam2.automatic import (
+    Sam2AutomaticMaskGenerator,
+    Sam2AutomaticMaskSettings,
+    point_decoder,
+)
 from models.sam2.transforms import postprocess_masks, preprocess_image, scale_points
+from server.engine.runs import mask_runs
 
 log = logging.getLogger("bench.sam2")
 
@@ -202,13 +210,29 @@ def bench_click(
     return row
 
 
+def runs_to_masks(counts: Sequence[Any], size: tuple[int, int]) -> torch.Tensor:
+    """COCO runs (column-major, the first a run of zeros; ours or Meta's uncompressed RLE)
+    of one size -> bool `[K, H, W]`, to compare masks outside the timing."""
+    h, w = size
+    out = np.zeros((len(counts), h * w), dtype=bool)
+    for k, runs in enumerate(counts):
+        values = np.arange(len(runs)) % 2 == 1
+        out[k] = np.repeat(values, np.asarray(runs, dtype=np.int64))
+    return torch.from_numpy(out.reshape(-1, w, h).transpose(0, 2, 1).copy())
+
+
 def bench_everything(
     config: Sam2Config,
-    models: dict[str, Sam2],
+    pipelines: dict[str, Callable[[], tuple[Sam2, Any]]],
     meta: Any,
     photos: Sequence[torch.Tensor],
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
+    """Seconds per photo until the masks are on the host as COCO runs, what the service
+    returns: ours through the service's device-side `mask_runs`, Meta's generator with
+    `output_mode="uncompressed_rle"` (its binary masks are decoded from those runs). Each
+    entry of `pipelines` builds its (model, decoder call) when its turn comes, so a
+    compiled variant cannot change the rows before it."""
     from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator
 
     device = args.device
@@ -218,38 +242,43 @@ def bench_everything(
         "stability_score_thresh": args.stability_thresh,
         "mask_threshold": args.mask_threshold,
     }
-    meta_generator = SAM2AutomaticMaskGenerator(meta, **fields)
+    meta_generator = SAM2AutomaticMaskGenerator(meta, output_mode="uncompressed_rle", **fields)
     meta_generator.predictor._bb_feat_sizes = meta_predictor(meta, config)._bb_feat_sizes
 
-    def run_meta(photo: torch.Tensor, bf16: bool) -> torch.Tensor:
+    def run_meta(photo: torch.Tensor, bf16: bool) -> tuple[list[Any], tuple[int, int]]:
         with autocast(device, bf16):
             records = meta_generator.generate(photo.numpy())
-        h, w = photo.shape[:2]
-        if not records:
-            return torch.zeros(0, h, w, dtype=torch.bool)
-        return torch.from_numpy(np.stack([r["segmentation"] for r in records]))
+        return [r["segmentation"]["counts"] for r in records], tuple(photo.shape[:2])
 
-    def run_ours(photo: torch.Tensor, model: Sam2) -> torch.Tensor:
-        generator = Sam2AutomaticMaskGenerator(model, Sam2AutomaticMaskSettings(**fields))
-        with torch.inference_mode():
-            return generator.generate(photo.to(device)).masks.cpu()
+    def ours(model: Sam2, decode: Any) -> Callable[[torch.Tensor], Any]:
+        settings = Sam2AutomaticMaskSettings(**fields)
 
-    runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "meta fp32": lambda p: run_meta(p, False),
-        "meta autocast bf16": lambda p: run_meta(p, True),
+        def run(photo: torch.Tensor) -> tuple[list[Any], tuple[int, int]]:
+            generator = Sam2AutomaticMaskGenerator(model, settings, decode)
+            with torch.inference_mode():
+                (runs,) = mask_runs([generator.generate(photo.to(device)).masks])
+            return runs.counts, runs.size
+
+        return run
+
+    runs: dict[str, Callable[[], Callable[[torch.Tensor], Any]]] = {
+        "meta fp32": lambda: lambda p: run_meta(p, False),
+        "meta autocast bf16": lambda: lambda p: run_meta(p, True),
     }
-    for name, model in models.items():
-        runs[f"ours {name}"] = lambda p, model=model: run_ours(p, model)
+    for name, build in pipelines.items():
+        runs[f"ours {name}"] = lambda build=build: ours(*build())
     reference: list[torch.Tensor] = []
     rows = []
-    for name, run in runs.items():
+    for name, make in runs.items():
+        run = make()
         run(photos[0])  # warm-up (compilation, cuDNN plans)
         times, counts, ious = [], [], []
         for i, photo in enumerate(photos):
             sync(device)
             started = time.perf_counter()
-            masks = run(photo)
+            found = run(photo)
             times.append(time.perf_counter() - started)
+            masks = runs_to_masks(*found)
             counts.append(masks.shape[0])
             if name == "meta fp32":
                 reference.append(masks)
@@ -270,6 +299,33 @@ def bench_everything(
 
 
 # -- main ----------------------------------------------------------------------------------
+
+
+def everything_pipelines(
+    fp32: Sam2, bf16: Sam2, args: argparse.Namespace
+) -> dict[str, Callable[[], tuple[Sam2, Any]]]:
+    """Ours, eager fp32 and bf16 with the compiled encoder (the service's), then with
+    `--compile` the grid's decoder call compiled too (`point_decoder`), fp32 and bf16."""
+
+    compiled: set[int] = set()
+
+    def compiled_encoder(model: Sam2) -> Sam2:
+        if args.compile and id(model) not in compiled:
+            model.encode = torch.compile(model.encode, mode=args.compile_mode)  # type: ignore[method-assign]
+            compiled.add(id(model))
+        return model
+
+    def compiled_decoder(model: Sam2) -> Any:
+        return compile_fn(point_decoder(model), args.compile_mode, dynamic=True)
+
+    pipelines: dict[str, Callable[[], tuple[Sam2, Any]]] = {
+        "fp32": lambda: (fp32, None),
+        "bf16": lambda: (compiled_encoder(bf16), None),
+    }
+    if args.compile:
+        pipelines["fp32 compiled"] = lambda: (compiled_encoder(fp32), compiled_decoder(fp32))
+        pipelines["bf16 compiled"] = lambda: (compiled_encoder(bf16), compiled_decoder(bf16))
+    return pipelines
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -324,10 +380,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             click_rows.append(bench_click(config, bf16, meta, photos[0], args))
             log.info("click: %s", click_rows[-1])
             if name in everything_sizes:
-                if args.compile:  # the generator calls `encode`: give it the compiled one
-                    bf16.encode = torch.compile(bf16.encode, mode=args.compile_mode)  # type: ignore[method-assign]
-                models = {"fp32": fp32, "bf16": bf16}
-                everything_rows += bench_everything(config, models, meta, photos, args)
+                pipelines = everything_pipelines(fp32, bf16, args)
+                everything_rows += bench_everything(config, pipelines, meta, photos, args)
             del meta, fp32, bf16
             empty_cache()
     payload = {

@@ -24,6 +24,7 @@ from models.sam2.automatic import (
     AutomaticMasks,
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
+    point_decoder,
     preprocess_crop,
 )
 from models.sam2.transforms import preprocess_image
@@ -249,3 +250,22 @@ def test_memory_estimate_grows_with_image_batch_and_m2m(blob_models) -> None:
     assert estimate((1710, 2560)) > small
     assert estimate((171, 256), points_per_batch=256) > small
     assert estimate((171, 256), use_m2m=True) > small
+
+
+@pytest.mark.parametrize("multimask", [True, False])
+def test_a_compiled_point_decoder_is_one_graph_with_the_eager_masks(
+    multimask: bool, blob_models, photo: Tensor
+) -> None:
+    """The decoder call the service and the benches compile (`point_decoder`) traces whole
+    (fullgraph, the chunk size dynamic) and gives the eager generator's masks. aot_eager
+    here: dynamo's capture without code generation; inductor's kernels run on the GPU
+    (`python -m bench.sam2`, docs/BENCHMARKS.md)."""
+    _, ours = blob_models
+    settings = Sam2AutomaticMaskSettings(**{**BASE, "multimask_output": multimask})
+    torch._dynamo.reset()
+    compiled = torch.compile(point_decoder(ours), backend="aot_eager", fullgraph=True, dynamic=True)
+    _, eager = _steps(Sam2AutomaticMaskGenerator(ours, settings), photo)
+    _, got = _steps(Sam2AutomaticMaskGenerator(ours, settings, compiled), photo)
+    assert len(eager) >= 5
+    assert torch.equal(got.masks, eager.masks)
+    assert torch.equal(got.scores, eager.scores)

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -153,9 +153,10 @@ def _quantize(
     )  # fmt: skip
 
 
-def compile_fn(
-    fn: Callable[..., Tensor], mode: CompileMode, *, dynamic: bool
-) -> Callable[..., Tensor]:
+FnT = TypeVar("FnT", bound=Callable[..., Any])
+
+
+def compile_fn(fn: FnT, mode: CompileMode, *, dynamic: bool) -> FnT:
     """torch.compile with one explicit line, or `fn` itself when compilation is off.
 
     CUDA graphs are ours (`GraphedBuckets`), so the modes that would add their own graphs
@@ -169,7 +170,7 @@ def compile_fn(
         mode = "default"
     if mode == "max-autotune":
         mode = "max-autotune-no-cudagraphs"
-    return torch.compile(fn, mode=mode, dynamic=dynamic, fullgraph=True)
+    return cast(FnT, torch.compile(fn, mode=mode, dynamic=dynamic, fullgraph=True))
 
 
 class SharedStance:

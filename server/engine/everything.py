@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from functools import partial
@@ -34,7 +35,11 @@ from models.sam.automatic import (
 )
 from models.sam.automatic_pipeline import GridMaskGenerator
 from models.sam2 import Sam2, Sam2Features
-from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
+from models.sam2.automatic import (
+    PointDecoder,
+    Sam2AutomaticMaskGenerator,
+    Sam2AutomaticMaskSettings,
+)
 from server.domain import EverythingMasks
 from server.engine.batcher import WorkerLoad
 from server.engine.cache import ImageEmbedding
@@ -91,7 +96,12 @@ def sam_generators(model: Sam, model_name: str) -> GeneratorFactory:
     )
 
 
-def sam2_generators(model: Sam2, model_name: str) -> GeneratorFactory:
+def sam2_generators(
+    model: Sam2, model_name: str, decode: PointDecoder | None = None
+) -> GeneratorFactory:
+    """SAM 2's generators; `decode` the grid's decoder call compiled once for them all
+    (`Sam2Stages.everything_decode`), or None for the eager one."""
+
     def features(entry: ImageEmbedding) -> Sam2Features:
         if len(entry.high_res) != 2:
             raise ValueError(f"image {entry.image_id} has no SAM 2 high-res features")
@@ -100,7 +110,7 @@ def sam2_generators(model: Sam2, model_name: str) -> GeneratorFactory:
     return GeneratorFactory(
         model_name,
         Sam2AutomaticMaskSettings,
-        partial(Sam2AutomaticMaskGenerator, model),
+        partial(Sam2AutomaticMaskGenerator, model, decode=decode),
         features,
     )
 
@@ -119,8 +129,11 @@ class EverythingRunner:
         max_masks: int,
         max_work_bytes: int,
         rle_on_device: bool = False,
+        serving: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self.factory = factory
+        # entered around each step: the service's no-recompile stance once warm
+        self.serving = serving
         self.worker = worker
         self.max_bytes = max_bytes
         self.max_masks = max_masks
@@ -169,7 +182,7 @@ class EverythingRunner:
         loop = asyncio.get_running_loop()
 
         def run() -> T:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.serving():
                 return fn()
 
         # a step holds the worker as a batch does: the batchers sharing it collect meanwhile

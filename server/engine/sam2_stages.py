@@ -41,6 +41,7 @@ from models.sam.prompts import PromptBatch
 from models.sam.transformer import decoder_attention
 from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
+from models.sam2.automatic import PointDecoder, point_decoder
 from models.sam2.mask_decoder import select_masks
 from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
@@ -89,18 +90,42 @@ class Sam2Stages(SamStages):
         # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket;
         # the outputs of a graph replay are overwritten by the next: `encode` copies them.
         self._encode = GraphedBuckets(
-            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),  # type: ignore[arg-type]
+            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),
             enabled=options.cuda_graphs,
         )
         self.encoder_compiled = options.compile_mode != "none"
         self.compiled = options.compile_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None
-        self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)  # type: ignore[arg-type]
+        self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)
         # as SamStages: graphs of the compiled decoder on CUDA (SamStages.warm_decoder
         # captures them); larger batches and other devices run the compiled decoder
         self._graphs: DecoderGraphs | None = None
         if decoder_graphs and options.cuda_graphs and self.compiled and device.type == "cuda":
             self._graphs = self.decoder_graphs()
+        # segment everything's decoder call, compiled once and shared by every request's
+        # generator: eager it was 230 ms of hiera-large's 0.41 s per photo in fp32, compiled
+        # 0.33 s in all (H100, `python -m bench.sam2`, docs/BENCHMARKS.md)
+        self.everything_decode: PointDecoder | None = None
+        if self.compiled:
+            decode = point_decoder(model)
+            self.everything_decode = compile_fn(decode, options.compile_mode, dynamic=True)
+
+    def warm_everything(self, points: int) -> None:
+        """Compile segment everything's decoder call for chunks of `points` prompts (the
+        chunk size is dynamic: other sizes share the graph) on zero features of one image,
+        as the generator calls it (inference mode, the decoder's attention kernels,
+        multimask)."""
+        if self.everything_decode is None:
+            return
+        cfg = self.sam2_config
+        d, e = cfg.d_model, cfg.embedding_size
+        shapes = [(1, d, e, e), (1, d // 8, 4 * e, 4 * e), (1, d // 4, 2 * e, 2 * e)]
+        embed, s0, s1 = (
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes
+        )
+        points_in = torch.full((points, 2), cfg.image_size / 2, device=self.device)
+        with torch.inference_mode(), decoder_attention():
+            self.everything_decode(embed, s0, s1, points_in, True)
 
     def decoder_graphs(self, graphs: bool = True) -> DecoderGraphs:
         """The decoder's graph buffers, for sets up to GRAPHED_SETS: the embedding, s0 and s1

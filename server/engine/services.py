@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -25,6 +25,7 @@ from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swi
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam2 import SAM2_CONFIGS, load_sam2
+from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, load_swin
 from server.domain import (
     ClassifyResult,
@@ -189,6 +190,10 @@ class Engine:
             for b in warmed(decoder_buckets, decoder_eager):
                 steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
                               partial(self._warm, "sam_decoder", b)))  # fmt: skip
+            if s.sam_model in SAM2_CONFIGS and mode != "none":
+                points = Sam2AutomaticMaskSettings().points_per_batch
+                steps.append((f"compiling SAM 2's segment-everything decoder, {points} points",
+                              partial(self._warm, "sam2_everything", points)))  # fmt: skip
         if s.enable_swin:
             for b in warmed(s.buckets_up_to(s.classify_max_batch_size)):
                 steps.append((f"{doing} Swin, batch {b}", partial(self._warm, "swin", b)))
@@ -200,7 +205,10 @@ class Engine:
             self.swin.stage.warm(bucket)
             return
         assert self.sam is not None
-        if stage == "sam_encoder":
+        if stage == "sam2_everything":
+            assert isinstance(self.sam.stages, Sam2Stages)
+            self.sam.stages.warm_everything(bucket)
+        elif stage == "sam_encoder":
             self.sam.stages.warm_encoder(bucket)
         else:
             self.sam.stages.warm_decoder(bucket)
@@ -226,12 +234,15 @@ class Engine:
         run = faults.wrap(stage, fn, _item_cost)
 
         def run_batch(items: list[Any]) -> Any:
-            if not self.no_recompile:
-                return self.workers.handed_over(run(items))
-            with EAGER_ON_RECOMPILE.hold():
+            with self._serving():
                 return self.workers.handed_over(run(items))
 
         return run_batch
+
+    def _serving(self) -> AbstractContextManager[object]:
+        """What a served call runs under: after a compiled warm-up, the no-recompile stance
+        (see `_stage_fn`), held only for the call."""
+        return EAGER_ON_RECOMPILE.hold() if self.no_recompile else nullcontext()
 
     def _batcher_args(self, stage: str) -> dict[str, object]:
         s = self.settings
@@ -313,7 +324,8 @@ class Engine:
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")
-        return self._sam_parts(stages, info, sam2_generators(model, info.name), sam2=True)
+        generators = sam2_generators(model, info.name, stages.everything_decode)
+        return self._sam_parts(stages, info, generators, sam2=True)
 
     def _sam_parts(
         self,
@@ -334,6 +346,7 @@ class Engine:
             max_masks=s.everything_max_masks,
             max_work_bytes=s.everything_work_bytes,
             rle_on_device=self.rle_on_device,
+            serving=self._serving,
         )
         encoder: Batcher[EncodeItem, ImageEmbedding] = Batcher(
             "sam_encoder",
@@ -406,7 +419,7 @@ class Engine:
 
     def _check_fidelity_sync(self) -> FidelityReport:
         # served as requests are: after a compiled warm-up, nothing recompiles
-        with EAGER_ON_RECOMPILE.hold() if self.no_recompile else nullcontext():
+        with self._serving():
             return measure_served(
                 self.settings,
                 self.device,

@@ -170,7 +170,7 @@ class SamStages:
             decoder_mode = "none"
         self.compiled = decoder_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None  # the warm-up's, for the decoder's
-        self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)  # type: ignore[arg-type]
+        self._decode = compile_fn(model.decode, decoder_mode, dynamic=True)
         # one CUDA graph per (prompt sets, tokens) bucket up to GRAPHED_SETS sets; larger
         # batches (segment everything's) run the compiled decoder
         graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS] or [1]

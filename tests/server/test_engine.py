@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from server.domain import Image, Prompt, SegmentRequest
+from server.engine import sam2_stages as sam2_stages_module
 from server.engine import stages as stages_module
 from server.engine.services import Engine
 from server.engine.stages import DecodeItem, SamStages
@@ -66,3 +67,59 @@ def test_the_serving_stance_is_held_around_served_batches_only(
     asyncio.run(serve_one())
     assert seen_in_decode == [False]  # the served batch ran a new shape eagerly
     assert recompiles()  # and the stance went back afterwards
+
+
+def test_sam2_segment_everything_runs_the_decoder_warm_up_compiled(
+    monkeypatch: pytest.MonkeyPatch, recompile_probe: Callable[[], bool]
+) -> None:
+    """SAM 2's segment everything gets the grid's decoder call compiled (one graph, the
+    chunk size dynamic), warmed before ready with a start-up step of its own; a served
+    request's chunks run that graph, under the serving stance (no new graph)."""
+    graphs: list[object] = []
+    calls: list[int] = []
+
+    def counting_compile(fn: Callable[..., object], mode: str, *, dynamic: bool) -> object:
+        if mode == "none":
+            return fn
+
+        def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., object]:
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True, backend=backend)
+        if getattr(fn, "__name__", "") != "decode":  # only segment everything's is counted
+            return compiled
+
+        def counted(*args: object) -> object:
+            calls.append(int(args[3].shape[0]))  # type: ignore[attr-defined]
+            return compiled(*args)
+
+        return counted
+
+    monkeypatch.setattr(sam2_stages_module, "compile_fn", counting_compile)
+    settings = small_settings(
+        sam_model="sam2_test_tiny", compile_mode="default", enable_swin=False,
+        max_batch_size=1, batch_buckets=[1], decoder_max_batch_prompts=1, decoder_graphs=False,
+    )  # fmt: skip
+    engine = Engine(settings)
+    labels = [label for label, _ in engine.warm_steps()]
+    assert "compiling SAM 2's segment-everything decoder, 64 points" in labels
+    pixels = torch.randint(0, 256, (96, 128, 3), dtype=torch.uint8)
+
+    async def serve_one() -> None:
+        await engine.load()
+        engine.start()
+        await engine.warmup()
+        warmed = len(graphs)
+        assert calls == [64]  # the warm-up's chunk
+        # 10 x 10 points, chunks of 64 and 36: the dynamic graph takes both
+        fields = {"points_per_side": 10, "pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}
+        image = Image("b" * 64, pixels, 128, 96)
+        _, masks, _ = await engine.everything(image, None, fields)
+        assert len(masks.scores) >= 1
+        assert calls == [64, 64, 36]
+        assert len(graphs) == warmed  # nothing compiled while serving
+        await engine.close()
+
+    asyncio.run(serve_one())
+    assert recompile_probe()  # the serving stance was held only around the steps

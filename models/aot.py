@@ -237,6 +237,9 @@ class AotStore:
     def _build(self, package: Path, module: nn.Module, example: Tensor) -> Callable[..., Tensor]:
         package.parent.mkdir(parents=True, exist_ok=True)
         # exported from a batch of two: an example of one would be specialised to one
+        from models.optimize import preimported  # export imports torch._dynamo too
+
+        preimported()
         two = example[:1].expand(2, *example.shape[1:]).contiguous()
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
         with torch.no_grad():

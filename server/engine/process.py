@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 import zmq
 
+from models.optimize import preimport_dynamo
 from models.sam import SAM_CONFIGS, CheckpointError
 from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
@@ -363,11 +363,9 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
     stacks_on_sigusr1()
     # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):
-    # 7 s on the H100 machine. On a thread of its own it overlaps the device's start and
-    # the weights' loading, which spend their time in C++ with the GIL released (issue 21).
-    threading.Thread(
-        target=importlib.import_module, args=("torch._dynamo",), name="preimport", daemon=True
-    ).start()
+    # 7 s on the H100 machine, overlapped with the device's start and the weights' loading;
+    # compiling waits for it (`preimport_dynamo` says why)
+    preimport_dynamo()
     server = EngineServer(settings, address, Metrics(role))
 
     async def main() -> None:

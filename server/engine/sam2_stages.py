@@ -90,7 +90,7 @@ class Sam2Stages(SamStages):
         # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket;
         # the outputs of a graph replay are overwritten by the next: `encode` copies them.
         self._encode = GraphedBuckets(
-            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),
+            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),  # type: ignore[arg-type]
             enabled=options.cuda_graphs,
         )
         self.encoder_compiled = options.compile_mode != "none"

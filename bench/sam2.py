@@ -43,6 +43,7 @@ needs; antlr4 and iopath publish no wheels), carried in the git-ignored `.whl/sa
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import tempfile
@@ -307,12 +308,10 @@ def everything_pipelines(
     """Ours, eager fp32 and bf16 with the compiled encoder (the service's), then with
     `--compile` the grid's decoder call compiled too (`point_decoder`), fp32 and bf16."""
 
-    compiled: set[int] = set()
-
+    @functools.cache  # once per model: its rows share the compiled encoder
     def compiled_encoder(model: Sam2) -> Sam2:
-        if args.compile and id(model) not in compiled:
+        if args.compile:
             model.encode = torch.compile(model.encode, mode=args.compile_mode)  # type: ignore[method-assign]
-            compiled.add(id(model))
         return model
 
     def compiled_decoder(model: Sam2) -> Any:

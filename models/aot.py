@@ -38,6 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from models.dynamo_import import preimported
+
 __all__ = ["AotBuckets", "AotStore", "PackageKey", "code_version", "device_name", "weights_hash"]
 
 log = logging.getLogger(__name__)
@@ -237,9 +239,7 @@ class AotStore:
     def _build(self, package: Path, module: nn.Module, example: Tensor) -> Callable[..., Tensor]:
         package.parent.mkdir(parents=True, exist_ok=True)
         # exported from a batch of two: an example of one would be specialised to one
-        from models.optimize import preimported  # export imports torch._dynamo too
-
-        preimported()
+        preimported()  # export imports torch._dynamo too
         two = example[:1].expand(2, *example.shape[1:]).contiguous()
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
         with torch.no_grad():

@@ -10,9 +10,7 @@ so a served batch costs one graph replay instead of hundreds of kernel launches.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from models.cuda_graphs import warm_and_capture
+from models.dynamo_import import preimported
 from models.int8_select import calibration_run
 from models.quantize import (
     QuantBackend,
@@ -153,35 +152,6 @@ def _quantize(
         backend=options.quantization_backend, calibrate=calibrate,
         norm_quant=options.norm_quant, mlp_hop=options.mlp_hop,
     )  # fmt: skip
-
-
-_PREIMPORT: threading.Thread | None = None
-
-
-def preimport_dynamo() -> None:
-    """Start importing torch._dynamo on a thread of its own (the engine process, issue 21).
-
-    The import takes 7 s on the H100 machine; beside the device's start and the weights'
-    loading, which spend their time in C++ with the GIL released, it costs little. But
-    torch._dynamo and torch._inductor import each other: a `torch.compile` on another
-    thread meanwhile enters the same cycle from the other end, and Python's import lock
-    hands one of them a half-initialised module (`ImportError: cannot import name
-    'IndentedBuffer' from partially initialized module 'torch._inductor.utils'`, an engine
-    that failed to start on the H100, 2026-11-24). So everything here that compiles or
-    exports waits for this import first (`preimported`).
-    """
-    global _PREIMPORT
-    if _PREIMPORT is None and "torch._dynamo" not in sys.modules:
-        _PREIMPORT = threading.Thread(
-            target=importlib.import_module, args=("torch._dynamo",), name="preimport", daemon=True
-        )
-        _PREIMPORT.start()
-
-
-def preimported() -> None:
-    """Wait until `preimport_dynamo`'s import, if one was started, has finished."""
-    if _PREIMPORT is not None:
-        _PREIMPORT.join()
 
 
 FnT = TypeVar("FnT", bound=Callable[..., Any])

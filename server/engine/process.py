@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import zmq
 
-from models.optimize import preimport_dynamo
+from models.dynamo_import import preimport_dynamo
 from models.sam import SAM_CONFIGS, CheckpointError
 from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
@@ -364,7 +364,7 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     stacks_on_sigusr1()
     # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):
     # 7 s on the H100 machine, overlapped with the device's start and the weights' loading;
-    # compiling waits for it (`preimport_dynamo` says why)
+    # compiling waits for it (models/dynamo_import.py says why)
     preimport_dynamo()
     server = EngineServer(settings, address, Metrics(role))
 

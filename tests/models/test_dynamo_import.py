@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import models.optimize as optimize
+import models.dynamo_import as dynamo_import
+from models.optimize import compile_fn
 
 
 def test_compile_fn_waits_for_the_background_import(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,9 +25,9 @@ def test_compile_fn_waits_for_the_background_import(monkeypatch: pytest.MonkeyPa
         finished.set()
 
     thread = threading.Thread(target=slow_import, name="preimport")
-    monkeypatch.setattr(optimize, "_PREIMPORT", thread)
+    monkeypatch.setattr(dynamo_import, "_PREIMPORT", thread)
     thread.start()
-    compiled = optimize.compile_fn(lambda x: x + 1, "default", dynamic=False)
+    compiled = compile_fn(lambda x: x + 1, "default", dynamic=False)
     assert finished.is_set()  # compile_fn returned only after the import had ended
     assert compiled is not None
 
@@ -34,20 +35,21 @@ def test_compile_fn_waits_for_the_background_import(monkeypatch: pytest.MonkeyPa
 def test_no_background_import_once_dynamo_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo  # noqa: F401  (already imported in the test process)
 
-    monkeypatch.setattr(optimize, "_PREIMPORT", None)
-    optimize.preimport_dynamo()
-    assert optimize._PREIMPORT is None  # nothing to overlap: no thread
-    optimize.preimported()  # returns at once
+    monkeypatch.setattr(dynamo_import, "_PREIMPORT", None)
+    dynamo_import.preimport_dynamo()
+    assert dynamo_import._PREIMPORT is None  # nothing to overlap: no thread
+    dynamo_import.preimported()  # returns at once
 
 
 FRESH = """
 import sys, torch
-import models.optimize as optimize
+import models.dynamo_import as dynamo_import
+from models.optimize import compile_fn
 assert "torch._dynamo" not in sys.modules
-optimize.preimport_dynamo()
-assert optimize._PREIMPORT is not None and optimize._PREIMPORT.is_alive()
-f = optimize.compile_fn(lambda x: x * 2, "default", dynamic=False)  # at once, on this thread
-assert not optimize._PREIMPORT.is_alive()
+dynamo_import.preimport_dynamo()
+assert dynamo_import._PREIMPORT is not None and dynamo_import._PREIMPORT.is_alive()
+f = compile_fn(lambda x: x * 2, "default", dynamic=False)  # at once, on this thread
+assert not dynamo_import._PREIMPORT.is_alive()
 print("ok")
 """
 

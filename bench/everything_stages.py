@@ -33,7 +33,16 @@ import torch
 
 import models.sam.automatic_pipeline as pipeline
 from bench.common import DEFAULT_IMAGES, environment, load_photos, print_table, write_json
+from models.optimize import compile_fn
+from models.sam import SAM_CONFIGS, load_sam
+from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
 from models.sam.automatic_pipeline import GridMaskGenerator
+from models.sam2 import SAM2_CONFIGS, load_sam2
+from models.sam2.automatic import (
+    Sam2AutomaticMaskGenerator,
+    Sam2AutomaticMaskSettings,
+    point_decoder,
+)
 
 STAGES = ("encode", "decoder", "filter", "measure", "nms", "paint", "finish other", "to host")
 
@@ -128,27 +137,14 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
         "stability_score_thresh": args.stability_thresh,
     }
     device = torch.device(args.device)
-    from models.sam2 import SAM2_CONFIGS
-
     if args.model in SAM2_CONFIGS:
-        from models.optimize import compile_fn
-        from models.sam2 import load_sam2
-        from models.sam2.automatic import (
-            Sam2AutomaticMaskGenerator,
-            Sam2AutomaticMaskSettings,
-            point_decoder,
-        )
-
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
         decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
-            if args.compile_decoder:
+            if args.compile_decoder:  # as the service's Sam2Stages.everything_decode
                 decode = compile_fn(point_decoder(sam2), "default", dynamic=True)
         return Sam2AutomaticMaskGenerator(sam2, Sam2AutomaticMaskSettings(**fields), decode)
-    from models.sam import SAM_CONFIGS, load_sam
-    from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
-
     if args.model not in SAM_CONFIGS:
         raise SystemExit(f"unknown model {args.model!r}: one of {[*SAM2_CONFIGS, *SAM_CONFIGS]}")
     sam = load_sam(SAM_CONFIGS[args.model], args.checkpoint).to(device, dtype)

@@ -29,6 +29,9 @@ class Image:
     pixels: Any  # uint8 [H, W, 3]: np.ndarray in a frontend, torch.Tensor in the engine
     width: int
     height: int
+    # in a frontend: `pixels` are a baseline JPEG file's bytes `[n]` for the engine to
+    # decode (`server.http.jpeg_pass`); the engine's images are always pixels
+    jpeg: bool = False
 
 
 @dataclass(frozen=True)

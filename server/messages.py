@@ -30,23 +30,27 @@ RELEASE = b"release"  # the first frame of an engine -> frontend release of pixe
 
 @dataclass(frozen=True)
 class PixelRef:
-    """Where a decoded image's `uint8 [h, w, 3]` pixels lie in a frontend's shared memory."""
+    """Where a decoded image's `uint8 [h, w, 3]` pixels (or a JPEG file's bytes, `[n]`)
+    lie in a frontend's shared memory."""
 
     path: str  # the frontend's shared-memory file (under /dev/shm)
     offset: int
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]
     slot: int  # the frontend's id for the region, sent back in a release
 
 
 @dataclass(frozen=True)
 class ImageMsg:
-    """A decoded image: its id, its size in the file, and its pixels (maybe decoded smaller:
-    the model's resize needs no more), in shared memory or inline when that was full."""
+    """An image: its id, its size in the file, and its pixels (maybe decoded smaller: the
+    model's resize needs no more), in shared memory or inline when that was full. With
+    `jpeg`, the "pixels" are the bytes of a baseline JPEG file the engine decodes itself
+    (`Status.jpeg_decode`, `server.engine.jpeg`)."""
 
     image_id: str
     width: int
     height: int
     pixels: PixelRef | np.ndarray
+    jpeg: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class Status:
     sam_image_size: int | None = None
     sam_square: bool = False  # SAM 2: the whole image to a square, not its long side
     swin_resize: int | None = None
+    # the engine decodes baseline JPEG files on its device: send their bytes, not pixels
+    jpeg_decode: bool = False
     pid: int = 0
 
 

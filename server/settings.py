@@ -233,6 +233,13 @@ class Settings(BaseSettings):
     # docs/BENCHMARKS.md). False: every image decoded whole, as Meta's predictor sees it.
     scaled_decode: bool = True
     """decode JPEGs at 1/2, 1/4 or 1/8 when the model's resize needs no more pixels"""
+    # nvJPEG on the GPU decodes a baseline JPEG for about a tenth of the host CPU time a
+    # frontend spends on it (docs/BENCHMARKS.md), and the frontends' cores are what limit
+    # uploads per second; progressive, rotated and non-JPEG images are still decoded by
+    # the frontends (server/engine/jpeg.py)
+    jpeg_decode: Literal["auto", "engine", "frontend"] = "auto"
+    """where baseline JPEGs are decoded: auto (the engine's GPU when nvJPEG works, else the
+    frontends), engine (refuse to start without it; a CPU engine decodes itself), frontend"""
     decode_threads: int = Field(4, ge=1)
     """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA

@@ -72,15 +72,15 @@ class PixelMaps:
         return mapping
 
     def tensor(self, ref: PixelRef, owner: bytes) -> torch.Tensor:
-        """`uint8 [h, w, 3]` over the slot; the slot is released when the storage dies."""
+        """`uint8` of the ref's shape (`[h, w, 3]` pixels, `[n]` a JPEG file's bytes) over
+        the slot; the slot is released when the storage dies."""
         mapping = self._mapping(ref.path)
-        h, w, c = ref.shape
-        array = mapping.buffer[ref.offset : ref.offset + h * w * c]
+        array = mapping.buffer[ref.offset : ref.offset + int(np.prod(ref.shape))]
         with self._lock:
             self._live[ref.path] = self._live.get(ref.path, 0) + 1
         weakref.finalize(array, self._done, owner, ref.slot, ref.path)
         # from_numpy keeps `array` alive exactly as long as the tensor's storage
-        return torch.from_numpy(array).view(h, w, c)
+        return torch.from_numpy(array).view(ref.shape)
 
     def _done(self, owner: bytes, slot: int, path: str) -> None:
         """The storage is gone (any thread): release now, or once queued copies finish."""

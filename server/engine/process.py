@@ -35,7 +35,9 @@ from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
 from server import tracing
 from server.domain import Image
+from server.engine import jpeg
 from server.engine.fidelity import FidelityError
+from server.engine.jpeg import JpegDecoder
 from server.engine.pixels import PixelMaps
 from server.engine.services import Engine
 from server.errors import ServiceError
@@ -86,6 +88,7 @@ class EngineServer:
         self._socket: zmq.Socket[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pixels: PixelMaps | None = None
+        self.jpeg: JpegDecoder | None = None  # None: the frontends decode every image
         self.bound = threading.Event()  # set once the socket listens (embedded mode waits)
 
     # -- life cycle -------------------------------------------------------------------
@@ -114,6 +117,8 @@ class EngineServer:
             await asyncio.gather(*background, return_exceptions=True)
             if self.engine is not None:
                 await self.engine.close()
+            if self.jpeg is not None:
+                self.jpeg.close()
             loop.remove_reader(fd)
             self._socket = None
             sock.close(linger=0)
@@ -137,6 +142,9 @@ class EngineServer:
             engine = Engine(settings, metrics)
             self.engine = engine
             self.pixels = PixelMaps(engine.device, self._release_soon)
+            decode = await asyncio.to_thread(jpeg.choose, settings.jpeg_decode, engine.device)
+            if decode is not None:
+                self.jpeg = JpegDecoder(decode)
             # before the first step: the interpreter, torch's imports and the device's
             # initialisation, which a GPU machine's warm start spent seconds on (issue 21)
             log.info("engine: imports and %s ready (%.1fs since process start)",
@@ -307,6 +315,7 @@ class EngineServer:
             sam_image_size=sam2.image_size if sam2 is not None else sam_size,
             sam_square=sam2 is not None,
             swin_resize=swin.resize_size if swin is not None else None,
+            jpeg_decode=self.jpeg is not None,
             pid=os.getpid(),
         )
 
@@ -315,14 +324,27 @@ class EngineServer:
             raise ServiceError(503, "not_ready", "the service is still loading or warming up")
         return self.engine
 
-    def _image(self, message: ImageMsg, owner: bytes) -> Image:
+    async def _image(self, message: ImageMsg, owner: bytes) -> Image:
+        if message.jpeg:  # a file's bytes: its slot goes back once the decode has read it
+            if self.jpeg is None:
+                raise ServiceError(500, "internal", "a JPEG file came, but this engine "
+                                   "does not decode them")  # fmt: skip
+            started = time.perf_counter()
+            # no local here holds the file: a failure's traceback keeps this frame, and
+            # would keep the frontend's slot with it
+            size = (message.height, message.width)
+            tensor = await self.jpeg.submit(self._pixels(message, owner), size)
+            self.metrics.phase("jpeg_decode").observe(time.perf_counter() - started)
+        else:
+            tensor = self._pixels(message, owner)
+        return Image(message.image_id, tensor, message.width, message.height)
+
+    def _pixels(self, message: ImageMsg, owner: bytes) -> torch.Tensor:
         pixels = message.pixels
         if isinstance(pixels, np.ndarray):  # inline (the frontend's shared memory was full)
-            tensor = torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
-        else:
-            assert self.pixels is not None
-            tensor = self.pixels.tensor(pixels, owner)
-        return Image(message.image_id, tensor, message.width, message.height)
+            return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
+        assert self.pixels is not None
+        return self.pixels.tensor(pixels, owner)
 
     async def _dispatch(self, owner: bytes, call: object) -> object:
         engine = self._require()
@@ -330,17 +352,18 @@ class EngineServer:
             request = call.request
             if request.image is not None:
                 assert isinstance(request.image, ImageMsg)
-                image = self._image(request.image, owner)
+                image = await self._image(request.image, owner)
                 request = replace(request, image=image)
             return await engine.segment(request)
         if isinstance(call, EmbedCall):
-            return await engine.embed(self._image(call.image, owner), call.deadline)
+            return await engine.embed(await self._image(call.image, owner), call.deadline)
         if isinstance(call, ClassifyCall):
-            return await engine.classify(self._image(call.image, owner), call.top_k, call.deadline)
+            image = await self._image(call.image, owner)
+            return await engine.classify(image, call.top_k, call.deadline)
         if isinstance(call, LookupCall):
             return engine.lookup(call.image_id)
         if isinstance(call, EverythingCall):
-            sent = self._image(call.image, owner) if call.image is not None else None
+            sent = await self._image(call.image, owner) if call.image is not None else None
             entry, masks, timing = await engine.everything(
                 sent, call.image_id, call.fields, call.output, call.deadline
             )

@@ -139,6 +139,7 @@ def combined_status(statuses: Sequence[Status | None]) -> Status | None:
         sam_image_size=first.sam_image_size,
         sam_square=first.sam_square,
         swin_resize=first.swin_resize,
+        jpeg_decode=all(s.jpeg_decode for s in known),  # any engine may get any image
         pid=first.pid,
     )
 
@@ -349,7 +350,7 @@ class EngineClient:
     def _image(self, image: Image) -> ImageMsg:
         pixels: Any = image.pixels
         ref = self.pixels.ref(pixels) if self.pixels is not None else pixels
-        return ImageMsg(image.image_id, image.width, image.height, ref)
+        return ImageMsg(image.image_id, image.width, image.height, ref, jpeg=image.jpeg)
 
     # -- the engine's API, as routes use it ---------------------------------------------
 

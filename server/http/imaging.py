@@ -154,7 +154,7 @@ def _bomb(exc: Exception) -> ServiceError:
     return ServiceError(413, "image_too_large", f"image refused before decoding: {exc}")
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def open_header(data: bytes, max_pixels: int) -> Image.Image:
     """Open lazily (header only) and refuse what must not be decoded."""
     try:
         with _OPEN_LOCK, warnings.catch_warnings():
@@ -287,7 +287,7 @@ def _scale_for(width: int, height: int, min_size: MinSize) -> int:
     return 1
 
 
-def _orientation(image: Image.Image) -> int | None:
+def exif_orientation(image: Image.Image) -> int | None:
     """The EXIF orientation (1: upright), None when the EXIF block is damaged."""
     try:
         return int(image.getexif().get(_EXIF_ORIENTATION, 1))
@@ -363,10 +363,10 @@ def decode_image(
         raise ServiceError(
             413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
         )
-    image = _open(data, max_pixels)
+    image = open_header(data, max_pixels)
     # a JPEG's EXIF is in its header; other formats' getexif may read (and fail on) the
     # pixel data, whose errors must surface from `load` below
-    orientation = _orientation(image) if image.format in _JPEG_FORMATS else None
+    orientation = exif_orientation(image) if image.format in _JPEG_FORMATS else None
     width, height = image.size
     if orientation in _TRANSPOSED:
         width, height = height, width
@@ -380,7 +380,7 @@ def decode_image(
         return DecodedImage(pixels=pixels, width=width, height=height)
     try:
         if scale > 1 and not _draft(image, scale):
-            image, scale = _open(data, max_pixels), 1  # a scale it would not take: whole
+            image, scale = open_header(data, max_pixels), 1  # a scale it would not take: whole
         image.load()
         image = ImageOps.exif_transpose(image) or image
         rgb = _to_rgb(image)

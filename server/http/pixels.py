@@ -122,7 +122,7 @@ class SharedPixels:
             return array
         with self._lock:
             self._slots[offset].holders += 1
-        shape = (int(array.shape[0]), int(array.shape[1]), int(array.shape[2]))
+        shape = tuple(int(n) for n in array.shape)
         return PixelRef(str(self.path), offset, shape, slot=offset)
 
     def release(self, offset: int) -> None:

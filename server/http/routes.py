@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from server import tracing
 from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
-from server.http import imaging
+from server.http import imaging, jpeg_pass
 from server.http.engine_client import EngineClient
 from server.http.inputs import (
     ParsedRequest,
@@ -88,6 +88,8 @@ async def _load_image(
     started = time.perf_counter()
     memory: imaging.PixelMemory = state.pixels if state.pixels is not None else imaging.HeapPixels()
     min_size = _min_size(state, model)
+    status = state.engine.status if state.engine is not None else None
+    engine_decodes = status is not None and status.jpeg_decode
 
     def work() -> Image:
         data = parsed.image_bytes
@@ -95,6 +97,12 @@ async def _load_image(
             assert parsed.image_b64 is not None
             data = imaging.decode_base64_image(parsed.image_b64, max_bytes=s.max_body_bytes)
         image_id = check_image_id(parsed.claimed_id, data)  # before any pixel is held
+        if engine_decodes:
+            file = jpeg_pass.for_engine(
+                data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, memory=memory
+            )
+            if file is not None:
+                return Image(image_id, file.data, file.width, file.height, jpeg=True)
         decoded = imaging.decode_image(
             data,
             max_pixels=s.max_image_pixels,

@@ -1,0 +1,85 @@
+"""A JPEG file passed to the engine undecoded, for its GPU to decode (`server.engine.jpeg`).
+
+The frontend still reads the header, so every refusal a client can get is the same as
+when it decodes (`imaging.open_header`: 400 for what is not an image, 413 past
+`max_pixels`, the aspect ratio); it then copies the file's bytes where it would have put
+the pixels (its shared memory). Only files the GPU decodes exactly as the frontend would
+go this way: an upright (EXIF orientation 1, or none) baseline JPEG (SOF0: 8-bit,
+sequential, Huffman-coded; what nvJPEG's hardware decodes) in RGB or grayscale, ending in
+its EOI marker (a truncated file, which libjpeg would pad with grey, is left to the
+frontend's decoder and its message). Everything else (progressive, arithmetic-coded, CMYK,
+rotated, MPO, other formats) decodes here as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.errors import ServiceError
+from server.http import imaging
+
+_SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
+_BASELINE = 0xC0  # SOF0
+# markers that are frames (SOF1..SOF15 but DHT C4, JPG C8, DAC CC): anything but SOF0 here
+_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RSTn: no length follows
+_HEADER_SCAN = 1 << 20  # a frame header past this many bytes of metadata: not ours
+
+
+@dataclass(frozen=True)
+class JpegFile:
+    """The file's bytes, where the engine will read them, and the image's size."""
+
+    data: np.ndarray  # uint8 [n]
+    width: int
+    height: int
+
+
+def frame_marker(data: bytes) -> int | None:
+    """The JPEG's frame (SOFn) marker, from its segment headers; None when they are not
+    well formed (the frontend's decoder then says why)."""
+    if not data.startswith(_SOI):
+        return None
+    at, end = 2, min(len(data), _HEADER_SCAN)
+    while at + 4 <= end:
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill bytes before a marker
+            at += 1
+            continue
+        if marker in _FRAMES:
+            return marker
+        if marker in _STANDALONE:
+            at += 2
+            continue
+        if marker in (0xD9, 0xDA):  # EOI or scan data before any frame header
+            return None
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
+
+
+def for_engine(
+    data: bytes, *, max_pixels: int, max_bytes: int, memory: imaging.PixelMemory
+) -> JpegFile | None:
+    """The file, copied into `memory`, when the engine should decode it; None when the
+    frontend should (`imaging.decode_image`). Bad input raises as decoding would."""
+    if not data:
+        raise ServiceError(400, "bad_image", "the image is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise ServiceError(
+            413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
+        )
+    if not data.endswith(_EOI) or frame_marker(data) != _BASELINE:
+        return None
+    image = imaging.open_header(data, max_pixels)
+    if image.format != "JPEG" or image.mode not in ("RGB", "L"):
+        return None
+    if imaging.exif_orientation(image) != 1:
+        return None
+    out = memory.empty((len(data),))
+    out[:] = np.frombuffer(data, dtype=np.uint8)
+    width, height = image.size
+    return JpegFile(out, width, height)

@@ -83,7 +83,7 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     values = torch.empty(sum(lengths), 3, dtype=torch.uint8, device=device)
     start = 0
     for r, n in zip(rows, lengths, strict=True):
-        values[start : start + n].copy_(r, non_blocking=True)
+        values[start : start + n].copy_(used_here(r), non_blocking=True)
         start += n
     offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
     return torch.nested.nested_tensor_from_jagged(
@@ -92,6 +92,18 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
         min_seqlen=min(lengths),
         max_seqlen=max(lengths),
     )
+
+
+def used_here(tensor: Tensor) -> Tensor:
+    """`tensor`, marked as read by this thread's current CUDA stream when it lives on a GPU.
+
+    Pixels decoded on the device (`server.engine.jpeg`) were allocated on the decoding
+    thread's stream; without the mark, the caching allocator could give their memory to
+    the next decode once they are dropped here, while this stream's copy of them is still
+    queued."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor
 
 
 def as_pixel_tensor(pixels: np.ndarray | Tensor) -> Tensor:

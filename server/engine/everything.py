@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from models.images import as_pixel_tensor
+from models.images import as_pixel_tensor, used_here
 from models.sam import Sam
 from models.sam.automatic import (
     AutomaticMaskGenerator,
@@ -248,7 +248,9 @@ class EverythingRunner:
         device = generator.device
         image = None
         if pixels is not None and len(jobs) > 1:
-            image = await self._step(lambda: pixels.to(device, non_blocking=True), deadline)
+            image = await self._step(
+                lambda: used_here(pixels).to(device, non_blocking=True), deadline
+            )
         per_crop: list[list[MaskCandidates]] = []
         steps = 0
         for job in jobs:

@@ -118,6 +118,9 @@ def _bad(exc: Exception) -> ServiceError:
     return ServiceError(400, "bad_image", f"corrupt JPEG data: {type(exc).__name__}: {exc}")
 
 
+_Settled = tuple["asyncio.Future[torch.Tensor]", "torch.Tensor | Exception"]
+
+
 @dataclass
 class _Job:
     data: torch.Tensor  # the file's bytes (a view of a frontend's shared memory)
@@ -188,6 +191,7 @@ class JpegDecoder:
         self.files += len(batch)
         log.debug("decoded %d JPEG files in %.2f ms", len(batch),
                   (time.perf_counter() - started) * 1000)  # fmt: skip
+        settled: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
         for job, result in zip(batch, results, strict=True):
             if isinstance(result, torch.Tensor) and tuple(result.shape[:2]) != job.size:
                 result = ServiceError(
@@ -196,7 +200,10 @@ class JpegDecoder:
                     f"the JPEG header says {job.size[1]}x{job.size[0]} but its data decode to "
                     f"{int(result.shape[1])}x{int(result.shape[0])}",
                 )
-            job.loop.call_soon_threadsafe(_settle, job.future, result)
+            settled.setdefault(job.loop, []).append((job.future, result))
+        # one wake-up of the (engine's one) loop per batch, not per file
+        for loop, results_there in settled.items():
+            loop.call_soon_threadsafe(_settle_all, results_there)
 
     def _one(self, job: _Job) -> torch.Tensor | Exception:
         try:
@@ -218,10 +225,11 @@ def _forget_frames(exc: BaseException | None) -> None:
         exc = exc.__context__
 
 
-def _settle(future: asyncio.Future[torch.Tensor], result: torch.Tensor | Exception) -> None:
-    if future.done():  # the request was cancelled meanwhile
-        return
-    if isinstance(result, Exception):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+def _settle_all(settled: list[_Settled]) -> None:
+    for future, result in settled:
+        if future.done():  # the request was cancelled meanwhile
+            continue
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

@@ -94,6 +94,12 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_requests", "HTTP requests by route and status",
             ["route", "method", "status"], registry=r,
         )  # fmt: skip
+        # A frontend's shared pixel memory full: the image travelled inline (one copy
+        # more, on the engine's event loop); a sign the engine is behind
+        self.pixels_inline = Counter(
+            "serve_pixels_inline", "Images sent inline: the frontend's shared memory was full",
+            registry=r,
+        )  # fmt: skip
         self.rejections = Counter(
             "serve_rejections", "Requests refused or dropped, by reason", ["reason"], registry=r
         )

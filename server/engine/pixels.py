@@ -41,6 +41,11 @@ class PixelMaps:
     """Maps frontends' pixel files and hands out tensors over their slots."""
 
     def __init__(self, device: torch.device, release: Release) -> None:
+        if device.type == "cuda" and device.index is None:
+            # an index: `current_stream(device)` per released slot would otherwise ask the
+            # driver which device is current (`torch.cuda.is_available`), about 0.3 ms each
+            # on the H100 machine (py-spy of the JPEG decode thread, docs/BENCHMARKS.md)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._release = release
         self._maps: dict[str, _Mapping] = {}

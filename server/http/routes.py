@@ -122,6 +122,8 @@ async def _load_image(
         )
         raise
     state.metrics.phase("image_decode").observe(time.perf_counter() - started)
+    if state.pixels is not None and state.pixels.offset_of(image.pixels) is None:
+        state.metrics.pixels_inline.inc()
     return image
 
 

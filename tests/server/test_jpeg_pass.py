@@ -208,3 +208,22 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     while pixels.slots > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pixels.slots == 0 and pixels.spilled == 0
+
+
+def counter(url: str, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise AssertionError(f"{name} is not exported")
+
+
+def test_a_file_too_large_for_shared_memory_goes_inline_and_is_counted(make_server) -> None:
+    server = make_server(jpeg_decode="engine", scaled_decode=False, shm_bytes_per_worker=64 << 10)
+    photo = (PHOTOS / "dog.jpg").read_bytes()  # 100 KB: more than the 64 KiB file
+    small = encode(photo_like(64, 48), quality=90)  # fits
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for data in (photo, small):
+            answer = c.post("/v1/classify", files={"image": ("p.jpg", data, "image/jpeg")})
+            assert answer.status_code == 200, answer.text
+    assert counter(server.url, "serve_pixels_inline") == 1
+    assert phase_count(server.url, "jpeg_decode") == 2  # both decoded by the engine

@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "serve_request_duration_seconds": ("histogram", {"route", "method", "status"}),
     "serve_requests": ("counter", {"route", "method", "status"}),
     "serve_rejections": ("counter", {"reason"}),
+    "serve_pixels_inline": ("counter", set()),
     "serve_in_flight_requests": ("gauge", set()),
     "serve_pinned_image_bytes": ("gauge", set()),
     "serve_queue_wait_seconds": ("histogram", {"stage"}),

@@ -176,9 +176,12 @@ def call_id_of(frame: Any) -> int:
     return int.from_bytes(data, "little")
 
 
+_POLLIN = int(zmq.POLLIN)  # a plain int: the enum's `&` ran Python code on every check
+
+
 def readable(sock: zmq.Socket[Any]) -> bool:
     """A message waits to be read on `sock` (the level behind its descriptor's edges)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(int(cast(int, sock.getsockopt(zmq.EVENTS))) & _POLLIN)
 
 
 def socket_fd(sock: zmq.Socket[Any]) -> int:

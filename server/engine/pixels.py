@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import threading
@@ -80,7 +81,7 @@ class PixelMaps:
         """`uint8` of the ref's shape (`[h, w, 3]` pixels, `[n]` a JPEG file's bytes) over
         the slot; the slot is released when the storage dies."""
         mapping = self._mapping(ref.path)
-        array = mapping.buffer[ref.offset : ref.offset + int(np.prod(ref.shape))]
+        array = mapping.buffer[ref.offset : ref.offset + math.prod(ref.shape)]
         with self._lock:
             self._live[ref.path] = self._live.get(ref.path, 0) + 1
         weakref.finalize(array, self._done, owner, ref.slot, ref.path)

@@ -342,7 +342,11 @@ class EngineServer:
     def _pixels(self, message: ImageMsg, owner: bytes) -> torch.Tensor:
         pixels = message.pixels
         if isinstance(pixels, np.ndarray):  # inline (the frontend's shared memory was full)
-            return torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True))
+            # a copy of our own (the message's buffer is read-only), made holding the GIL:
+            # numpy's copy lets it go, and getting it back behind the stage threads cost
+            # the event loop milliseconds per image under load (py-spy on the H100)
+            owned = bytearray(np.ascontiguousarray(pixels, dtype=np.uint8).data)
+            return torch.frombuffer(owned, dtype=torch.uint8).view(pixels.shape)
         assert self.pixels is not None
         return self.pixels.tensor(pixels, owner)
 

@@ -221,9 +221,19 @@ def test_a_file_too_large_for_shared_memory_goes_inline_and_is_counted(make_serv
     server = make_server(jpeg_decode="engine", scaled_decode=False, shm_bytes_per_worker=64 << 10)
     photo = (PHOTOS / "dog.jpg").read_bytes()  # 100 KB: more than the 64 KiB file
     small = encode(photo_like(64, 48), quality=90)  # fits
+    png = encode(photo_like(200, 150), "PNG")  # decoded here: 90,000 bytes of pixels, inline
+    answers = []
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        for data in (photo, small):
-            answer = c.post("/v1/classify", files={"image": ("p.jpg", data, "image/jpeg")})
+        for data in (photo, small, png):
+            answer = c.post("/v1/classify", files={"image": ("p", data, "image/jpeg")})
             assert answer.status_code == 200, answer.text
-    assert counter(server.url, "serve_pixels_inline") == 1
-    assert phase_count(server.url, "jpeg_decode") == 2  # both decoded by the engine
+            answers.append(answer.json()["predictions"])
+    assert counter(server.url, "serve_pixels_inline") == 2
+    assert phase_count(server.url, "jpeg_decode") == 2  # both JPEGs decoded by the engine
+    # the same answers as with room in shared memory
+    roomy = make_server(jpeg_decode="engine", scaled_decode=False)
+    with httpx.Client(base_url=roomy.url, timeout=60) as c:
+        for data, want in zip((photo, small, png), answers, strict=True):
+            answer = c.post("/v1/classify", files={"image": ("p", data, "image/jpeg")})
+            assert answer.json()["predictions"] == want
+    assert counter(roomy.url, "serve_pixels_inline") == 0

@@ -1,8 +1,9 @@
 """The request each kind sends, built at send time from seeded random prompts.
 
-segment   a photo never seen before (the JPEG with a unique tail after its EOI marker: the
-          decoder stops at EOI, the image_id, a hash of the bytes, changes, so the embedding
-          cache never hits) with one box: decode, encoder, mask decoder, masks
+segment   a photo never seen before (the JPEG with a unique comment segment after its SOI
+          marker: the same picture in a well-formed file, whose image_id, a hash of the
+          bytes, changes, so the embedding cache never hits) with one box: decode, encoder,
+          mask decoder, masks
 click     1-2 points on an embedding cached beforehand (POST /v1/embed), by image_id, as
           JSON: the interactive-annotation path, mask decoder only
 classify  a photo (multipart) with top_k 5: Swin
@@ -34,12 +35,14 @@ class Request:
 
 
 def unique_jpeg(data: bytes, tag: str) -> bytes:
-    """The same picture in new bytes: `tag` appended after the EOI marker, where decoders
-    stop reading. Not JPEG bytes ending at EOI is refused, since other formats might read
-    the tail as data."""
+    """The same picture in new bytes: `tag` in a comment (COM) segment right after the SOI
+    marker, which decoders skip. The file stays well formed, ending at its EOI as a
+    camera's does (a tail after EOI would make it a file the service treats as unusual:
+    its frontends then decode it themselves rather than pass it to the GPU's decoder)."""
     if not data.startswith(b"\xff\xd8") or not data.rstrip(b"\x00\r\n ").endswith(JPEG_EOI):
         raise ValueError("not a JPEG ending with its EOI marker")
-    return data + b"openloop:" + tag.encode()
+    text = b"openloop:" + tag.encode()
+    return data[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + data[2:]
 
 
 def random_box(rng: random.Random, width: int, height: int) -> list[float]:

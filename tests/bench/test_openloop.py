@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +36,8 @@ from bench.openloop.schedule import (
 )
 from bench.openloop.worker import StepSpec, run_step
 from bench.service_load import load_images
+from server.http import jpeg_pass
+from server.http.imaging import decode_image, heap_pixels
 from tests.server.conftest import ROOT, LiveServer, free_port
 
 # -- the schedule ----------------------------------------------------------------------
@@ -265,6 +268,12 @@ def test_the_service_decodes_the_tagged_jpeg_as_a_new_image(
     assert plain["image_id"] == hashlib.sha256(data).hexdigest()
     assert new["image_id"] == hashlib.sha256(tagged).hexdigest() != plain["image_id"]
     assert (new["width"], new["height"]) == (plain["width"], plain["height"]) == (w, h)
+    assert new["results"] == plain["results"]  # the same picture: the same masks
+    # still a well-formed baseline file: a GPU engine would decode it (server.http.jpeg_pass)
+    file = jpeg_pass.for_engine(tagged, max_pixels=10**8, max_bytes=10**8, memory=heap_pixels)
+    assert file is not None and (file.width, file.height) == (w, h)
+    assert np.array_equal(decode_image(tagged, max_pixels=10**8, max_bytes=10**8).pixels,
+                          decode_image(data, max_pixels=10**8, max_bytes=10**8).pixels)  # fmt: skip
 
 
 # -- the tool against real servers -----------------------------------------------------

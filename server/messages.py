@@ -44,7 +44,7 @@ class ImageMsg:
     """An image: its id, its size in the file, and its pixels (maybe decoded smaller: the
     model's resize needs no more), in shared memory or inline when that was full. With
     `jpeg`, the "pixels" are the bytes of a baseline JPEG file the engine decodes itself
-    (`Status.jpeg_decode`, `server.engine.jpeg`)."""
+    (`Status.jpeg_models`, `server.engine.jpeg`)."""
 
     image_id: str
     width: int
@@ -125,8 +125,9 @@ class Status:
     sam_image_size: int | None = None
     sam_square: bool = False  # SAM 2: the whole image to a square, not its long side
     swin_resize: int | None = None
-    # the engine decodes baseline JPEG files on its device: send their bytes, not pixels
-    jpeg_decode: bool = False
+    # the models ("sam", "swin") whose images the engine decodes on its device when they
+    # are baseline JPEG files: send those files' bytes, not pixels (server.engine.jpeg)
+    jpeg_models: tuple[str, ...] = ()
     pid: int = 0
 
 

@@ -10,10 +10,11 @@ and passes the file's bytes (in its shared memory, as it would pass pixels), and
 engine decodes them here. What nvJPEG's hardware cannot take (progressive or rotated
 JPEGs, other formats) the frontends still decode (`server.http.jpeg_pass`).
 
-`SERVE_JPEG_DECODE`: `auto` decodes here when the engine's device is CUDA and nvJPEG works
-(torchvision built with it); `engine` insists (start-up fails when it cannot, and a CPU
-engine decodes with libjpeg-turbo itself: the same path with a host decoder, which the
-CPU tests run); `frontend` never does.
+`SERVE_JPEG_DECODE`: `auto` decodes SAM's images here when the engine's device is CUDA and
+nvJPEG works (torchvision built with it; `models_for` says why not Swin's); `engine`
+decodes every model's and insists (start-up fails when it cannot, and a CPU engine
+decodes with libjpeg-turbo itself: the same path with a host decoder, which the CPU tests
+run); `frontend` never does.
 
 Files arrive from many requests at once: the thread takes every file waiting (up to
 `max_batch`) into one nvJPEG call, and a batch that fails is decoded file by file, so a
@@ -112,6 +113,21 @@ def choose(where: Where, device: torch.device) -> Decode | None:
         return None
     log.info("JPEG files are decoded on %s by nvJPEG", device)
     return decode
+
+
+def models_for(where: Where) -> tuple[str, ...]:
+    """Whose images the engine decodes once it can: under `auto`, SAM's only.
+
+    Measured on one H100 (docs/BENCHMARKS.md, 2026-11-24, the same machine for both ways):
+    SAM's segment requests gain (at 250/s p99 334 against 646 ms; at 300/s 239 against 97
+    ok/s), while Swin's classify peaks lower (about 700 against 910 ok/s): a frontend
+    decodes a JPEG for Swin at 1/4 or 1/8 of its size, cheaply, and the engine then moves
+    and resizes a small image; from nvJPEG it gets the whole image, and its one process,
+    not the frontends, becomes the limit. `engine` sends both.
+    """
+    if where == "frontend":
+        return ()
+    return ("sam",) if where == "auto" else ("sam", "swin")
 
 
 def _bad(exc: Exception) -> ServiceError:

@@ -89,6 +89,7 @@ class EngineServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pixels: PixelMaps | None = None
         self.jpeg: JpegDecoder | None = None  # None: the frontends decode every image
+        self.jpeg_models: tuple[str, ...] = ()  # whose JPEG files come here undecoded
         self.bound = threading.Event()  # set once the socket listens (embedded mode waits)
 
     # -- life cycle -------------------------------------------------------------------
@@ -145,6 +146,7 @@ class EngineServer:
             decode = await asyncio.to_thread(jpeg.choose, settings.jpeg_decode, engine.device)
             if decode is not None:
                 self.jpeg = JpegDecoder(decode)
+                self.jpeg_models = jpeg.models_for(settings.jpeg_decode)
             # before the first step: the interpreter, torch's imports and the device's
             # initialisation, which a GPU machine's warm start spent seconds on (issue 21)
             log.info("engine: imports and %s ready (%.1fs since process start)",
@@ -315,7 +317,7 @@ class EngineServer:
             sam_image_size=sam2.image_size if sam2 is not None else sam_size,
             sam_square=sam2 is not None,
             swin_resize=swin.resize_size if swin is not None else None,
-            jpeg_decode=self.jpeg is not None,
+            jpeg_models=self.jpeg_models,
             pid=os.getpid(),
         )
 

@@ -139,7 +139,8 @@ def combined_status(statuses: Sequence[Status | None]) -> Status | None:
         sam_image_size=first.sam_image_size,
         sam_square=first.sam_square,
         swin_resize=first.swin_resize,
-        jpeg_decode=all(s.jpeg_decode for s in known),  # any engine may get any image
+        # any engine may get any image: what every engine decodes
+        jpeg_models=tuple(m for m in first.jpeg_models if all(m in s.jpeg_models for s in known)),
         pid=first.pid,
     )
 

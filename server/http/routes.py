@@ -89,7 +89,8 @@ async def _load_image(
     memory: imaging.PixelMemory = state.pixels if state.pixels is not None else imaging.HeapPixels()
     min_size = _min_size(state, model)
     status = state.engine.status if state.engine is not None else None
-    engine_decodes = status is not None and status.jpeg_decode
+    # segment everything (no model named) is SAM's too
+    engine_decodes = status is not None and (model or "sam") in status.jpeg_models
 
     def work() -> Image:
         data = parsed.image_bytes

@@ -163,6 +163,10 @@ def test_the_setting_chooses_where_files_decode(caplog: pytest.LogCaptureFixture
     assert "decoded by the frontends" in caplog.text
     with pytest.raises(RuntimeError, match="SERVE_JPEG_DECODE=engine"):
         jpeg.choose("engine", torch.device("cuda"))
+    # auto: SAM's images only (Swin's decode cheaply at a small scale in the frontends)
+    assert jpeg.models_for("auto") == ("sam",)
+    assert jpeg.models_for("engine") == ("sam", "swin")
+    assert jpeg.models_for("frontend") == ()
 
 
 def phase_count(url: str, phase: str) -> float:
@@ -196,6 +200,7 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
                 got.append((classified.json()["predictions"], segmented.json()["results"]))
             answers.append(got)
     assert answers[0] == answers[1]
+    assert engine.app.state.serve.engine.status.jpeg_models == ("sam", "swin")
     assert phase_count(engine.url, "jpeg_decode") == 2  # the baseline photo, twice
     assert phase_count(frontend.url, "jpeg_decode") == 0
 

@@ -16,6 +16,7 @@ Only photos the rule scales count in a model's figures (the others decode identi
 
     python -m bench.decode_scale --sam-model vit_tiny --swin-model swin_tiny_patch4_window7_224
     python -m bench.decode_scale --sam-model vit_b --device cuda   # on a GPU
+    python -m bench.decode_scale --sam-model vit_b --swin-model '' --nvjpeg  # + nvJPEG's
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table,
 from models.fidelity import compare_sam, compare_swin, eager_sam_runner, eager_swin_runner
 from models.sam import SAM_CONFIGS, load_sam
 from models.swin import SWIN_CONFIGS, load_swin
-from server.http import imaging
+from server.engine.jpeg import nvjpeg_decoder
+from server.http import imaging, jpeg_pass
 
 log = logging.getLogger("bench.decode_scale")
 
@@ -92,6 +94,36 @@ def sam_rows(files: dict[str, bytes], args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def nvjpeg_sam_rows(files: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """SAM's masks from the engine's nvJPEG pixels (`SERVE_JPEG_DECODE`, CUDA only) against
+    libjpeg-turbo's whole decode, on the photos a frontend would pass undecoded."""
+    config = SAM_CONFIGS[args.sam_model]
+    device = torch.device(args.device)
+    model = load_sam(config, args.sam_checkpoint, seed=args.seed).to(device).eval()
+    gpu_decode = nvjpeg_decoder(device)
+    limits = {"max_pixels": MAX_PIXELS, "max_bytes": MAX_BYTES}
+    decoded_of: dict[int, torch.Tensor] = {}
+    photos: list[tuple[str, torch.Tensor]] = []
+    for name, data in files.items():
+        if jpeg_pass.for_engine(data, memory=imaging.heap_pixels, **limits) is None:
+            continue  # progressive, rotated, ...: the frontends decode it
+        whole = tensor(decode(data))
+        (pixels,) = gpu_decode([torch.frombuffer(bytearray(data), dtype=torch.uint8)])
+        decoded_of[id(whole)] = pixels.cpu().contiguous()
+        photos.append((name, whole))
+    reference = eager_sam_runner(model, device)
+    candidate = eager_sam_runner(model, device, pixels_for=lambda photo: decoded_of[id(photo)])
+    rows = [
+        {"model": args.sam_model, "photo": f"{name} (nvJPEG)"}
+        | asdict(compare_sam(reference, candidate, [whole]))
+        for name, whole in photos
+    ]
+    if photos:
+        total = compare_sam(reference, candidate, [p for _, p in photos])
+        rows.append({"model": args.sam_model, "photo": "ALL (nvJPEG)"} | asdict(total))
+    return rows
+
+
 def swin_rows(files: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
     config = SWIN_CONFIGS[args.swin_model]
     device = torch.device(args.device)
@@ -135,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="decodes timed per photo")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the rows here too")
+    parser.add_argument(
+        "--nvjpeg", action="store_true",
+        help="also SAM's masks from nvJPEG's pixels (the engine's decoder; CUDA only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_grad_enabled(False)
@@ -145,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     if args.sam_model:
         rows += sam_rows(files, args)
+        if args.nvjpeg:
+            rows += nvjpeg_sam_rows(files, args)
     if args.swin_model:
         rows += swin_rows(files, args)
     env = environment()

@@ -11,6 +11,9 @@
 ARG BASE=cuda
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
+# torchvision's nvJPEG decodes SAM's JPEG uploads on the GPU (SERVE_JPEG_DECODE); it must be
+# the release made with TORCH_VERSION (2.13 <-> 0.28). The CPU image does not need it.
+ARG TORCHVISION_VERSION=0.28.0
 
 # ---- 1. build the project wheel from pyproject.toml (pure Python, any base will do) ----
 FROM ${PYTHON_IMAGE} AS wheel
@@ -23,8 +26,9 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # ---- 2a. CUDA base: torch's CUDA wheels bring CUDA, cuDNN and NCCL (the host: a driver) ----
 FROM ${PYTHON_IMAGE} AS base-cuda
 ARG TORCH_VERSION
+ARG TORCHVISION_VERSION
 ARG TORCH_CUDA=cu128
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
         --index-url "https://download.pytorch.org/whl/${TORCH_CUDA}"
 
 # ---- 2b. CPU base for development: the CPU-only wheel of torch (no CUDA libraries) ----

@@ -123,6 +123,13 @@ def test_both_bases_install_the_torch_ci_tests():
         assert '"torch==${TORCH_VERSION}"' in install and index in install, name
     cuda_args = dict(a.partition("=")[::2] for k, a in by_name["base-cuda"] if k == "ARG")
     assert re.fullmatch(r"cu\d{3}", cuda_args["TORCH_CUDA"])
+    # nvJPEG (SERVE_JPEG_DECODE) on the GPU image: torchvision of the same release as torch
+    (cuda_install,) = [v for k, v in by_name["base-cuda"] if k == "RUN"]
+    assert '"torchvision==${TORCHVISION_VERSION}"' in cuda_install
+    torch_minor = int(version.split(".")[1])
+    assert args["TORCHVISION_VERSION"] == f"0.{torch_minor + 15}.0"
+    (cpu_install,) = [v for k, v in by_name["base-cpu"] if k == "RUN"]
+    assert "torchvision" not in cpu_install
 
 
 def test_dependencies_install_in_a_layer_of_their_own_before_the_code():

@@ -33,7 +33,7 @@ import torch
 
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table, write_json
 from models.fidelity import compare_sam, compare_swin, eager_sam_runner, eager_swin_runner
-from models.sam import SAM_CONFIGS, load_sam
+from models.sam import SAM_CONFIGS, Sam, load_sam
 from models.swin import SWIN_CONFIGS, load_swin
 from server.engine.jpeg import nvjpeg_decoder
 from server.http import imaging, jpeg_pass
@@ -67,60 +67,66 @@ def timing(name: str, data: bytes, rule: Rule, repeats: int) -> dict[str, Any]:
 
 
 def sam_rows(files: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """SAM's masks from the frontends' scaled decode, photo by photo, with its timing; with
+    `--nvjpeg`, then from the engine's nvJPEG pixels (`SERVE_JPEG_DECODE`, CUDA only) on
+    the photos a frontend would pass undecoded. Both against libjpeg-turbo's whole decode."""
     config = SAM_CONFIGS[args.sam_model]
     device = torch.device(args.device)
     model = load_sam(config, args.sam_checkpoint, seed=args.seed).to(device).eval()
     rule = partial(imaging.sam_min_size, image_size=config.image_size)
-    scaled_of: dict[int, torch.Tensor] = {}
-    photos: list[tuple[str, torch.Tensor]] = []
-    for name, data in files.items():
-        scaled = decode(data, rule)
-        if not scaled.scaled:
-            continue
-        whole = tensor(decode(data))
-        scaled_of[id(whole)] = tensor(scaled)
-        photos.append((name, whole))
-    reference = eager_sam_runner(model, device)
-    candidate = eager_sam_runner(model, device, pixels_for=lambda photo: scaled_of[id(photo)])
-    rows = []
-    for name, whole in photos:
-        result = compare_sam(reference, candidate, [whole])
-        row = {"model": args.sam_model, "photo": name} | asdict(result)
-        row |= timing(name, files[name], rule, args.repeats)
-        rows.append(row)
-    if photos:
-        total = compare_sam(reference, candidate, [p for _, p in photos])
-        rows.append({"model": args.sam_model, "photo": "ALL"} | asdict(total))
+
+    def scaled(data: bytes) -> torch.Tensor | None:
+        pixels = decode(data, rule)
+        return tensor(pixels) if pixels.scaled else None
+
+    rows = compare_sam_pixels(model, device, files, scaled, args.sam_model, "")
+    for row in rows[:-1]:
+        row |= timing(row["photo"], files[row["photo"]], rule, args.repeats)
+    if args.nvjpeg:
+        gpu_decode = nvjpeg_decoder(device)
+        limits = {"max_pixels": MAX_PIXELS, "max_bytes": MAX_BYTES}
+
+        def on_gpu(data: bytes) -> torch.Tensor | None:
+            if jpeg_pass.engine_decodable(data, **limits) is None:
+                return None  # progressive, rotated, ...: the frontends decode it
+            (pixels,) = gpu_decode([torch.frombuffer(bytearray(data), dtype=torch.uint8)])
+            return pixels.cpu().contiguous()
+
+        rows += compare_sam_pixels(model, device, files, on_gpu, args.sam_model, " (nvJPEG)")
     return rows
 
 
-def nvjpeg_sam_rows(files: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """SAM's masks from the engine's nvJPEG pixels (`SERVE_JPEG_DECODE`, CUDA only) against
-    libjpeg-turbo's whole decode, on the photos a frontend would pass undecoded."""
-    config = SAM_CONFIGS[args.sam_model]
-    device = torch.device(args.device)
-    model = load_sam(config, args.sam_checkpoint, seed=args.seed).to(device).eval()
-    gpu_decode = nvjpeg_decoder(device)
-    limits = {"max_pixels": MAX_PIXELS, "max_bytes": MAX_BYTES}
-    decoded_of: dict[int, torch.Tensor] = {}
+def compare_sam_pixels(
+    model: Sam,
+    device: torch.device,
+    files: dict[str, bytes],
+    pixels_of: Callable[[bytes], torch.Tensor | None],
+    model_name: str,
+    label: str,
+) -> list[dict[str, Any]]:
+    """One row per photo `pixels_of` gives pixels for (None: skipped), then ALL: masks
+    from those pixels against the whole decode's."""
+    candidate_of: dict[int, torch.Tensor] = {}
     photos: list[tuple[str, torch.Tensor]] = []
     for name, data in files.items():
-        if jpeg_pass.for_engine(data, memory=imaging.heap_pixels, **limits) is None:
-            continue  # progressive, rotated, ...: the frontends decode it
+        pixels = pixels_of(data)
+        if pixels is None:
+            continue
         whole = tensor(decode(data))
-        (pixels,) = gpu_decode([torch.frombuffer(bytearray(data), dtype=torch.uint8)])
-        decoded_of[id(whole)] = pixels.cpu().contiguous()
+        candidate_of[id(whole)] = pixels
         photos.append((name, whole))
+    if not photos:
+        return []
     reference = eager_sam_runner(model, device)
-    candidate = eager_sam_runner(model, device, pixels_for=lambda photo: decoded_of[id(photo)])
+    candidate = eager_sam_runner(model, device, pixels_for=lambda photo: candidate_of[id(photo)])
     rows = [
-        {"model": args.sam_model, "photo": f"{name} (nvJPEG)"}
-        | asdict(compare_sam(reference, candidate, [whole]))
+        {"model": model_name, "photo": name} | asdict(compare_sam(reference, candidate, [whole]))
         for name, whole in photos
     ]
-    if photos:
-        total = compare_sam(reference, candidate, [p for _, p in photos])
-        rows.append({"model": args.sam_model, "photo": "ALL (nvJPEG)"} | asdict(total))
+    total = compare_sam(reference, candidate, [p for _, p in photos])
+    rows.append({"model": model_name, "photo": "ALL"} | asdict(total))
+    for row in rows:
+        row["photo"] += label
     return rows
 
 
@@ -181,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     if args.sam_model:
         rows += sam_rows(files, args)
-        if args.nvjpeg:
-            rows += nvjpeg_sam_rows(files, args)
     if args.swin_model:
         rows += swin_rows(files, args)
     env = environment()

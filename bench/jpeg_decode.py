@@ -8,8 +8,8 @@ run out of cores. This script measures both ways on the same photos:
   scale the model's resize allows: `--rule sam`, `swin` or `whole`), one thread;
 - `nvjpeg-N`: the engine's decoder (`server.engine.jpeg`: torchvision's batched nvJPEG,
   the hardware decoder of an A100/H100 for baseline JPEGs, CUDA with Huffman decoding on
-  the host for progressive ones) on batches of N photos, each then resized on the GPU to
-  the model's input size, as the engine would;
+  the host for progressive ones) on batches of N photos, each then pre-processed on the
+  GPU by the model's own transform (SAM ViT-B, Swin-T), as the engine would;
 - with CUDA, the pixels' distance from libjpeg-turbo's (per photo, in 8-bit levels).
 
 Each row: images per second of wall time, and the calling process's CPU milliseconds
@@ -31,9 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
+from models.sam import SAM_CONFIGS
+from models.sam import transforms as sam_tf
+from models.swin import SWIN_CONFIGS
+from models.swin import transforms as swin_tf
 from server.engine import jpeg
 from server.engine.jpeg import Decode
 from server.http import imaging, jpeg_pass
@@ -41,12 +44,13 @@ from server.http import imaging, jpeg_pass
 log = logging.getLogger("bench.jpeg_decode")
 
 MAX_PIXELS, MAX_BYTES = 100_000_000, 200 << 20
+SAM, SWIN = SAM_CONFIGS["vit_b"], SWIN_CONFIGS["swin_tiny_patch4_window7_224"]
+# the frontend's scale for each model (`server.http.routes._min_size`); whole: none
 RULES: dict[str, Callable[[int, int], tuple[int, int] | None] | None] = {
     "whole": None,
-    "sam": partial(imaging.sam_min_size, image_size=1024),
-    "swin": partial(imaging.swin_min_size, resize_size=248),
+    "sam": partial(imaging.sam_min_size, image_size=SAM.image_size),
+    "swin": partial(imaging.swin_min_size, resize_size=SWIN.resize_size),
 }
-TARGET = {"whole": None, "sam": 1024, "swin": 248}  # the GPU path's resize (long/short side)
 
 
 def read_jpegs(folder: Path, which: str) -> list[tuple[str, bytes]]:
@@ -55,15 +59,11 @@ def read_jpegs(folder: Path, which: str) -> list[tuple[str, bytes]]:
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
     photos = [(p.name, p.read_bytes()) for p in files]
     if which == "passed":
-        photos = [(n, d) for n, d in photos if passes(d)]
+        limits = {"max_pixels": MAX_PIXELS, "max_bytes": MAX_BYTES}
+        photos = [(n, d) for n, d in photos if jpeg_pass.engine_decodable(d, **limits)]
     if not photos:
         raise SystemExit(f"no JPEG photos ({which}) in {folder} (pass --images)")
     return photos
-
-
-def passes(data: bytes) -> bool:
-    limits = {"max_pixels": MAX_PIXELS, "max_bytes": MAX_BYTES}
-    return jpeg_pass.for_engine(data, memory=imaging.heap_pixels, **limits) is not None
 
 
 def measure(work: Callable[[], int], seconds: float) -> dict[str, float]:
@@ -93,15 +93,14 @@ def host_work(jpegs: Sequence[bytes], rule: str) -> Callable[[], int]:
     return work
 
 
-def resized(image: torch.Tensor, rule: str) -> torch.Tensor:
-    """The engine's first step on a decoded photo: float, resized to the model's side."""
-    target = TARGET[rule]
-    if target is None:
-        return image
-    h, w = image.shape[-2:]
-    scale = target / (max(h, w) if rule == "sam" else min(h, w))
-    size = (max(1, round(h * scale)), max(1, round(w * scale)))
-    return F.interpolate(image[None].float(), size=size, mode="bilinear", antialias=True)
+def preprocessed(image: torch.Tensor, rule: str) -> torch.Tensor:
+    """The engine's first step on a decoded `[H, W, 3]` photo: the model's own
+    pre-processing (resize, crop or pad, normalise) on its device; whole: none."""
+    if rule == "sam":
+        return sam_tf.preprocess_images([image], SAM, image.device)[0]
+    if rule == "swin":
+        return swin_tf.preprocess_images([image], SWIN, image.device)
+    return image
 
 
 def as_tensors(jpegs: Sequence[bytes]) -> list[torch.Tensor]:
@@ -110,7 +109,7 @@ def as_tensors(jpegs: Sequence[bytes]) -> list[torch.Tensor]:
 
 def nvjpeg_work(decode: Decode, jpegs: Sequence[bytes], batch: int, rule: str) -> Callable[[], int]:
     """The engine's decode (`server.engine.jpeg.nvjpeg_decoder`) on batches of `batch`
-    files, then each image resized on the GPU as a model's first step would."""
+    files, then each image pre-processed on the GPU for the model."""
     tensors = as_tensors(jpegs)
     batches = [
         [tensors[(start + i) % len(tensors)] for i in range(batch)]
@@ -121,7 +120,7 @@ def nvjpeg_work(decode: Decode, jpegs: Sequence[bytes], batch: int, rule: str) -
         done = 0
         for chunk in batches:
             for image in decode(chunk):
-                resized(image.permute(2, 0, 1), rule)
+                preprocessed(image, rule)
             done += len(chunk)
         torch.cuda.synchronize()
         return done

@@ -24,10 +24,10 @@ damaged file fails its own request (400) and no other.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import queue
 import threading
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,8 +35,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+from PIL import Image
 
 from server.errors import ServiceError
+from server.http.imaging import decode_image
 from server.threadnames import name_this_thread
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,6 @@ _PROBE_SIZE = 16
 
 
 def _probe_file() -> bytes:
-    import io
-
-    from PIL import Image
-
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (_PROBE_SIZE, _PROBE_SIZE, 3), dtype=np.uint8)
     out = io.BytesIO()
@@ -77,8 +75,6 @@ def nvjpeg_decoder(device: torch.device) -> Decode:
 def host_decoder(files: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """libjpeg-turbo in this process, whole (the frontends' own decoder, so a CPU engine
     gives the pixels a frontend would have)."""
-    from server.http.imaging import decode_image
-
     out = []
     for data in files:
         raw = data.numpy().tobytes()
@@ -155,8 +151,7 @@ class JpegDecoder:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="jpeg-decode", daemon=True)
         self._thread.start()
-        self.batches = 0
-        self.files = 0
+        self.files = 0  # decoded (or refused) so far
 
     def submit(self, data: torch.Tensor, size: tuple[int, int]) -> asyncio.Future[torch.Tensor]:
         """The future `uint8 [H, W, 3]` pixels of the file `data`; a 400 when it does not
@@ -197,16 +192,12 @@ class JpegDecoder:
         return True
 
     def _decode_batch(self, batch: list[_Job]) -> None:
-        started = time.perf_counter()
         try:
             results: list[torch.Tensor | Exception] = list(self._decode([j.data for j in batch]))
         except Exception as exc:  # one damaged file fails the batch: find it, file by file
             _forget_frames(exc)
             results = [self._one(job) for job in batch]
-        self.batches += 1
         self.files += len(batch)
-        log.debug("decoded %d JPEG files in %.2f ms", len(batch),
-                  (time.perf_counter() - started) * 1000)  # fmt: skip
         settled: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
         for job, result in zip(batch, results, strict=True):
             if isinstance(result, torch.Tensor) and tuple(result.shape[:2]) != job.size:

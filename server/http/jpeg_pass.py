@@ -61,11 +61,10 @@ def frame_marker(data: bytes) -> int | None:
     return None
 
 
-def for_engine(
-    data: bytes, *, max_pixels: int, max_bytes: int, memory: imaging.PixelMemory
-) -> JpegFile | None:
-    """The file, copied into `memory`, when the engine should decode it; None when the
-    frontend should (`imaging.decode_image`). Bad input raises as decoding would."""
+def engine_decodable(data: bytes, *, max_pixels: int, max_bytes: int) -> tuple[int, int] | None:
+    """The image's (width, height) when the engine's decoder gives exactly the frontend's
+    pixels for it; None when the frontend should decode it (`imaging.decode_image`). Bad
+    input raises as decoding would."""
     if not data:
         raise ServiceError(400, "bad_image", "the image is empty (0 bytes)")
     if len(data) > max_bytes:
@@ -79,7 +78,18 @@ def for_engine(
         return None
     if imaging.exif_orientation(image) != 1:
         return None
+    width, height = image.size
+    return width, height
+
+
+def for_engine(
+    data: bytes, *, max_pixels: int, max_bytes: int, memory: imaging.PixelMemory
+) -> JpegFile | None:
+    """The file, copied into `memory`, when the engine should decode it (as
+    `engine_decodable`); None when the frontend should."""
+    size = engine_decodable(data, max_pixels=max_pixels, max_bytes=max_bytes)
+    if size is None:
+        return None
     out = memory.empty((len(data),))
     out[:] = np.frombuffer(data, dtype=np.uint8)
-    width, height = image.size
-    return JpegFile(out, width, height)
+    return JpegFile(out, *size)

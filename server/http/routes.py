@@ -47,6 +47,7 @@ from server.http.schemas import (
 )
 from server.http.state import ServeState, serve_state, watch_disconnect
 from server.http.timing import EngineClock, ms, received_at
+from server.messages import Status
 
 router = APIRouter()
 
@@ -87,8 +88,8 @@ async def _load_image(
     s = state.settings
     started = time.perf_counter()
     memory: imaging.PixelMemory = state.pixels if state.pixels is not None else imaging.HeapPixels()
-    min_size = _min_size(state, model)
     status = state.engine.status if state.engine is not None else None
+    min_size = _min_size(state, status, model)
     # segment everything (no model named) is SAM's too
     engine_decodes = status is not None and (model or "sam") in status.jpeg_models
 
@@ -128,10 +129,9 @@ async def _load_image(
     return image
 
 
-def _min_size(state: ServeState, model: str | None) -> imaging.MinSize:
+def _min_size(state: ServeState, status: Status | None, model: str | None) -> imaging.MinSize:
     """How small a JPEG may be decoded for `model`: the sizes its resize goes to come
     from the engine's status (the frontend does not load the model configs)."""
-    status = state.engine.status if state.engine is not None else None
     if status is None or model is None or not state.settings.scaled_decode:
         return None
     if model == "sam" and status.sam_image_size is not None:

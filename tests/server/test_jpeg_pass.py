@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import DEFAULT_IMAGES
 from server.engine import jpeg
@@ -27,6 +26,7 @@ from server.http import imaging, jpeg_pass
 from server.http.imaging import HeapPixels
 from tests.conftest import PHOTOS
 from tests.server.conftest import encode, photo_like
+from tests.server.test_http_faults import metric
 
 LIMITS = {"max_pixels": 8_000_000, "max_bytes": 4 << 20}
 SHARED_PHOTOS = DEFAULT_IMAGES
@@ -169,14 +169,8 @@ def test_the_setting_chooses_where_files_decode(caplog: pytest.LogCaptureFixture
     assert jpeg.models_for("frontend") == ()
 
 
-def phase_count(url: str, phase: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    for family in text_string_to_metric_families(text):
-        if family.name == "serve_phase_duration_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_count") and sample.labels.get("phase") == phase:
-                    return sample.value
-    return 0.0
+def decoded_by_engine(url: str) -> float:
+    return metric(url, "serve_phase_duration_seconds_count", phase="jpeg_decode")
 
 
 def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
@@ -201,8 +195,8 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
             answers.append(got)
     assert answers[0] == answers[1]
     assert engine.app.state.serve.engine.status.jpeg_models == ("sam", "swin")
-    assert phase_count(engine.url, "jpeg_decode") == 2  # the baseline photo, twice
-    assert phase_count(frontend.url, "jpeg_decode") == 0
+    assert decoded_by_engine(engine.url) == 2  # the baseline photo, twice
+    assert decoded_by_engine(frontend.url) == 0
 
     damaged = {"image": ("d.jpg", bad_component(photo), "image/jpeg")}
     refused = httpx.post(engine.url + "/v1/classify", files=damaged, timeout=60)
@@ -213,13 +207,6 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     while pixels.slots > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pixels.slots == 0 and pixels.spilled == 0
-
-
-def counter(url: str, name: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == name:
-            return sum(s.value for s in family.samples if s.name.endswith("_total"))
-    raise AssertionError(f"{name} is not exported")
 
 
 def test_a_file_too_large_for_shared_memory_goes_inline_and_is_counted(make_server) -> None:
@@ -233,12 +220,12 @@ def test_a_file_too_large_for_shared_memory_goes_inline_and_is_counted(make_serv
             answer = c.post("/v1/classify", files={"image": ("p", data, "image/jpeg")})
             assert answer.status_code == 200, answer.text
             answers.append(answer.json()["predictions"])
-    assert counter(server.url, "serve_pixels_inline") == 2
-    assert phase_count(server.url, "jpeg_decode") == 2  # both JPEGs decoded by the engine
+    assert metric(server.url, "serve_pixels_inline_total") == 2
+    assert decoded_by_engine(server.url) == 2  # both JPEGs decoded by the engine
     # the same answers as with room in shared memory
     roomy = make_server(jpeg_decode="engine", scaled_decode=False)
     with httpx.Client(base_url=roomy.url, timeout=60) as c:
         for data, want in zip((photo, small, png), answers, strict=True):
             answer = c.post("/v1/classify", files={"image": ("p", data, "image/jpeg")})
             assert answer.json()["predictions"] == want
-    assert counter(roomy.url, "serve_pixels_inline") == 0
+    assert metric(roomy.url, "serve_pixels_inline_total") == 0

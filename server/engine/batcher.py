@@ -21,7 +21,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -102,6 +102,54 @@ class _Entry(Generic[Item, Result]):
     started: float | None = None  # when its batch began to run
 
 
+class _Waiting(Generic[Item, Result]):
+    """The queue of a stage, with its items' total cost and memory kept as it changes.
+
+    Every submit asks for the cost queued ahead (admission) and every round whether a batch
+    is full; summing the queue for each made a submit O(queue): 17% of the engine's event
+    loop under a classify overload (py-spy, `python -m bench.engine_loop`).
+    """
+
+    def __init__(self, entries: Iterable[_Entry[Item, Result]] = ()) -> None:
+        self._entries: collections.deque[_Entry[Item, Result]] = collections.deque()
+        self.cost = 0
+        self.memory = 0
+        for entry in entries:
+            self.append(entry)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[_Entry[Item, Result]]:
+        return iter(self._entries)
+
+    def first(self) -> _Entry[Item, Result]:
+        return self._entries[0]
+
+    def append(self, entry: _Entry[Item, Result]) -> None:
+        self._entries.append(entry)
+        self.cost += entry.cost
+        self.memory += entry.memory
+
+    def popleft(self) -> _Entry[Item, Result]:
+        entry = self._entries.popleft()
+        self.cost -= entry.cost
+        self.memory -= entry.memory
+        return entry
+
+    def remove(self, entry: _Entry[Item, Result]) -> None:
+        """Take `entry` out (ValueError when it is not here)."""
+        self._entries.remove(entry)
+        self.cost -= entry.cost
+        self.memory -= entry.memory
+
+    def put_back(self, batch: list[_Entry[Item, Result]]) -> None:
+        """Return a batch taken but not run to the head of the queue, in its order."""
+        self._entries.extendleft(reversed(batch))
+        self.cost += sum(entry.cost for entry in batch)
+        self.memory += sum(entry.memory for entry in batch)
+
+
 class _GuardedObserver(BatchObserver):
     """An observer whose failures are logged, never raised into the batcher.
 
@@ -168,7 +216,7 @@ class Batcher(Generic[Item, Result]):
         self._max_memory = max_batch_memory
         self._observer = _GuardedObserver(observer or BatchObserver())
         self._observer.declare(stage)
-        self._queue: collections.deque[_Entry[Item, Result]] = collections.deque()
+        self._queue: _Waiting[Item, Result] = _Waiting()
         self._wakeup = asyncio.Event()
         self._load = load or WorkerLoad()
         self._load.listen(self._wakeup)
@@ -252,7 +300,7 @@ class Batcher(Generic[Item, Result]):
             running = max(0.0, per_batch - self.busy_for())
         else:
             running = self._max_delay_s if self._load.busy else 0.0
-        ahead = math.ceil((self._queued_cost() + cost) / self._max_cost)
+        ahead = math.ceil((self._queue.cost + cost) / self._max_cost)
         return running + ahead * per_batch
 
     def _admit(self, cost: int, deadline: float | None) -> None:
@@ -320,21 +368,38 @@ class Batcher(Generic[Item, Result]):
         self._queue.append(entry)
         self._observer.queue_depth(self.stage, len(self._queue))
         self._wakeup.set()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # a timer on the item's future, not asyncio.wait_for(shield(...)): their waiter,
+        # outer future and callbacks were a few % of the engine loop per call
+        timer = None
+        if deadline is not None:
+            timer = loop.call_at(
+                loop.time() + max(0.0, deadline - time.monotonic()), self._expire, entry
+            )
         try:
-            result = await asyncio.wait_for(asyncio.shield(entry.future), timeout)
-            if timing is not None and entry.started is not None:
-                timing["queue"] = entry.started - entry.enqueued
-            return result
-        except TimeoutError:
-            self._abandon(entry, "deadline")
-            raise ServiceError(
-                504, "deadline_exceeded", "the request's deadline passed before it was served"
-            ) from None
-        except asyncio.CancelledError as exc:
+            result = await entry.future
+        except asyncio.CancelledError as exc:  # the caller went (the future with it)
             reason = "deadline" if exc.args == (DEADLINE_CANCEL,) else "cancelled"
             self._abandon(entry, reason)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if timing is not None and entry.started is not None:
+            timing["queue"] = entry.started - entry.enqueued
+        return result
+
+    def _expire(self, entry: _Entry[Item, Result]) -> None:
+        """The item's deadline passed before its answer: 504 now, and out of the queue (a
+        running one finishes unobserved)."""
+        if entry.future.done():
+            return
+        entry.future.set_exception(
+            ServiceError(
+                504, "deadline_exceeded", "the request's deadline passed before it was served"
+            )
+        )
+        self._observer.rejected(self.stage, "deadline")
+        self._dequeue(entry)
 
     def _run_splitting(self, items: list[Item]) -> Sequence[Result | BaseException]:
         """Run a batch on the worker; on out-of-memory, halve it and run the halves.
@@ -366,19 +431,22 @@ class Batcher(Generic[Item, Result]):
 
     def _abandon(self, entry: _Entry[Item, Result], reason: str) -> None:
         """Drop an item whose caller stopped waiting; a running one finishes unobserved."""
-        if not entry.future.done():
+        if not entry.future.done() or entry.future.cancelled():
             entry.future.cancel()
             self._observer.rejected(self.stage, reason)
+        self._dequeue(entry)
+
+    def _dequeue(self, entry: _Entry[Item, Result]) -> None:
         try:
             self._queue.remove(entry)
-        except ValueError:
+        except ValueError:  # in a batch already, or pruned
             return
         self._observer.queue_depth(self.stage, len(self._queue))
 
     def _prune(self) -> None:
         """Remove items nobody waits for any more, so they are never computed."""
         now = time.monotonic()
-        kept: collections.deque[_Entry[Item, Result]] = collections.deque()
+        kept: list[_Entry[Item, Result]] = []
         for entry in self._queue:
             if entry.future.done():
                 continue
@@ -389,15 +457,16 @@ class Batcher(Generic[Item, Result]):
                 self._observer.rejected(self.stage, "deadline")
                 continue
             kept.append(entry)
-        self._queue = kept
+        if len(kept) != len(self._queue):
+            self._queue = _Waiting(kept)
 
     def _take_batch(self) -> list[_Entry[Item, Result]]:
         batch: list[_Entry[Item, Result]] = []
         cost = memory = 0
         limit = self._max_memory
-        while self._queue and cost + self._queue[0].cost <= self._max_cost:
+        while self._queue and cost + self._queue.first().cost <= self._max_cost:
             # memory bounds a batch too, but never keeps an item from a batch of its own
-            if batch and limit is not None and memory + self._queue[0].memory > limit:
+            if batch and limit is not None and memory + self._queue.first().memory > limit:
                 break
             entry = self._queue.popleft()
             batch.append(entry)
@@ -406,14 +475,11 @@ class Batcher(Generic[Item, Result]):
         self._observer.queue_depth(self.stage, len(self._queue))
         return batch
 
-    def _queued_cost(self) -> int:
-        return sum(entry.cost for entry in self._queue)
-
     def _batch_full(self) -> bool:
-        if self._queued_cost() >= self._max_cost:
+        if self._queue.cost >= self._max_cost:
             return True
         limit = self._max_memory
-        return limit is not None and sum(e.memory for e in self._queue) >= limit
+        return limit is not None and self._queue.memory >= limit
 
     async def _collect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -435,7 +501,7 @@ class Batcher(Generic[Item, Result]):
             return
         # While the worker computes, collect: until it is idle, the batch is full or the
         # oldest item's delay runs out. An idle worker takes what is here at once.
-        until = self._queue[0].enqueued + self._max_delay_s
+        until = self._queue.first().enqueued + self._max_delay_s
         while self._load.busy and not self._batch_full():
             remaining = until - time.monotonic()
             if remaining <= 0:
@@ -448,7 +514,7 @@ class Batcher(Generic[Item, Result]):
         self._prune()
         batch = self._take_batch()
         if not batch or self._closing:
-            self._queue.extendleft(reversed(batch))
+            self._queue.put_back(batch)
             return
         try:
             await self._run(loop, batch)

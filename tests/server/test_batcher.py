@@ -214,6 +214,46 @@ def test_cancelled_request_is_dropped_not_computed(executor):
     assert "cancelled" in rec.rejections
 
 
+def test_admission_counts_only_the_work_still_queued(executor):
+    """The cost ahead that admission judges by follows what leaves the queue (cancelled,
+    expired, taken into a batch), not only what enters it."""
+    worker = Worker()
+
+    async def main():
+        batcher, _ = make(worker, executor, max_batch_cost=4)
+        batcher.start()
+        await batcher.submit(1)  # a measured batch: admission has a batch's seconds
+        worker.gate.clear()
+        worker.started.clear()
+        blocker = asyncio.create_task(batcher.submit(2))
+        while not worker.started.is_set():
+            await asyncio.sleep(0.01)
+        queued = [asyncio.create_task(batcher.submit(i, cost=2)) for i in range(3, 7)]
+        expiring = asyncio.create_task(
+            batcher.submit(7, cost=4, deadline=time.monotonic() + 0.05)
+        )
+        await asyncio.sleep(0.01)
+        per = batcher.batch_seconds
+        waits = [batcher.expected_wait()]  # 12 queued + 1: four batches ahead
+        queued[0].cancel()
+        queued[1].cancel()
+        await asyncio.sleep(0.01)
+        waits.append(batcher.expected_wait())  # 8 + 1: three
+        await asyncio.gather(expiring, return_exceptions=True)
+        waits.append(batcher.expected_wait())  # 4 + 1: two
+        worker.gate.set()
+        results = await asyncio.gather(blocker, *queued[2:])
+        idle = batcher.expected_wait()
+        await batcher.close()
+        return per, waits, results, idle
+
+    per, waits, results, idle = run(main())
+    for batches, wait in zip((4, 3, 2), waits, strict=True):
+        assert batches * per <= wait <= (batches + 1) * per
+    assert results == [4, 25, 36]
+    assert idle is None  # nothing queued, nothing running
+
+
 def test_failures_stay_in_their_batch(executor):
     worker = Worker()
 

@@ -79,12 +79,7 @@ def nested_pixels(images: Sequence[Tensor], device: torch.device | str) -> Tenso
 def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     """Jagged nested tensor of `[n_i, 3]` uint8 rows, its values allocated on `device` and
     filled slice by slice with asynchronous copies (no host-side concatenation)."""
-    lengths = [int(r.shape[0]) for r in rows]
-    values = torch.empty(sum(lengths), 3, dtype=torch.uint8, device=device)
-    start = 0
-    for r, n in zip(rows, lengths, strict=True):
-        values[start : start + n].copy_(used_here(r), non_blocking=True)
-        start += n
+    values, lengths = packed_on(rows, device)
     offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
     return torch.nested.nested_tensor_from_jagged(
         values,
@@ -92,6 +87,18 @@ def jagged_on(rows: Sequence[Tensor], device: torch.device) -> Tensor:
         min_seqlen=min(lengths),
         max_seqlen=max(lengths),
     )
+
+
+def packed_on(rows: Sequence[Tensor], device: torch.device) -> tuple[Tensor, list[int]]:
+    """`[n_i, 3]` uint8 rows one after another in one `[sum n_i, 3]` tensor on `device`,
+    each copied asynchronously into its slice; and the n_i."""
+    lengths = [int(r.shape[0]) for r in rows]
+    values = torch.empty(sum(lengths), 3, dtype=torch.uint8, device=device)
+    start = 0
+    for r, n in zip(rows, lengths, strict=True):
+        values[start : start + n].copy_(used_here(r), non_blocking=True)
+        start += n
+    return values, lengths
 
 
 def used_here(tensor: Tensor) -> Tensor:

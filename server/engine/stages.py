@@ -21,7 +21,7 @@ import torch.fx.experimental._config as fx_config
 
 from models.aot import AotBuckets, AotStore
 from models.fidelity import FidelityPrompt, SamOutputs
-from models.images import as_pixel_tensor, nested_pixels
+from models.images import as_pixel_tensor, nested_pixels, packed_on
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, Sam, SamConfig, pack_prompts
 from models.sam import transforms as sam_tf
@@ -31,6 +31,7 @@ from models.sam.prompts import PromptBatch
 from models.sam.transformer import decoder_attention
 from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
+from models.swin.resize_kernel import packed_supported, preprocess_packed
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
 from server.engine.runs import mask_runs
@@ -504,6 +505,10 @@ class SwinStage:
         self._forward = GraphedBuckets(
             _stage_fn(model, model, options, aot, "swin"), enabled=options.cuda_graphs
         )
+        # Pre-processing: image by image, a dozen torch calls each, made holding the GIL
+        # that the engine's event loop needs too; on CUDA, two launches for a whole batch
+        # (`models.swin.resize_kernel`, Pillow's arithmetic)
+        self.packed = packed_supported(device)
 
     @torch.inference_mode()
     def classify(self, items: list[ClassifyItem]) -> list[TopK]:
@@ -524,8 +529,12 @@ class SwinStage:
         for start in range(0, len(images), step):
             chunk = images[start : start + step]
             sizes = [(int(p.shape[0]), int(p.shape[1])) for p in chunk]
-            nested = nested_pixels(list(chunk), self.device)
-            batch = swin_tf.preprocess_images(nested, self.config, self.device, sizes)
+            if self.packed:  # two kernel launches for the whole chunk
+                values, _ = packed_on([p.reshape(-1, 3) for p in chunk], self.device)
+                batch = preprocess_packed(values, sizes, self.config)
+            else:
+                nested = nested_pixels(list(chunk), self.device)
+                batch = swin_tf.preprocess_images(nested, self.config, self.device, sizes)
             bucket = bucket_for(len(chunk), self.buckets)
             out.append(self._forward(pad_batch(batch, bucket).to(self.dtype))[: len(chunk)].float())
         return torch.cat(out)

@@ -229,9 +229,7 @@ def test_admission_counts_only_the_work_still_queued(executor):
         while not worker.started.is_set():
             await asyncio.sleep(0.01)
         queued = [asyncio.create_task(batcher.submit(i, cost=2)) for i in range(3, 7)]
-        expiring = asyncio.create_task(
-            batcher.submit(7, cost=4, deadline=time.monotonic() + 0.05)
-        )
+        expiring = asyncio.create_task(batcher.submit(7, cost=4, deadline=time.monotonic() + 0.05))
         await asyncio.sleep(0.01)
         per = batcher.batch_seconds
         waits = [batcher.expected_wait()]  # 12 queued + 1: four batches ahead

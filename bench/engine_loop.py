@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--models", choices=["tests", "defaults"], default="tests")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="s (GPU: compiling)")
     p.add_argument("--out", type=Path, default=None, help="the rows as JSON")
+    p.add_argument("--spy", type=Path, default=None,
+                   help="py-spy the engine in each step: <kind>-<rate>.raw here")  # fmt: skip
     args = p.parse_args(argv)
 
     context = multiprocessing.get_context("spawn")
@@ -239,12 +243,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for rate in args.rates:
                     schedules = _schedules(rate, args.seconds, args.clients, int(rate))
                     start_at = time.time() + 2.0  # the clients connect meanwhile
+                    spy = _spy(args.spy, kind, rate, engine.pid, args.seconds + 2.5)
                     before, threads0 = _cpu(engine.pid), _threads(engine.pid)
                     jobs = [
                         (address, kind, args.images, s, start_at, n)
                         for n, s in enumerate(schedules)
                     ]
                     results = [r for part in pool.starmap(_client, jobs) for r in part]
+                    if spy is not None:
+                        spy.wait(60)
                     rows.append(_row(kind, rate, args, results, engine.pid, before, threads0))
                     print_table(rows[-1:], list(rows[-1]))
     finally:
@@ -255,6 +262,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print_table(rows, list(rows[0]))
     write_json(args.out, {"environment": environment(), "args": vars(args), "rows": rows})
     return rows
+
+
+def _spy(
+    folder: Path | None, kind: str, rate: float, pid: int, seconds: float
+) -> subprocess.Popen[bytes] | None:
+    """py-spy of every engine thread (idle included) over one step, as `bench.spy_summary`
+    reads it."""
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{kind}-{rate:g}.raw"
+    command = ["py-spy", "record", "--threads", "--idle", "-r", "200", "-f", "raw",
+               "-d", str(math.ceil(seconds)), "-o", str(out), "-p", str(pid)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _cpu(pid: int) -> float:

@@ -111,19 +111,20 @@ def choose(where: Where, device: torch.device) -> Decode | None:
     return decode
 
 
-def models_for(where: Where) -> tuple[str, ...]:
-    """Whose images the engine decodes once it can: under `auto`, SAM's only.
+def models_for(where: Where, swin_batched: bool) -> tuple[str, ...]:
+    """Whose images the engine decodes once it can: under `auto`, SAM's, and Swin's where
+    its stage pre-processes a batch in two launches (`swin_batched`, Triton on CUDA).
 
-    Measured on one H100 (docs/BENCHMARKS.md, 2026-11-24, the same machine for both ways):
+    Measured on one H100 (docs/BENCHMARKS.md, 2026-11-24, each comparison on one machine):
     SAM's segment requests gain (at 250/s p99 334 against 646 ms; at 300/s 239 against 97
-    ok/s), while Swin's classify peaks lower (about 700 against 910 ok/s): a frontend
-    decodes a JPEG for Swin at 1/4 or 1/8 of its size, cheaply, and the engine then moves
-    and resizes a small image; from nvJPEG it gets the whole image, and its one process,
-    not the frontends, becomes the limit. `engine` sends both.
+    ok/s). Swin's classify first peaked lower (about 700 against 910 ok/s): from nvJPEG the
+    stage gets whole images, and resizing them one by one held the engine's GIL. With the
+    batched kernels it peaks higher (1,165 against 709 ok/s): the frontends' JPEG decode
+    was their largest cost. `engine` sends both whatever the stage.
     """
     if where == "frontend":
         return ()
-    return ("sam",) if where == "auto" else ("sam", "swin")
+    return ("sam", "swin") if where == "engine" or swin_batched else ("sam",)
 
 
 def _bad(exc: Exception) -> ServiceError:

@@ -33,6 +33,7 @@ from models.dynamo_import import preimport_dynamo
 from models.sam import SAM_CONFIGS, CheckpointError
 from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
+from models.swin.resize_kernel import packed_supported
 from server import tracing
 from server.domain import Image
 from server.engine import jpeg
@@ -152,7 +153,9 @@ class EngineServer:
             decode = await asyncio.to_thread(jpeg.choose, settings.jpeg_decode, engine.device)
             if decode is not None:
                 self.jpeg = JpegDecoder(decode)
-                self.jpeg_models = jpeg.models_for(settings.jpeg_decode)
+                self.jpeg_models = jpeg.models_for(
+                    settings.jpeg_decode, packed_supported(engine.device)
+                )
             # before the first step: the interpreter, torch's imports and the device's
             # initialisation, which a GPU machine's warm start spent seconds on (issue 21)
             log.info("engine: imports and %s ready (%.1fs since process start)",

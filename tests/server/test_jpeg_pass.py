@@ -163,10 +163,12 @@ def test_the_setting_chooses_where_files_decode(caplog: pytest.LogCaptureFixture
     assert "decoded by the frontends" in caplog.text
     with pytest.raises(RuntimeError, match="SERVE_JPEG_DECODE=engine"):
         jpeg.choose("engine", torch.device("cuda"))
-    # auto: SAM's images only (Swin's decode cheaply at a small scale in the frontends)
-    assert jpeg.models_for("auto") == ("sam",)
-    assert jpeg.models_for("engine") == ("sam", "swin")
-    assert jpeg.models_for("frontend") == ()
+    # auto: Swin's images too where its stage resizes a batch in two launches (CUDA)
+    assert jpeg.models_for("auto", swin_batched=False) == ("sam",)
+    assert jpeg.models_for("auto", swin_batched=True) == ("sam", "swin")
+    for batched in (False, True):
+        assert jpeg.models_for("engine", batched) == ("sam", "swin")
+        assert jpeg.models_for("frontend", batched) == ()
 
 
 def decoded_by_engine(url: str) -> float:

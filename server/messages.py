@@ -16,6 +16,7 @@ process on the host.
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -26,6 +27,14 @@ from server.domain import ModelInfo, SegmentRequest
 from server.errors import ServiceError
 
 RELEASE = b"release"  # the first frame of an engine -> frontend release of pixel slots
+
+# A work call the engine's loop reads this long after its frontend sent it is refused at
+# once (429), before it is unpickled. Under overload the socket's queues (zmq's 1,000 calls
+# a side, per frontend) held several seconds of calls: the loop read each one too late to
+# serve it and spent itself refusing them at full cost, while the rest aged too: goodput
+# fell to a few % of capacity (docs/BENCHMARKS.md). Refused at the door, a stale call costs
+# a few microseconds, so the loop catches up with the calls it can still serve.
+INTAKE_LAG_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -168,13 +177,23 @@ def load(frames: list[Any]) -> Any:
     return pickle.loads(payload, buffers=buffers)
 
 
-def call_id_bytes(call_id: int) -> bytes:
-    return call_id.to_bytes(8, "little")
+def call_id_bytes(call_id: int, sent: float | None = None) -> bytes:
+    """A call's first frame: its id, and for work the engine may refuse when it reads it
+    late (`INTAKE_LAG_S`), the `time.monotonic()` it was sent at. Status and cancel calls
+    carry none: they are always read."""
+    head = call_id.to_bytes(8, "little")
+    return head if sent is None else head + struct.pack("<d", sent)
 
 
 def call_id_of(frame: Any) -> int:
     data = frame.bytes if hasattr(frame, "bytes") else frame
-    return int.from_bytes(data, "little")
+    return int.from_bytes(data[:8], "little")
+
+
+def sent_at(frame: Any) -> float | None:
+    """When the call of this first frame was sent (None: a call that is always read)."""
+    data = frame.bytes if hasattr(frame, "bytes") else frame
+    return cast(float, struct.unpack_from("<d", data, 8)[0]) if len(data) >= 16 else None
 
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the enum's `&` ran Python code on every check

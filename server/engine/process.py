@@ -43,6 +43,7 @@ from server.engine.pixels import PixelMaps
 from server.engine.services import Engine
 from server.errors import ServiceError
 from server.messages import (
+    INTAKE_LAG_S,
     RELEASE,
     CancelCall,
     ClassifyCall,
@@ -61,6 +62,7 @@ from server.messages import (
     dump,
     load,
     readable,
+    sent_at,
     socket_fd,
 )
 from server.metrics import Metrics
@@ -70,6 +72,18 @@ from server.settings import Settings
 log = logging.getLogger(__name__)
 
 FIDELITY_STEP = "checking fidelity against the fp32 model"
+
+# The answer to a call read too late (`INTAKE_LAG_S`), pickled once
+_BEHIND = dump(
+    Reply(
+        failure=Failure(
+            429,
+            "queue_full",
+            f"the engine is more than {INTAKE_LAG_S:g} s behind its calls; retry shortly",
+            {"Retry-After": "1"},
+        )
+    )
+)
 
 
 class EngineServer:
@@ -249,6 +263,11 @@ class EngineServer:
         identity, call_frame, *payload = frames
         owner = identity.bytes
         call_id = call_id_of(call_frame)
+        sent = sent_at(call_frame)
+        if sent is not None and time.monotonic() - sent > INTAKE_LAG_S:
+            self._send([owner, call_id_bytes(call_id), *_BEHIND])
+            self.metrics.rejected("intake", "queue_full")
+            return
         try:
             call = load(payload)
         except Exception:

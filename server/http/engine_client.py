@@ -307,7 +307,8 @@ class EngineClient:
                 loop.time() + deadline - time.monotonic() + DEADLINE_GRACE_S, _expire, future
             )
         try:
-            await self._send(link, [call_id_bytes(call_id), *dump(call)], future)
+            sent = None if isinstance(call, StatusCall) else time.monotonic()
+            await self._send(link, [call_id_bytes(call_id, sent), *dump(call)], future)
             reply, read_at = await future
             if timing is not None:
                 timing["engine_wire"] = round((read_at - started) * 1000, 3)

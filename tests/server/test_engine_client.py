@@ -1,6 +1,7 @@
 """The frontend's engine client over real zmq sockets: every reply of many calls in flight
 reaches its caller (the socket is read on the loop's readiness callback, whose edges a
-send can consume), and a call to an engine that is not there ends at its deadline.
+send can consume), a call to an engine that is not there ends at its deadline, and a call
+the engine reads too late is refused at its door.
 """
 
 from __future__ import annotations
@@ -11,11 +12,24 @@ import time
 import httpx
 import numpy as np
 import pytest
+import zmq
 
 from server.domain import Image
 from server.errors import ServiceError
 from server.http.engine_client import DEADLINE_GRACE_S, EngineClient
+from server.messages import (
+    INTAKE_LAG_S,
+    LookupCall,
+    Reply,
+    Status,
+    StatusCall,
+    call_id_bytes,
+    call_id_of,
+    dump,
+    load,
+)
 from tests.server.conftest import LiveServer
+from tests.server.test_http_faults import metric
 
 
 def test_many_calls_in_flight_all_get_their_reply(
@@ -60,3 +74,40 @@ def test_a_call_to_a_missing_engine_ends_at_its_deadline(tmp_path) -> None:  # t
 
     elapsed = asyncio.run(run())
     assert 0.2 + DEADLINE_GRACE_S - 0.05 <= elapsed < 0.2 + DEADLINE_GRACE_S + 2.0
+
+
+def test_a_call_read_too_late_is_refused_at_the_door(live_server: LiveServer) -> None:
+    """A work call the engine reads more than INTAKE_LAG_S after it was sent gets 429 at
+    once (counted as the intake's drop); a fresh one and a status call are served."""
+    address = live_server.app.state.serve.embedded.address
+    before = metric(live_server.url, "serve_batch_drops_total", stage="intake",
+                    reason="queue_full")  # fmt: skip
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+
+    def ask(call_id: int, call: object, sent: float | None) -> Reply:
+        sock.send_multipart([call_id_bytes(call_id, sent), *dump(call)])
+        assert sock.poll(30_000), "no answer from the engine"
+        head, *payload = sock.recv_multipart()
+        assert call_id_of(head) == call_id
+        reply: Reply = load(payload)
+        return reply
+
+    try:
+        lookup = LookupCall("0" * 64)
+        late = ask(1, lookup, time.monotonic() - 2 * INTAKE_LAG_S)
+        assert late.failure is not None and late.failure.status == 429
+        assert late.failure.code == "queue_full"
+        assert late.failure.headers == {"Retry-After": "1"}
+        fresh = ask(2, lookup, time.monotonic())  # read at once: looked up (not cached)
+        assert fresh.failure is not None and fresh.failure.status == 404
+        status = ask(3, StatusCall(), None)  # never refused: probes depend on it
+        assert isinstance(status.value, Status) and status.value.ready
+    finally:
+        sock.close()
+        context.term()
+    after = metric(live_server.url, "serve_batch_drops_total", stage="intake",
+                   reason="queue_full")  # fmt: skip
+    assert after == before + 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import random
@@ -30,7 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,15 +121,7 @@ async def _client_run(
     address: str, kind: str, folder: Path, schedule: list[float], start_at: float, seed: int
 ) -> list[tuple[str, float]]:
     """Send `kind` calls at `start_at + schedule[i]` (time.time()); (outcome, ms) each."""
-    from server.http.engine_client import EngineClient
-    from server.http.pixels import SharedPixels
-
-    pixels = SharedPixels(256 << 20)
-    client = EngineClient(address, pixels)
-    await client.start()
-    try:
-        while not client.ready:
-            await asyncio.sleep(0.05)
+    async with _connected(address, 256 << 20) as (client, pixels):
         photos = _photos(folder)
         rng = random.Random(seed)
 
@@ -161,26 +154,31 @@ async def _client_run(
         if delay > 0:
             await asyncio.sleep(delay)
         return await asyncio.gather(*(one(start_at + t) for t in schedule))
-    finally:
-        await client.close()
-        pixels.close()
 
 
 async def _prepare(address: str, folder: Path) -> None:
     """Wait until the engine is ready, then cache every photo's embedding (for clicks)."""
-    from server.http.engine_client import EngineClient
-    from server.http.pixels import SharedPixels
-
-    pixels = SharedPixels(64 << 20)
-    client = EngineClient(address, pixels)
-    await client.start()
-    try:
-        while not client.ready:
-            await asyncio.sleep(0.1)
+    async with _connected(address, 64 << 20) as (client, pixels):
         for photo in _photos(folder):
             shared = pixels.copy_in(photo.pixels)
             await client.embed(Image(photo.image_id, shared, photo.width, photo.height))
             pixels.release_array(shared)
+
+
+@contextlib.asynccontextmanager
+async def _connected(address: str, shared_bytes: int) -> AsyncIterator[tuple[Any, Any]]:
+    """An engine client with shared pixel memory of its own, as a frontend has, once the
+    engine says it is ready."""
+    from server.http.engine_client import EngineClient
+    from server.http.pixels import SharedPixels
+
+    pixels = SharedPixels(shared_bytes)
+    client = EngineClient(address, pixels)
+    await client.start()
+    try:
+        while not client.ready:
+            await asyncio.sleep(0.05)
+        yield client, pixels
     finally:
         await client.close()
         pixels.close()

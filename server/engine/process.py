@@ -140,7 +140,7 @@ class EngineServer:
                 await self.engine.close()
             if self.jpeg is not None:
                 self.jpeg.close()
-            self._flush()  # the last replies, queued in the drain's final turn
+            self._flush(read=False)  # the last replies, queued in the drain's final turn
             loop.remove_reader(fd)
             self._socket = None
             sock.close(linger=0)
@@ -292,11 +292,12 @@ class EngineServer:
             self._loop.call_soon(self._flush)
         self._outbox.append(frames)
 
-    def _flush(self) -> None:
+    def _flush(self, read: bool = True) -> None:
         """Send what this turn queued, without blocking: a ROUTER never waits, it drops what
         a gone frontend (or one whose queue is full) cannot take. One readiness check after
         them all rather than one per message: under load a batch's replies go out together,
-        and each check is a `getsockopt` (py-spy, `python -m bench.engine_loop`)."""
+        and each check is a `getsockopt` (py-spy, `python -m bench.engine_loop`). `read`:
+        take the calls a send left unread (not once the server is stopping)."""
         outbox, self._outbox = self._outbox, []
         sock = self._socket
         if sock is None or sock.closed:
@@ -306,7 +307,7 @@ class EngineServer:
                 sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.ZMQError as exc:  # the frontend is gone; nothing to tell
                 log.warning("could not answer a frontend: %s", exc)
-        if readable(sock):
+        if read and readable(sock):
             self._read_all()
 
     def _release_soon(self, owner: bytes, slot: int) -> None:

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 from PIL import Image as PILImage
 
 from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
-from bench.frontend_cpu import _threads
+from bench.frontend_cpu import _cpu_s, _threads
+from bench.openloop.report import percentile
 from server.domain import Image, Prompt, SegmentRequest
 from server.errors import ServiceError
 from server.settings import Settings
@@ -203,13 +203,6 @@ def _schedules(rate: float, seconds: float, clients: int, seed: int) -> list[lis
     return [times[i::clients] for i in range(clients)]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
@@ -242,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     schedules = _schedules(rate, args.seconds, args.clients, int(rate))
                     start_at = time.time() + 2.0  # the clients connect meanwhile
                     spy = _spy(args.spy, kind, rate, engine.pid, args.seconds + 2.5)
-                    before, threads0 = _cpu(engine.pid), _threads(engine.pid)
+                    before, threads0 = _cpu_s(engine.pid), _threads(engine.pid)
                     jobs = [
                         (address, kind, args.images, s, start_at, n)
                         for n, s in enumerate(schedules)
@@ -276,11 +269,6 @@ def _spy(
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _cpu(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
-
-
 def _row(
     kind: str,
     rate: float,
@@ -291,7 +279,7 @@ def _row(
     threads0: dict[str, float],
 ) -> dict[str, Any]:
     """One rate's line; CPU is over the whole step (its idle wait included: a few %)."""
-    ok = [ms for outcome, ms in results if outcome == "ok"]
+    ok = sorted(ms for outcome, ms in results if outcome == "ok")
     errors = Counter(outcome for outcome, _ in results if outcome != "ok")
     threads = {k: v - threads0[k] for k, v in _threads(pid).items()}
     answered = max(1, len(ok))
@@ -299,13 +287,13 @@ def _row(
         "kind": kind,
         "rate/s": rate,
         "ok/s": round(len(ok) / args.seconds, 1),
-        "p50 ms": round(_percentile(ok, 0.5), 2),
-        "p99 ms": round(_percentile(ok, 0.99), 2),
+        "p50 ms": round(percentile(ok, 50), 2),
+        "p99 ms": round(percentile(ok, 99), 2),
         "mean ms": round(statistics.fmean(ok), 2) if ok else float("nan"),
         "errors": dict(errors) or "",
         "loop ms/call": round(threads["loop"] / answered * 1000, 3),
         "workers ms/call": round(threads["workers"] / answered * 1000, 3),
-        "engine ms/call": round((_cpu(pid) - cpu0) / answered * 1000, 3),
+        "engine ms/call": round((_cpu_s(pid) - cpu0) / answered * 1000, 3),
     }
 
 

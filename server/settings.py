@@ -234,13 +234,14 @@ class Settings(BaseSettings):
     scaled_decode: bool = True
     """decode JPEGs at 1/2, 1/4 or 1/8 when the model's resize needs no more pixels"""
     # nvJPEG on the GPU decodes a baseline JPEG for about a tenth of the host CPU time a
-    # frontend spends on it (docs/BENCHMARKS.md); SAM's uploads gain from it, Swin's do
-    # not (`server.engine.jpeg.models_for` says why); progressive, rotated and non-JPEG
-    # images are always decoded by the frontends
+    # frontend spends on it (docs/BENCHMARKS.md); SAM's uploads gain from it, and Swin's
+    # where its stage resizes them in batches (`server.engine.jpeg.models_for`);
+    # progressive, rotated and non-JPEG images are always decoded by the frontends
     jpeg_decode: Literal["auto", "engine", "frontend"] = "auto"
-    """where baseline JPEGs are decoded: auto (SAM's on the engine's GPU when nvJPEG works,
-    the rest in the frontends), engine (all; refuse to start without nvJPEG; a CPU engine
-    decodes itself), frontend (all there)"""
+    """where baseline JPEGs are decoded: auto (on the engine's GPU when nvJPEG works: SAM's,
+    and Swin's where Triton resizes them in batches; the rest in the frontends), engine
+    (all; refuse to start without nvJPEG; a CPU engine decodes itself), frontend (all
+    there)"""
     decode_threads: int = Field(4, ge=1)
     """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA

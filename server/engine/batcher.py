@@ -430,7 +430,8 @@ class Batcher(Generic[Item, Result]):
             return [*self._run_splitting(items[:half]), *self._run_splitting(items[half:])]
 
     def _abandon(self, entry: _Entry[Item, Result], reason: str) -> None:
-        """Drop an item whose caller stopped waiting; a running one finishes unobserved."""
+        """Drop an item whose caller stopped waiting; a running one finishes unobserved.
+        (A caller cancelled while awaiting the future has cancelled it too: still a drop.)"""
         if not entry.future.done() or entry.future.cancelled():
             entry.future.cancel()
             self._observer.rejected(self.stage, reason)

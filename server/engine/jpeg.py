@@ -11,10 +11,10 @@ engine decodes them here. What nvJPEG's hardware cannot take (progressive or rot
 JPEGs, other formats) the frontends still decode (`server.http.jpeg_pass`).
 
 `SERVE_JPEG_DECODE`: `auto` decodes SAM's images here when the engine's device is CUDA and
-nvJPEG works (torchvision built with it; `models_for` says why not Swin's); `engine`
-decodes every model's and insists (start-up fails when it cannot, and a CPU engine
-decodes with libjpeg-turbo itself: the same path with a host decoder, which the CPU tests
-run); `frontend` never does.
+nvJPEG works (torchvision built with it), and Swin's where its stage resizes them in
+batches (`models_for` says why only then); `engine` decodes every model's and insists
+(start-up fails when it cannot, and a CPU engine decodes with libjpeg-turbo itself: the
+same path with a host decoder, which the CPU tests run); `frontend` never does.
 
 Files arrive from many requests at once: the thread takes every file waiting (up to
 `max_batch`) into one nvJPEG call, and a batch that fails is decoded file by file, so a

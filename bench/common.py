@@ -10,7 +10,8 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,20 @@ def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """fp32 matmuls on TF32 tensor cores (`set_float32_matmul_precision("high")`) while
+    inside; convolutions already are by PyTorch's default (`cudnn.allow_tf32`), on both
+    sides."""
+    before = torch.get_float32_matmul_precision()
+    if enabled:
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def peak_gib() -> float:

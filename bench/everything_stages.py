@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 import models.sam.automatic_pipeline as pipeline
-from bench.common import DEFAULT_IMAGES, environment, load_photos, print_table, write_json
+from bench.common import (
+    DEFAULT_IMAGES,
+    environment,
+    load_photos,
+    print_table,
+    tf32_matmuls,
+    write_json,
+)
 from models.optimize import compile_fn
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
@@ -44,6 +51,13 @@ from models.sam2.automatic import (
     point_decoder,
 )
 
+# tf32: fp32 weights, matmuls on TF32 tensor cores (`bench.common.tf32_matmuls`)
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 STAGES = ("encode", "decoder", "filter", "measure", "nms", "paint", "finish other", "to host")
 
 
@@ -175,9 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     photos = [p.to(device) for p in load_photos(args.images)[: args.photos]]
     results: dict[str, Any] = {"env": environment(), "args": vars(args), "dtypes": {}}
     for name in args.dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+        dtype = DTYPES[name]
         generator = build(args, dtype)
-        with torch.inference_mode():
+        with torch.inference_mode(), tf32_matmuls(name == "tf32"):
             generator.generate(photos[0]).masks.cpu()  # warm-up: compilation, kernel plans
             totals = []
             for photo in photos:  # untimed by stage: the honest total
@@ -213,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--model", default="sam2.1_hiera_large")
     p.add_argument("--checkpoint", type=Path, default=None, help="default: seeded random")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     p.add_argument("--photos", type=int, default=2)
     p.add_argument("--points-per-side", type=int, default=32)
     p.add_argument("--points-per-batch", type=int, default=64)

@@ -8,7 +8,8 @@
 # click and segment everything (ours compiled, Meta's fp32 and autocast), the masks'
 # mIoU against Meta's fp32 generator.
 #
-#   OUT=/tmp/out [MODEL=sam2.1_hiera_large] [PHOTOS=2] [TRAIN_SECONDS=120] bash bench/gpu_sam2_everything.sh
+#   OUT=/tmp/out [MODEL=sam2.1_hiera_large] [PHOTOS=2] [TRAIN_SECONDS=120] bash bench/gpu_sam2_everything.sh \
+#       [bench.sam2's arguments, e.g. --parts everything --everything-pipelines "tf32 compiled"]
 #
 # Needs Meta's package as the git-ignored wheels in .whl/sam2 (`bench/sam2.py`'s docstring
 # says how they are built) and the photos in .benchdata/images.
@@ -34,7 +35,7 @@ fi
 PYTHONPATH=/tmp/sam2site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
   python3 -m bench.sam2 --images .benchdata/images --sizes "$MODEL" --batches 1 --iters 5 \
   --clicks 5 --everything-photos "${PHOTOS:-2}" --checkpoint "$checkpoint" \
-  --out "$OUT/sam2_everything.json" > "$OUT/sam2_everything.txt" 2>&1
+  --out "$OUT/sam2_everything.json" "$@" > "$OUT/sam2_everything.txt" 2>&1
 echo "bench.sam2: exit $? (124: cut at ${BENCH_TIMEOUT:-420} s)"
 # the rows logged as each part finishes survive a cut; the tables come last
 grep -E "^(encoder|click|everything) |^\|" "$OUT/sam2_everything.txt"

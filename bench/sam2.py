@@ -63,6 +63,7 @@ from bench.common import (
     environment,
     load_photos,
     print_table,
+    tf32_matmuls,
     write_json,
 )
 from bench.sam2_meta import (
@@ -264,49 +265,74 @@ def bench_everything(
 
     runs: dict[str, Callable[[], Callable[[torch.Tensor], Any]]] = {
         "meta fp32": lambda: lambda p: run_meta(p, False),
-        "meta autocast bf16": lambda: lambda p: run_meta(p, True),
     }
+    if args.meta_autocast:
+        runs["meta autocast bf16"] = lambda: lambda p: run_meta(p, True)
     for name, build in pipelines.items():
         runs[f"ours {name}"] = lambda build=build: ours(*build())
     reference: list[torch.Tensor] = []
     rows = []
     for name, make in runs.items():
-        run = make()
-        run(photos[0])  # warm-up (compilation, cuDNN plans)
-        times, counts, ious = [], [], []
-        for i, photo in enumerate(photos):
-            sync(device)
-            started = time.perf_counter()
-            found = run(photo)
-            times.append(time.perf_counter() - started)
-            masks = runs_to_masks(*found)
-            counts.append(masks.shape[0])
-            if name == "meta fp32":
-                reference.append(masks)
-            ious.append(mean_best_iou(reference[i].to(device), masks.to(device)))
-        valid = [v for v in ious if v == v]  # NaN: Meta found no mask on that photo
-        rows.append(
-            {
-                "model": config.name,
-                "pipeline": name,
-                "s_per_image": statistics.median(times),
-                "mean_masks": float(np.mean(counts)),
-                "miou_vs_meta_fp32": statistics.mean(valid) if valid else float("nan"),
-            }
-        )
-        log.info("everything %s", rows[-1])
+        with tf32_matmuls(name.startswith("ours tf32")):
+            try:
+                row = _everything_row(config, name, make, photos, reference, device)
+            except Exception:  # one variant failing (fp16 overflow, a compile error) is a row
+                log.exception("everything %s failed", name)
+                if name == "meta fp32":
+                    raise
+                continue
+        rows.append(row)
+        log.info("everything %s", row)
         empty_cache()
     return rows
+
+
+def _everything_row(
+    config: Sam2Config,
+    name: str,
+    make: Callable[[], Callable[[torch.Tensor], Any]],
+    photos: Sequence[torch.Tensor],
+    reference: list[torch.Tensor],
+    device: str,
+) -> dict[str, Any]:
+    """One pipeline's seconds per photo, masks and mIoU; "meta fp32" fills `reference`."""
+    run = make()
+    run(photos[0])  # warm-up (compilation, cuDNN plans)
+    times, counts, ious = [], [], []
+    for i, photo in enumerate(photos):
+        sync(device)
+        started = time.perf_counter()
+        found = run(photo)
+        times.append(time.perf_counter() - started)
+        masks = runs_to_masks(*found)
+        counts.append(masks.shape[0])
+        if name == "meta fp32":
+            reference.append(masks)
+        ious.append(mean_best_iou(reference[i].to(device), masks.to(device)))
+    valid = [v for v in ious if v == v]  # NaN: Meta found no mask on that photo
+    return {
+        "model": config.name,
+        "pipeline": name,
+        "s_per_image": statistics.median(times),
+        "mean_masks": float(np.mean(counts)),
+        "miou_vs_meta_fp32": statistics.mean(valid) if valid else float("nan"),
+    }
 
 
 # -- main ----------------------------------------------------------------------------------
 
 
+PARTS = ("encoder", "click", "everything")
+PIPELINES = ("fp32", "bf16", "fp32 compiled", "bf16 compiled", "tf32 compiled", "fp16 compiled")
+
+
 def everything_pipelines(
-    fp32: Sam2, bf16: Sam2, args: argparse.Namespace
+    config: Sam2Config, path: Path, fp32: Sam2, bf16: Sam2, args: argparse.Namespace
 ) -> dict[str, Callable[[], tuple[Sam2, Any]]]:
-    """Ours, eager fp32 and bf16 with the compiled encoder (the service's), then with
-    `--compile` the grid's decoder call compiled too (`point_decoder`), fp32 and bf16."""
+    """Ours, by name (`PIPELINES`): eager fp32, bf16 with the compiled encoder (the
+    service's), and with `--compile` the grid's decoder call compiled too (`point_decoder`)
+    in fp32, bf16, fp32 with TF32 matmuls (its own copy of the weights, so its compiled code
+    is its own) and fp16. Each is built when its turn comes."""
 
     @functools.cache  # once per model: its rows share the compiled encoder
     def compiled_encoder(model: Sam2) -> Sam2:
@@ -314,17 +340,23 @@ def everything_pipelines(
             model.encode = torch.compile(model.encode, mode=args.compile_mode)  # type: ignore[method-assign]
         return model
 
-    def compiled_decoder(model: Sam2) -> Any:
-        return compile_fn(point_decoder(model), args.compile_mode, dynamic=True)
+    def compiled(model: Sam2) -> tuple[Sam2, Any]:
+        decode = compile_fn(point_decoder(model), args.compile_mode, dynamic=True)
+        return compiled_encoder(model), decode
+
+    def copy(dtype: torch.dtype) -> Sam2:
+        return load_sam2(config, path).to(args.device, dtype)
 
     pipelines: dict[str, Callable[[], tuple[Sam2, Any]]] = {
         "fp32": lambda: (fp32, None),
         "bf16": lambda: (compiled_encoder(bf16), None),
     }
     if args.compile:
-        pipelines["fp32 compiled"] = lambda: (compiled_encoder(fp32), compiled_decoder(fp32))
-        pipelines["bf16 compiled"] = lambda: (compiled_encoder(bf16), compiled_decoder(bf16))
-    return pipelines
+        pipelines["fp32 compiled"] = lambda: compiled(fp32)
+        pipelines["bf16 compiled"] = lambda: compiled(bf16)
+        pipelines["tf32 compiled"] = lambda: compiled(copy(torch.float32))
+        pipelines["fp16 compiled"] = lambda: compiled(copy(torch.float16))
+    return {name: pipelines[name] for name in args.everything_pipelines if name in pipelines}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -341,6 +373,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile-mode", default="default", help="or max-autotune (minutes more)")
+    p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
+    p.add_argument(
+        "--everything-pipelines",
+        nargs="+",
+        default=["fp32", "bf16", "fp32 compiled", "bf16 compiled"],
+        choices=PIPELINES,
+        help="ours (the compiled ones need --compile); Meta's fp32 always runs as reference",
+    )
+    p.add_argument("--no-meta-autocast", dest="meta_autocast", action="store_false")
     p.add_argument("--points-per-side", type=int, default=32)
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
     p.add_argument("--pred-iou-thresh", type=float, default=0.8)
@@ -374,12 +415,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             meta = build_meta(config, path, args.device)
             fp32 = load_sam2(config, path).to(args.device)
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
-            encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
-            log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short
-            click_rows.append(bench_click(config, bf16, meta, photos[0], args))
-            log.info("click: %s", click_rows[-1])
-            if name in everything_sizes:
-                pipelines = everything_pipelines(fp32, bf16, args)
+            if "encoder" in args.parts:
+                encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
+                log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short
+            if "click" in args.parts:
+                click_rows.append(bench_click(config, bf16, meta, photos[0], args))
+                log.info("click: %s", click_rows[-1])
+            if "everything" in args.parts and name in everything_sizes:
+                pipelines = everything_pipelines(config, path, fp32, bf16, args)
                 everything_rows += bench_everything(config, pipelines, meta, photos, args)
             del meta, fp32, bf16
             empty_cache()

@@ -94,6 +94,12 @@ class GridMaskGenerator(ABC, Generic[E]):
     def _upscale_bytes(self, crop_size: Size) -> int:
         """Device bytes of one mask's `_upscale` plus its stability and box temporaries."""
 
+    @property
+    def _measures_every_candidate(self) -> bool:
+        """Whether `_measure` is cheap enough to run on every candidate, IoU filter
+        included in the keep mask: one host sync per chunk instead of two."""
+        return False
+
     # -- the steps -------------------------------------------------------------------------
 
     def plan(self, original_size: Size) -> list[CropJob]:
@@ -178,26 +184,30 @@ class GridMaskGenerator(ABC, Generic[E]):
         low_res, iou = self._decode(emb.embedding, job.input_points[start:stop])
         outputs = iou.shape[1]  # k
         iou = iou.float().flatten()  # [k n], point-major
-        if s.pred_iou_thresh > 0.0:
-            flat = torch.nonzero(iou > s.pred_iou_thresh).squeeze(1)  # host sync
-        else:
+        candidates = low_res.flatten(0, 1)  # [k n, m, m], the same order
+        passed = iou > s.pred_iou_thresh if s.pred_iou_thresh > 0.0 else None
+        if passed is None or self._measures_every_candidate:
             flat = torch.arange(iou.shape[0], device=iou.device)
-        point, token = flat // outputs, flat % outputs
-        low_res = low_res[point, token]  # [K, m, m]
-        stability, boxes = self._measure(low_res, job)
+        else:
+            flat = torch.nonzero(passed).squeeze(1)  # host sync
+            candidates = candidates[flat]
+        stability, boxes = self._measure(candidates, job)
         x0, y0 = job.box[:2]
         offset = self._to_device(torch.tensor([x0, y0, x0, y0]))
         keep = ~is_box_near_crop_edge(boxes + offset, job.box, job.original_size)
         if s.stability_score_thresh > 0.0:
             keep &= stability >= s.stability_score_thresh
+        if passed is not None and self._measures_every_candidate:
+            keep &= passed
         kept = torch.nonzero(keep).squeeze(1)  # host sync
+        flat = flat[kept]
         return MaskCandidates(
             job=job,
-            low_res=low_res[kept],
-            scores=iou[flat[kept]],
+            low_res=candidates[kept],
+            scores=iou[flat],
             stability=stability[kept],
             boxes=boxes[kept],
-            point_coords=job.point_coords[start + point[kept]],
+            point_coords=job.point_coords[start + flat // outputs],
         )
 
     @torch.inference_mode()
@@ -333,17 +343,22 @@ class GridMaskGenerator(ABC, Generic[E]):
             local, dest = groups.setdefault(chunk, ([], []))
             local.append(index - starts[chunk])
             dest.append(position)
-        threshold = self.mask_threshold
         for chunk, (local, dest) in groups.items():
-            candidates = chunks[chunk]
-            x0, y0, x1, y1 = candidates.job.box
-            step = self._slice(candidates.job)
-            for start in range(0, len(local), step):
-                rows = self._to_device(torch.tensor(local[start : start + step]))
-                where = self._to_device(torch.tensor(dest[start : start + step]))
-                logits = self._upscale(candidates.low_res[rows], candidates.job)
-                masks[where, y0:y1, x0:x1] = logits > threshold
+            self._paint_chunk(masks, chunks[chunk], local, dest)
         return masks
+
+    def _paint_chunk(
+        self, masks: Tensor, candidates: MaskCandidates, local: list[int], dest: list[int]
+    ) -> None:
+        """`candidates.low_res[local]` at full resolution into `masks[dest]`, in their
+        crop's place, `max_work_bytes` at a time."""
+        x0, y0, x1, y1 = candidates.job.box
+        step = self._slice(candidates.job)
+        for start in range(0, len(local), step):
+            rows = self._to_device(torch.tensor(local[start : start + step]))
+            where = self._to_device(torch.tensor(dest[start : start + step]))
+            logits = self._upscale(candidates.low_res[rows], candidates.job)
+            masks[where, y0:y1, x0:x1] = logits > self.mask_threshold
 
     def _remove_small_regions(self, masks: Tensor) -> tuple[Tensor, Tensor]:
         """Meta's clean-up, in place and slice by slice: fill small holes, then drop small

@@ -29,9 +29,15 @@ from torch import Tensor
 from models.images import Size
 from models.sam.automatic_memory import estimate_peak_bytes
 from models.sam.automatic_pipeline import GridMaskGenerator
-from models.sam.automatic_types import AutomaticMasks, AutomaticMaskSettings, CropJob
+from models.sam.automatic_types import (
+    AutomaticMasks,
+    AutomaticMaskSettings,
+    CropJob,
+    MaskCandidates,
+)
 from models.sam.transformer import decoder_attention
 from models.sam2.config import Sam2Config
+from models.sam2.measure_kernel import measure_supported, measure_upscaled, paint_upscaled
 from models.sam2.model import Sam2, Sam2Features
 from models.sam2.transforms import scale_points
 
@@ -216,6 +222,29 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
             masks.append(pred.low_res_masks)
             ious.append(pred.iou)
         return torch.cat(masks).reshape(n, k, m, m), torch.cat(ious).reshape(n, k)
+
+    @property
+    def _measures_every_candidate(self) -> bool:
+        return measure_supported(self.device)
+
+    def _measure(self, low_res: Tensor, job: CropJob) -> tuple[Tensor, Tensor]:
+        """`GridMaskGenerator._measure`'s stability and boxes, from one fused kernel where
+        it runs (`models.sam2.measure_kernel`): the crop-size logits never exist."""
+        if not measure_supported(self.device):
+            return super()._measure(low_res, job)
+        offset = self.settings.stability_score_offset
+        return measure_upscaled(low_res, job.crop_size, self.mask_threshold, offset)
+
+    def _paint_chunk(
+        self, masks: Tensor, candidates: MaskCandidates, local: list[int], dest: list[int]
+    ) -> None:
+        if not measure_supported(self.device):
+            super()._paint_chunk(masks, candidates, local, dest)
+            return
+        rows = self._to_device(torch.tensor(local))
+        where = self._to_device(torch.tensor(dest))
+        box = candidates.job.box
+        paint_upscaled(masks, candidates.low_res, rows, where, box, self.mask_threshold)
 
     def _upscale(self, low_res: Tensor, job: CropJob) -> Tensor:
         """One bilinear resize to the crop (Meta's `postprocess_masks` with no hole filling)."""

@@ -38,3 +38,17 @@ def test_cpu_smoke_writes_every_table(small_jpeg_dir: Path, tmp_path: Path) -> N
     assert rows["ours fp32"]["miou_vs_meta_fp32"] >= 0.98
     assert rows["ours bf16"]["miou_vs_meta_fp32"] >= 0.9
     assert all(row["s_per_image"] > 0 for row in rows.values())
+
+
+def test_parts_and_pipelines_choose_what_runs(small_jpeg_dir: Path) -> None:
+    """A GPU call's time goes to the rows asked for: here segment everything alone, ours
+    in fp32 against Meta's fp32 reference."""
+    args = ["--device", "cpu", "--sizes", "sam2_test_tiny", "--no-compile"]
+    args += ["--images", str(small_jpeg_dir), "--everything-photos", "1"]
+    args += ["--points-per-side", "4", "--pred-iou-thresh", "0.01", "--stability-thresh", "0.5"]
+    args += ["--parts", "everything", "--everything-pipelines", "fp32", "--no-meta-autocast"]
+    payload = main(args)
+    assert payload["encoder"] == [] and payload["click"] == []
+    rows = {row["pipeline"]: row for row in payload["everything"]}
+    assert set(rows) == {"meta fp32", "ours fp32"}
+    assert rows["ours fp32"]["miou_vs_meta_fp32"] >= 0.98

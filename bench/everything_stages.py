@@ -44,6 +44,7 @@ from models.optimize import compile_fn
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
 from models.sam.automatic_pipeline import GridMaskGenerator
+from models.sam.transformer import MATH_ATTENTION_DTYPES
 from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
@@ -186,6 +187,8 @@ def profile_table(generator: GridMaskGenerator[Any], photo: torch.Tensor, top: i
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
+    if args.math_attention:
+        MATH_ATTENTION_DTYPES.update({torch.bfloat16, torch.float16})
     photos = [p.to(device) for p in load_photos(args.images)[: args.photos]]
     results: dict[str, Any] = {"env": environment(), "args": vars(args), "dtypes": {}}
     for name in args.dtypes:
@@ -237,6 +240,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument(
         "--compile-decoder", action="store_true", help="SAM 2: the grid's decoder call too"
+    )
+    p.add_argument(
+        "--math-attention",
+        action="store_true",
+        help="bf16/fp16 decoders attend through plain matmuls too, as fp32 ones do",
     )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")

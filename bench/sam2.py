@@ -240,6 +240,7 @@ def bench_everything(
     device = args.device
     fields = {
         "points_per_side": args.points_per_side,
+        "points_per_batch": args.points_per_batch,
         "pred_iou_thresh": args.pred_iou_thresh,
         "stability_score_thresh": args.stability_thresh,
         "mask_threshold": args.mask_threshold,
@@ -323,7 +324,10 @@ def _everything_row(
 
 
 PARTS = ("encoder", "click", "everything")
-PIPELINES = ("fp32", "bf16", "fp32 compiled", "bf16 compiled", "tf32 compiled", "fp16 compiled")
+PIPELINES = (
+    *("fp32", "bf16", "fp32 compiled", "bf16 compiled", "tf32 compiled", "fp16 compiled"),
+    "tf32 encoder fp16 decoder compiled",
+)
 
 
 def everything_pipelines(
@@ -332,7 +336,8 @@ def everything_pipelines(
     """Ours, by name (`PIPELINES`): eager fp32, bf16 with the compiled encoder (the
     service's), and with `--compile` the grid's decoder call compiled too (`point_decoder`)
     in fp32, bf16, fp32 with TF32 matmuls (its own copy of the weights, so its compiled code
-    is its own) and fp16. Each is built when its turn comes."""
+    is its own), fp16, and the encoder in fp32 with TF32 beside an fp16 copy of the decoder
+    (the features cast on the way). Each is built when its turn comes."""
 
     @functools.cache  # once per model: its rows share the compiled encoder
     def compiled_encoder(model: Sam2) -> Sam2:
@@ -347,6 +352,17 @@ def everything_pipelines(
     def copy(dtype: torch.dtype) -> Sam2:
         return load_sam2(config, path).to(args.device, dtype)
 
+    def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
+        inner = compile_fn(point_decoder(copy(decoder_dtype)), args.compile_mode, dynamic=True)
+
+        def decode(
+            embed: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, points: torch.Tensor, mm: bool
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            cast = (t.to(decoder_dtype) for t in (embed, s0, s1))
+            return inner(*cast, points, mm)
+
+        return compiled_encoder(copy(torch.float32)), decode
+
     pipelines: dict[str, Callable[[], tuple[Sam2, Any]]] = {
         "fp32": lambda: (fp32, None),
         "bf16": lambda: (compiled_encoder(bf16), None),
@@ -356,6 +372,7 @@ def everything_pipelines(
         pipelines["bf16 compiled"] = lambda: compiled(bf16)
         pipelines["tf32 compiled"] = lambda: compiled(copy(torch.float32))
         pipelines["fp16 compiled"] = lambda: compiled(copy(torch.float16))
+        pipelines["tf32 encoder fp16 decoder compiled"] = lambda: mixed(torch.float16)
     return {name: pipelines[name] for name in args.everything_pipelines if name in pipelines}
 
 
@@ -383,6 +400,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-meta-autocast", dest="meta_autocast", action="store_false")
     p.add_argument("--points-per-side", type=int, default=32)
+    p.add_argument("--points-per-batch", type=int, default=64, help="both sides' decoder calls")
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
     p.add_argument("--pred-iou-thresh", type=float, default=0.8)
     p.add_argument("--stability-thresh", type=float, default=0.95)

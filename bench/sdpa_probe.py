@@ -100,7 +100,8 @@ def main() -> None:
     # the process's first attention (CUDA context, cuBLAS, libraries) is no shape's cost
     x = torch.randn(1, HEADS, 3, 24, device="cuda", dtype=torch.bfloat16)
     _time(lambda: F.scaled_dot_product_attention(x, x, x))
-    for label, backends in (("default", _default), ("decoder_attention", decoder_attention)):
+    bf16_decoder = functools.partial(decoder_attention, torch.bfloat16)  # the probe's dtype
+    for label, backends in (("default", _default), ("decoder_attention", bf16_decoder)):
         rows = probe(backends, args.iters)
         total = sum(r["first_ms"] for r in rows) / 1e3
         print(f"\n{label}: first calls of the {len(rows)} shapes sum to {total:.2f} s")

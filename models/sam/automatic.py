@@ -137,7 +137,7 @@ class AutomaticMaskGenerator(GridMaskGenerator[Tensor]):
 
     def _decode(self, embedding: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
         """SAM's three multimask outputs per point (the single-mask token is dropped)."""
-        with decoder_attention():
+        with decoder_attention(embedding.dtype):
             low_res, iou = self.model.decode(embedding, single_point_prompts(points))
         return low_res[:, 1:], iou[:, 1:]  # [n, 3, m, m], [n, 3]
 

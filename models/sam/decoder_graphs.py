@@ -148,7 +148,7 @@ class DecoderGraphs:
             # cuDNN attention's per-shape plans made each capture take 0.2 s (py-spy on the
             # H100 machine); a bucket's shapes are new by definition. The stages' decode
             # functions enter the same context again: it is reentrant.
-            with decoder_attention():
+            with decoder_attention(inputs[0].dtype):
                 if not self.graphs:
                     low_res, iou = self.decode(*inputs, prompts)
                     self._captured[(sets, tokens)] = _Captured(None, low_res, iou)

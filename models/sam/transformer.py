@@ -12,6 +12,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -25,6 +26,12 @@ __all__ = ["TwoWayTransformer", "decoder_attention"]
 # shapes change with every batch's prompt count. Flash and memory-efficient attention
 # start at once and were as fast on these shapes (bench/sdpa_probe.py, docs/BENCHMARKS.md).
 _DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Decoders of these dtypes attend through plain matmuls and a softmax. In float32 SDPA
+# picks the memory-efficient kernel, whose fp32 version has no tensor cores and tiles 64
+# keys where image-to-token attention has 7: 87 of the 163 ms of SAM 2 hiera-large's
+# segment-everything decoder on an H100 (TF32 matmuls; `python -m bench.everything_stages
+# --dtypes tf32`, docs/BENCHMARKS.md). A bench may add a dtype to compare.
+MATH_ATTENTION_DTYPES: set[torch.dtype] = {torch.float32}
 # sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
 # interleaving their enter and exit could leave them restricted for everyone after.
 # Reentrant: a graph capture enters it around a stage's decode function, which enters it
@@ -33,10 +40,12 @@ _BACKENDS_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def decoder_attention() -> Iterator[None]:
-    """The attention kernels a mask decoder (SAM's, SAM 2's) runs, compiled or captured or
-    eager: wrap every decoder call in this."""
-    with _BACKENDS_LOCK, sdpa_kernel(_DECODER_BACKENDS):
+def decoder_attention(dtype: torch.dtype) -> Iterator[None]:
+    """The attention kernels a mask decoder (SAM's, SAM 2's) of `dtype` runs, compiled or
+    captured or eager: wrap every decoder call in this. A compiled decoder keeps the
+    kernels chosen when it was traced."""
+    backends = [SDPBackend.MATH] if dtype in MATH_ATTENTION_DTYPES else _DECODER_BACKENDS
+    with _BACKENDS_LOCK, sdpa_kernel(backends):
         yield
 
 

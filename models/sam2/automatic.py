@@ -195,7 +195,7 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
         """Each point's 3 multimask candidates (or its one single-mask answer), refined once
         with their own logits under `use_m2m`: `[n, k, m, m]`, `[n, k]`."""
         s0, s1 = embedding.high_res
-        with decoder_attention():
+        with decoder_attention(embedding.image_embed.dtype):
             low_res, iou = self.decode(
                 embedding.image_embed, s0, s1, points, self.settings.multimask_output
             )

@@ -124,7 +124,7 @@ class Sam2Stages(SamStages):
             torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes
         )
         points_in = torch.full((points, 2), cfg.image_size / 2, device=self.device)
-        with torch.inference_mode(), decoder_attention():
+        with torch.inference_mode(), decoder_attention(self.dtype):
             self.everything_decode(embed, s0, s1, points_in, True)
 
     def decoder_graphs(self, graphs: bool = True) -> DecoderGraphs:
@@ -227,7 +227,7 @@ class Sam2Stages(SamStages):
         self, embed: Tensor, s0: Tensor, s1: Tensor, prompts: PromptBatch
     ) -> tuple[Tensor, Tensor]:
         # as SamStages._decode_unpadded_tokens: no duck shaping, so P == T is not a graph of its own
-        with fx_config.patch(use_duck_shape=False), decoder_attention():  # type: ignore[attr-defined]
+        with fx_config.patch(use_duck_shape=False), decoder_attention(self.dtype):  # type: ignore[attr-defined]
             return self._decode_sets(embed, s0, s1, prompts)  # type: ignore[return-value]
 
     def _full_size_masks(

@@ -271,7 +271,7 @@ class SamStages:
         # Without duck shaping, sizes that happen to be equal when a graph is traced (2 sets
         # of 2 tokens) are not assumed equal, so no graph holds only for P == T and warm-up
         # traces one graph fewer (3, not 4).
-        with fx_config.patch(use_duck_shape=False), decoder_attention():  # type: ignore[attr-defined]
+        with fx_config.patch(use_duck_shape=False), decoder_attention(self.dtype):  # type: ignore[attr-defined]
             return self._decode(embeddings, prompts)  # type: ignore[return-value]
 
     def _slice_prompts(self, masks: int, size: tuple[int, int]) -> int:

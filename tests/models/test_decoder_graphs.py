@@ -152,11 +152,15 @@ def test_decoder_attention_nests_and_restores_the_flags():
     done = threading.Event()
 
     def nested() -> None:
-        with decoder_attention():
+        with decoder_attention(torch.bfloat16):
             assert not torch.backends.cuda.cudnn_sdp_enabled()
-            with decoder_attention():
+            assert torch.backends.cuda.flash_sdp_enabled()
+            with decoder_attention(torch.float32):  # plain matmuls: the math kernel alone
+                assert not torch.backends.cuda.flash_sdp_enabled()
+                assert not torch.backends.cuda.mem_efficient_sdp_enabled()
                 q = torch.randn(1, 2, 3, 8)
                 torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            assert torch.backends.cuda.mem_efficient_sdp_enabled()
         done.set()
 
     threading.Thread(target=nested, daemon=True).start()

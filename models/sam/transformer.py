@@ -28,9 +28,10 @@ __all__ = ["TwoWayTransformer", "decoder_attention"]
 _DECODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Decoders of these dtypes attend through plain matmuls and a softmax. In float32 SDPA
 # picks the memory-efficient kernel, whose fp32 version has no tensor cores and tiles 64
-# keys where image-to-token attention has 7: 87 of the 163 ms of SAM 2 hiera-large's
-# segment-everything decoder on an H100 (TF32 matmuls; `python -m bench.everything_stages
-# --dtypes tf32`, docs/BENCHMARKS.md). A bench may add a dtype to compare.
+# keys where image-to-token attention has fewer than ten: 87 of the 163 ms of SAM 2
+# hiera-large's segment-everything decoder on an H100 (TF32 matmuls; `python -m
+# bench.everything_stages --dtypes tf32`, docs/BENCHMARKS.md). In bf16 the math kernel
+# measured no faster than flash attention. A bench may add a dtype to compare.
 MATH_ATTENTION_DTYPES: set[torch.dtype] = {torch.float32}
 # sdpa_kernel sets process-wide flags and restores them on exit: two decoder threads
 # interleaving their enter and exit could leave them restricted for everyone after.

@@ -46,7 +46,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# tf32: float32 weights and activations, matmuls on TF32 tensor cores (the engine sets
+# `torch.set_float32_matmul_precision("high")`, server/engine/build.py `use_precision`)
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 CompileMode = Literal[
     "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot"
 ]
@@ -56,7 +63,7 @@ CompileMode = Literal[
 class OptimizeOptions:
     """What to do to a model at load time; `variant` names the result for clients."""
 
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     quantization: Quantization = "none"
     quantization_backend: QuantBackend = "core"  # "int_mm", "torchao": see models.quantize
     # core int8/fp8: the LayerNorm before qkv and the MLP writes their input quantised

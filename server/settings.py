@@ -75,8 +75,9 @@ class Settings(BaseSettings):
     """load Swin (the /v1/classify route)"""
     seed: int = 0
     """seed of the random weights used when no checkpoint is given"""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
-    """serving dtype: auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16"""
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA
+    """serving dtype: auto (bf16 on CUDA, fp32 on the CPU), fp32, tf32 (fp32 with TF32
+    tensor-core matmuls: a CUDA GPU of compute capability 8.0 or newer), bf16, fp16"""
     quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
     """int8 or fp8 (rowwise, Hopper) Linear layers in the SAM encoder and Swin blocks"""
     # core: our layers (measured, docs/BENCHMARKS.md); torchao: torchao's quantize_ where it

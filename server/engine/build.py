@@ -46,6 +46,8 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
+    if precision == "tf32":
+        check_tf32(device)
     backend = settings.quantization_backend
     if backend == "torchao" and settings.quantization != "none":
         why_not = torchao_unsupported(settings.quantization, device)
@@ -69,6 +71,34 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # measured 10,570 at 89.3% (docs/BENCHMARKS.md, issue 20)
         norm_quant=cuda and settings.quantization == "int8" and backend == "core",
     )
+
+
+def check_tf32(device: torch.device) -> None:
+    """Refuse `SERVE_PRECISION=tf32` where no TF32 tensor core exists (the CPU, GPUs before
+    Ampere): there it would quietly serve plain fp32 under another name."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return
+        where = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    else:
+        where = str(device)
+    raise VariantUnsupportedError(
+        f"SERVE_PRECISION=tf32 cannot run on this device ({where}): TF32 matmuls need a CUDA "
+        "GPU of compute capability 8.0 or newer. Use SERVE_PRECISION=fp32 for the same "
+        "arithmetic without tensor cores, or auto."
+    )
+
+
+def use_precision(options: OptimizeOptions) -> None:
+    """The process-wide matmul setting a precision needs: TF32 tensor cores for `tf32`.
+
+    The engine process serves one precision, so a global setting is its own; inductor
+    reads it when it compiles and cuBLAS at each call. Other precisions leave PyTorch's
+    default ("highest": true fp32 matmuls) as it is.
+    """
+    if options.precision == "tf32":
+        torch.set_float32_matmul_precision("high")
 
 
 def use_compile_cache(folder: Path) -> None:

@@ -42,6 +42,7 @@ from server.engine.build import (
     optimize_options,
     resolve_device,
     use_compile_cache,
+    use_precision,
     variant_refusal,
 )
 from server.engine.cache import CacheObserver, EmbeddingCache, ImageEmbedding, LowResStore
@@ -94,6 +95,7 @@ class Engine:
         settings = settings.for_device(self.device.type)  # batch sizes a laptop can hold
         self.settings = settings
         self.options = optimize_options(settings, self.device)
+        use_precision(self.options)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
         self.rle_on_device = settings.mask_rle == "device" or (

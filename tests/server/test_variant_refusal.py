@@ -13,8 +13,9 @@ import asyncio
 import pytest
 import torch
 
+from models.optimize import OptimizeOptions
 from models.quantize import Int8DynamicLinear
-from server.engine.build import VariantUnsupportedError, variant_refusal
+from server.engine.build import VariantUnsupportedError, use_precision, variant_refusal
 from server.engine.services import Engine
 from tests.server.conftest import small_settings
 
@@ -58,3 +59,25 @@ def test_other_errors_and_unquantized_variants_keep_their_own_error() -> None:
     sparse = variant_refusal(small_settings(sparsity="2:4"), cpu, "loading SAM",
                              RuntimeError("cuSPARSELt not supported on this GPU"))  # fmt: skip
     assert sparse is not None and str(sparse).startswith("SERVE_SPARSITY=2:4 cannot run")
+
+
+def test_tf32_is_refused_where_no_tensor_core_can_run_it() -> None:
+    """On the CPU (or a GPU before Ampere) `tf32` would quietly be plain fp32."""
+    with pytest.raises(VariantUnsupportedError) as caught:
+        Engine(small_settings(precision="tf32"))
+    message = str(caught.value)
+    assert message.startswith("SERVE_PRECISION=tf32 cannot run on this device (cpu)")
+    assert "compute capability 8.0" in message and "SERVE_PRECISION=fp32" in message
+
+
+def test_tf32_sets_the_process_matmul_precision_and_others_leave_it() -> None:
+    before = torch.get_float32_matmul_precision()
+    try:
+        use_precision(OptimizeOptions(precision="fp32"))
+        assert torch.get_float32_matmul_precision() == before == "highest"
+        use_precision(OptimizeOptions(precision="tf32"))
+        assert torch.get_float32_matmul_precision() == "high"
+        assert OptimizeOptions(precision="tf32").dtype == torch.float32
+        assert OptimizeOptions(precision="tf32").variant == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)

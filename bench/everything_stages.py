@@ -154,6 +154,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
     device = torch.device(args.device)
     if args.model in SAM2_CONFIGS:
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
+        sam2.sam_mask_decoder.fused_upscale = args.fused_upscale
         decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
@@ -245,6 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--math-attention",
         action="store_true",
         help="bf16/fp16 decoders attend through plain matmuls too, as fp32 ones do",
+    )
+    p.add_argument(
+        "--fused-upscale",
+        action="store_true",
+        help="SAM 2: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
     )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")

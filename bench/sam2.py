@@ -350,7 +350,9 @@ def everything_pipelines(
         return compiled_encoder(model), decode
 
     def copy(dtype: torch.dtype) -> Sam2:
-        return load_sam2(config, path).to(args.device, dtype)
+        model = load_sam2(config, path).to(args.device, dtype)
+        model.sam_mask_decoder.fused_upscale = args.fused_upscale
+        return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
         inner = compile_fn(point_decoder(copy(decoder_dtype)), args.compile_mode, dynamic=True)
@@ -399,6 +401,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="ours (the compiled ones need --compile); Meta's fp32 always runs as reference",
     )
     p.add_argument("--no-meta-autocast", dest="meta_autocast", action="store_false")
+    p.add_argument(
+        "--fused-upscale",
+        action="store_true",
+        help="ours: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
+    )
     p.add_argument("--points-per-side", type=int, default=32)
     p.add_argument("--points-per-batch", type=int, default=64, help="both sides' decoder calls")
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
@@ -433,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             meta = build_meta(config, path, args.device)
             fp32 = load_sam2(config, path).to(args.device)
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
+            for model in (fp32, bf16):
+                model.sam_mask_decoder.fused_upscale = args.fused_upscale
             if "encoder" in args.parts:
                 encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
                 log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short

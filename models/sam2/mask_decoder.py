@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from models.sam.common import MLP, LayerNorm2d
 from models.sam.transformer import TwoWayTransformer
 from models.sam2.config import Sam2Config
+from models.sam2.upscale_kernel import upscale_masks, upscale_supported
 
 __all__ = ["Sam2MaskDecoder", "select_masks"]
 
@@ -56,6 +57,9 @@ class Sam2MaskDecoder(nn.Module):
             dim, config.iou_head_hidden_dim, self.num_mask_tokens, config.iou_head_depth
         )
         self.pred_obj_score_head = MLP(dim, dim, 1, 3)
+        # the upscaling, skips and hypernetwork product as one Triton kernel
+        # (models/sam2/upscale_kernel.py): opt-in, for benches, until measured on the GPU
+        self.fused_upscale = False
 
     def project_high_res(self, feat_s0: Tensor, feat_s1: Tensor) -> tuple[Tensor, Tensor]:
         """Neck levels at strides 4 and 8 (`[B, D, 4h, 4w]`, `[B, D, 2h, 2w]`) -> the
@@ -91,15 +95,21 @@ class Sam2MaskDecoder(nn.Module):
 
         feat_s0, feat_s1 = high_res
         up1, norm, act1, up2, act2 = self.output_upscaling
-        x = image_tokens.transpose(1, 2).reshape(P, D, h, w)
-        x = act1(norm(up1(x) + feat_s1))
-        x = act2(up2(x) + feat_s0)  # [P, D/8, 4h, 4w]
         hyper_in = torch.stack(
             [mlp(mask_tokens_out[:, i]) for i, mlp in enumerate(self.output_hypernetworks_mlps)],
             dim=1,
         )  # [P, 4, D/8]
-        _, c, H, W = x.shape
-        masks = (hyper_in @ x.reshape(P, c, H * W)).reshape(P, -1, H, W)
+        if self.fused_upscale and upscale_supported(image.device):
+            masks = upscale_masks(
+                image_tokens, up1.weight, up1.bias, norm.weight, norm.bias, feat_s1,
+                up2.weight, up2.bias, feat_s0, hyper_in, h, w, norm.eps,
+            )  # fmt: skip
+        else:
+            x = image_tokens.transpose(1, 2).reshape(P, D, h, w)
+            x = act1(norm(up1(x) + feat_s1))
+            x = act2(up2(x) + feat_s0)  # [P, D/8, 4h, 4w]
+            _, c, H, W = x.shape
+            masks = (hyper_in @ x.reshape(P, c, H * W)).reshape(P, -1, H, W)
         iou = torch.sigmoid(self.iou_prediction_head(iou_token_out))
         return masks, iou, self.pred_obj_score_head(obj_token_out)
 

@@ -1,0 +1,199 @@
+"""SAM 2's mask-decoder output (upscaling, high-res skips and hypernetwork) in one kernel.
+
+After the two-way transformer, each prompt's image tokens `[h*w, D]` are turned into its
+mask logits by:
+1. a 2x2 stride-2 transposed convolution to `D/4` channels;
+2. the stride-8 skip added, a channel LayerNorm and a GELU;
+3. another 2x2 stride-2 transposed convolution to `D/8` channels;
+4. the stride-4 skip added and a GELU;
+5. a product with the mask tokens' hypernetwork outputs, `[4, D/8]` per prompt.
+
+Unfused, that writes and reads back float maps of `D/4 x 2h x 2w` and `D/8 x 4h x 4w` per
+prompt: 4 and 8 MiB in fp32 at 1024 px. In TF32, on an H100, the transposed convolutions
+and the pointwise kernels around them were about 30 ms of the 117 ms that SAM 2 large's
+segment-everything decoder spends per photo (docs/BENCHMARKS.md, issue 24's tenth
+session). Here one program takes a band of source pixels of one prompt through all five
+steps in registers. A source pixel's four children, and their four children each, depend
+on nothing else, so only the final logits are written.
+
+The kernel is opt-in (`Sam2MaskDecoder.fused_upscale`) until it has been measured on the
+GPU. Float32 products run in TF32 where PyTorch's float32 matmul precision allows it (as
+the unfused path's cuBLAS and cuDNN calls do), otherwise in full fp32. bf16 and fp16
+inputs are exact in TF32. Everything after the products (biases, skips, the norm, the
+GELUs, the second product's input, the hypernetwork sums) stays in fp32. The unfused
+path rounds each of those steps to the model's dtype, so the two agree in fp32 and only
+approximately in bf16 (tests/models/test_sam2_upscale_kernel.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:  # importing this module never needs Triton: callers ask `upscale_supported` first
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+    triton = None
+
+__all__ = ["upscale_masks", "upscale_supported"]
+
+_BLOCK = 32  # source pixels per program
+_BLOCK_K = 64  # input channels per product step
+
+
+def upscale_supported(device: torch.device) -> bool:
+    """On CUDA with Triton, and on the CPU in Triton's interpreter (the tests)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu(x):
+        """nn.GELU()'s exact form."""
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+    @triton.jit
+    def _upscale(
+        X, W1, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+        s1_prompt_stride, s0_prompt_stride, h, w, eps,
+        D: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, MASKS: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.program_id(1).to(tl.int64)
+        pix = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = pix < h * w
+        pix = tl.minimum(pix, h * w - 1)  # past the end: computed, never stored
+        y = pix // w
+        x = pix % w
+        c1 = tl.arange(0, C1)
+        c2 = tl.arange(0, C2)
+        kk = tl.arange(0, BLOCK_K)
+        b1 = tl.load(B1 + c1).to(tl.float32)
+        lnw = tl.load(LNW + c1).to(tl.float32)
+        lnb = tl.load(LNB + c1).to(tl.float32)
+        b2 = tl.load(B2 + c2).to(tl.float32)
+        rows = X + p * h * w * D + pix[:, None] * D
+        plane1 = 4 * h * w  # (2h) x (2w)
+        plane0 = 16 * h * w  # (4h) x (4w)
+        for t1 in tl.static_range(4):  # the first convolution's tap (i, j)
+            yy = 2 * y + t1 // 2
+            xx = 2 * x + t1 % 2
+            a = tl.zeros([BLOCK, C1], dtype=tl.float32)
+            for k0 in tl.static_range(0, D, BLOCK_K):
+                xs = tl.load(rows + k0 + kk[None, :]).to(tl.float32)
+                ws = tl.load(W1 + (t1 * D + k0 + kk[:, None]) * C1 + c1[None, :]).to(tl.float32)
+                a = tl.dot(xs, ws, a, input_precision=PRECISION)
+            skip = tl.load(S1 + p * s1_prompt_stride + c1[None, :] * plane1
+                           + (yy * 2 * w + xx)[:, None]).to(tl.float32)  # fmt: skip
+            a = a + b1[None, :] + skip
+            mean = tl.sum(a, axis=1) / C1
+            centred = a - mean[:, None]
+            var = tl.sum(centred * centred, axis=1) / C1
+            g = centred * (1.0 / tl.sqrt(var + eps))[:, None]
+            g = _gelu(g * lnw[None, :] + lnb[None, :])
+            for t2 in tl.static_range(4):  # the second convolution's tap (k, l)
+                Y = 2 * yy + t2 // 2
+                Xc = 2 * xx + t2 % 2
+                w2 = tl.load(W2 + (t2 * C1 + c1[:, None]) * C2 + c2[None, :]).to(tl.float32)
+                z = tl.dot(g, w2, input_precision=PRECISION) + b2[None, :]
+                skip0 = tl.load(S0 + p * s0_prompt_stride + c2[None, :] * plane0
+                                + (Y * 4 * w + Xc)[:, None]).to(tl.float32)  # fmt: skip
+                z = _gelu(z + skip0)
+                at = Y * 4 * w + Xc
+                for m in tl.static_range(MASKS):
+                    hyper = tl.load(HYPER + (p * MASKS + m) * C2 + c2).to(tl.float32)
+                    logit = tl.sum(z * hyper[None, :], axis=1)
+                    out = OUT + (p * MASKS + m) * plane0 + at
+                    tl.store(out, logit.to(OUT.dtype.element_ty), mask=ok)
+
+
+def _taps(weight: Tensor) -> Tensor:
+    """ConvTranspose2d weight `[in, out, 2, 2]` -> `[4, in, out]`, tap (i, j) at `2 i + j`."""
+    return weight.permute(2, 3, 0, 1).reshape(4, weight.shape[0], weight.shape[1]).contiguous()
+
+
+def _launch(
+    tokens: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    ln_w: Tensor,
+    ln_b: Tensor,
+    s1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    s0: Tensor,
+    hyper: Tensor,
+    h: int,
+    w: int,
+    eps: float,
+) -> Tensor:
+    P, _, D = tokens.shape
+    C1, C2, masks = w1.shape[1], w2.shape[1], hyper.shape[1]
+    out = torch.empty(P, masks, 4 * h, 4 * w, dtype=tokens.dtype, device=tokens.device)
+    # operands go to the tensor cores as float32: TF32 holds a bf16 or fp16 value exactly
+    # (and Triton's interpreter, the CPU tests', multiplies bf16 wrongly); fp32 ones are
+    # rounded to TF32 only where PyTorch's matmul precision allows it
+    fp32 = tokens.dtype == torch.float32
+    tf32 = not fp32 or torch.get_float32_matmul_precision() != "highest"
+    w1r, w2r = _taps(w1.to(tokens.dtype)), _taps(w2.to(tokens.dtype))
+    # a skip shared by every prompt (segment everything: one image) is read with stride 0
+    s1_stride = 0 if s1.shape[0] == 1 else s1.stride(0)
+    s0_stride = 0 if s0.shape[0] == 1 else s0.stride(0)
+    grid = (triton.cdiv(h * w, _BLOCK), P)
+    _upscale[grid](
+        tokens.contiguous(), w1r, b1, ln_w, ln_b, s1.contiguous(), w2r, b2, s0.contiguous(),
+        hyper.contiguous(), out, s1_stride, s0_stride, h, w, eps,
+        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=_BLOCK, BLOCK_K=min(_BLOCK_K, D),
+        PRECISION="tf32" if tf32 else "ieee",
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("sam_serve::sam2_upscale_masks", mutates_args=())
+def upscale_masks(
+    tokens: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    ln_w: Tensor,
+    ln_b: Tensor,
+    s1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    s0: Tensor,
+    hyper: Tensor,
+    h: int,
+    w: int,
+    eps: float,
+) -> Tensor:
+    """Image tokens `[P, h*w, D]` -> mask logits `[P, M, 4h, 4w]` in the tokens' dtype.
+
+    w1/b1: the first ConvTranspose2d (`[D, D/4, 2, 2]`, `[D/4]`); ln_w/ln_b/eps: the
+    LayerNorm2d; s1 `[P or 1, D/4, 2h, 2w]`, s0 `[P or 1, D/8, 4h, 4w]`: the projected
+    skips; w2/b2: the second ConvTranspose2d; hyper `[P, M, D/8]`: the mask tokens'
+    hypernetwork outputs. An opaque op to torch.compile (the kernel is already fused)."""
+    return _launch(tokens, w1, b1, ln_w, ln_b, s1, w2, b2, s0, hyper, h, w, eps)
+
+
+@upscale_masks.register_fake
+def _(
+    tokens: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    ln_w: Tensor,
+    ln_b: Tensor,
+    s1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    s0: Tensor,
+    hyper: Tensor,
+    h: int,
+    w: int,
+    eps: float,
+) -> Tensor:
+    return tokens.new_empty(tokens.shape[0], hyper.shape[1], 4 * h, 4 * w)

@@ -2,7 +2,7 @@
 
 The frontend may decode a JPEG at 1/2, 1/4 or 1/8 of its size (libjpeg-turbo's DCT
 scaling) when the model's resize would shrink it anyway, chosen so the model input keeps
-its exact size (`server.http.imaging.sam_min_size`, `swin_min_size`). The pixels then
+its exact size (`server.imaging.sam_min_size`, `swin_min_size`). The pixels then
 differ a little from resizing the whole decode: this script measures how much, on real
 photos and the same weights, model by model.
 
@@ -35,8 +35,9 @@ from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table,
 from models.fidelity import compare_sam, compare_swin, eager_sam_runner, eager_swin_runner
 from models.sam import SAM_CONFIGS, Sam, load_sam
 from models.swin import SWIN_CONFIGS, load_swin
+from server import imaging
 from server.engine.jpeg import nvjpeg_decoder
-from server.http import imaging, jpeg_pass
+from server.http import jpeg_pass
 
 log = logging.getLogger("bench.decode_scale")
 

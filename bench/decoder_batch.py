@@ -48,7 +48,7 @@ from server.engine.runs import mask_runs
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.services import Engine
 from server.engine.stages import DecodeItem, EncodeItem, SamStages
-from server.http.imaging import decode_image
+from server.imaging import decode_image
 from server.metrics import Metrics
 from server.settings import Settings
 

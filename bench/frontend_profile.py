@@ -39,7 +39,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "validation (pydantic, inputs)",
         ("pydantic", "server/http/inputs", "server/http/schemas", "model_validate", "model_dump"),
     ),
-    ("image decode + sha256", ("server/http/imaging", "simplejpeg", "PIL/", "_hashlib", "sha256")),
+    ("image decode + sha256", ("server/imaging", "simplejpeg", "PIL/", "_hashlib", "sha256")),
     ("shm pixels", ("server/http/pixels",)),
     (
         "engine call (zmq, pickle)",

@@ -35,8 +35,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
-from server.http.imaging import decode_image
 from server.http.multipart import boundary_of, read_form
+from server.imaging import decode_image
 from server.rle import counts_string
 
 

@@ -4,7 +4,7 @@ A frontend spends about half its CPU on a classify or segment request decoding t
 (BENCHMARKS.md, "A frontend's CPU per request"), and at 2,000 classify/s eight frontends
 run out of cores. This script measures both ways on the same photos:
 
-- `host`: `server.http.imaging.decode_image` as a frontend calls it (libjpeg-turbo, at the
+- `host`: `server.imaging.decode_image` as a frontend calls it (libjpeg-turbo, at the
   scale the model's resize allows: `--rule sam`, `swin` or `whole`), one thread;
 - `nvjpeg-N`: the engine's decoder (`server.engine.jpeg`: torchvision's batched nvJPEG,
   the hardware decoder of an A100/H100 for baseline JPEGs, CUDA with Huffman decoding on
@@ -37,9 +37,10 @@ from models.sam import SAM_CONFIGS
 from models.sam import transforms as sam_tf
 from models.swin import SWIN_CONFIGS
 from models.swin import transforms as swin_tf
+from server import imaging
 from server.engine import jpeg
 from server.engine.jpeg import Decode
-from server.http import imaging, jpeg_pass
+from server.http import jpeg_pass
 
 log = logging.getLogger("bench.jpeg_decode")
 

@@ -30,7 +30,7 @@ from bench.common import DEFAULT_IMAGES, environment, print_table
 from server.domain import Prompt
 from server.engine.services import Engine
 from server.engine.stages import DecodeItem, EncodeItem
-from server.http.imaging import DecodedImage, decode_image
+from server.imaging import DecodedImage, decode_image
 from server.metrics import Metrics
 from server.settings import Settings
 

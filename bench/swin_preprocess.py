@@ -28,7 +28,7 @@ from models.images import nested_pixels, packed_on
 from models.swin import SWIN_CONFIGS
 from models.swin import transforms as swin_tf
 from models.swin.resize_kernel import preprocess_packed
-from server.http import imaging
+from server import imaging
 
 
 def _photos(folder: Path, scaled: bool, resize_size: int) -> list[np.ndarray]:

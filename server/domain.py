@@ -22,7 +22,7 @@ class Image:
     """A decoded, validated image and its content id.
 
     The pixels may be a scaled decode, smaller than the image (for a model that shrinks it
-    anyway, `server.http.imaging.decode_image`'s `min_size`); width and height are always
+    anyway, `server.imaging.decode_image`'s `min_size`); width and height are always
     the image's own, which prompts, masks and responses are in."""
 
     image_id: str  # SHA-256 of the file bytes

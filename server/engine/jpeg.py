@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from server.errors import ServiceError
-from server.http.imaging import decode_image
+from server.imaging import decode_image
 from server.threadnames import name_this_thread
 
 log = logging.getLogger(__name__)

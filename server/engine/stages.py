@@ -60,7 +60,7 @@ def pad_batch(batch: torch.Tensor, size: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class EncodeItem:
     """One image to encode. The pixels may be a scaled decode, smaller than the image
-    (`server.http.imaging.sam_min_size`: the model input is the same size either way);
+    (`server.imaging.sam_min_size`: the model input is the same size either way);
     prompts and masks are in the image's own frame, `original_size`."""
 
     image_id: str

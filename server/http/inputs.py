@@ -20,9 +20,9 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartParser
 
 from server.errors import ServiceError, clip
-from server.http.imaging import sha256_hex
 from server.http.multipart import boundary_of, read_form
 from server.http.schemas import IMAGE_ID_HEADER, is_image_id
+from server.imaging import sha256_hex
 
 Fields = TypeVar("Fields", bound=BaseModel)
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server import imaging
 from server.errors import ServiceError
-from server.http import imaging
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _BASELINE = 0xC0  # SOF0

@@ -75,7 +75,7 @@ class SharedPixels:
         """Unlink the file (the engine's mapping, if any, stays valid until it unmaps)."""
         self.path.unlink(missing_ok=True)
 
-    # -- the decoder's side (`server.http.imaging`'s memory protocol) ------------------
+    # -- the decoder's side (`server.imaging`'s memory protocol) ------------------
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
         """A writable `uint8` array of `shape`: a slot when one is free, else the heap."""

@@ -12,10 +12,10 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from server import tracing
+from server import imaging, tracing
 from server.domain import EverythingMasks, Image, Prompt, PromptMasks, SegmentRequest, SegmentResult
 from server.errors import ServiceError, error_body
-from server.http import imaging, jpeg_pass
+from server.http import jpeg_pass
 from server.http.engine_client import EngineClient
 from server.http.inputs import (
     ParsedRequest,

@@ -11,7 +11,7 @@ import torch
 from bench.common import DEFAULT_IMAGES
 from bench.jpeg_decode import SAM, SWIN, main, preprocessed, read_jpegs
 from server.http import jpeg_pass
-from server.http.imaging import decode_image
+from server.imaging import decode_image
 from tests.conftest import PHOTOS
 
 SHARED_PHOTOS = DEFAULT_IMAGES

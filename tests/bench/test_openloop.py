@@ -37,7 +37,7 @@ from bench.openloop.schedule import (
 from bench.openloop.worker import StepSpec, run_step
 from bench.service_load import load_images
 from server.http import jpeg_pass
-from server.http.imaging import decode_image, heap_pixels
+from server.imaging import decode_image, heap_pixels
 from tests.server.conftest import ROOT, LiveServer, free_port
 
 # -- the schedule ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pycocotools import mask as mask_utils
 
-from server.http.imaging import sha256_hex
+from server.imaging import sha256_hex
 
 
 def multipart(client, image: bytes, fields: dict, path: str = "/v1/segment"):

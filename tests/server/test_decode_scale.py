@@ -23,9 +23,9 @@ from models.fidelity import fidelity_prompts, mask_iou
 from models.optimize import OptimizeOptions
 from models.sam import SAM_CONFIGS, load_sam
 from models.swin import SWIN_CONFIGS, load_swin
+from server import imaging
 from server.domain import Prompt
 from server.engine.stages import ClassifyItem, DecodeItem, EncodeItem, SamStages, SwinStage
-from server.http import imaging
 from tests.conftest import PHOTOS
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server.http.imaging import sha256_hex
+from server.imaging import sha256_hex
 from tests.server.conftest import LiveServer, encode, photo_like, small_settings
 from tests.server.test_api_errors import assert_error, b64, png_declaring
 from tests.server.test_api_segment import check_masks

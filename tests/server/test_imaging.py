@@ -17,8 +17,8 @@ from PIL import Image, ImageOps
 
 from models.sam.transforms import resize_longest_side_size
 from models.swin.transforms import resize_shorter_side_size
+from server import imaging
 from server.errors import ServiceError
-from server.http import imaging
 from server.http.pixels import SharedPixels
 from tests.conftest import PHOTOS as TEST_PHOTOS
 
@@ -144,7 +144,7 @@ def drafted_pixels(data: bytes, scale: int) -> np.ndarray:
 
 def test_decoding_needs_no_torch() -> None:
     """The frontend processes decode images and never import torch."""
-    code = "import server.http.imaging, sys; assert 'torch' not in sys.modules, 'torch'"
+    code = "import server.imaging, sys; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -20,10 +20,11 @@ import torch
 from PIL import Image
 
 from bench.common import DEFAULT_IMAGES
+from server import imaging
 from server.engine import jpeg
 from server.errors import ServiceError
-from server.http import imaging, jpeg_pass
-from server.http.imaging import HeapPixels
+from server.http import jpeg_pass
+from server.imaging import HeapPixels
 from tests.conftest import PHOTOS
 from tests.server.conftest import encode, photo_like
 from tests.server.test_http_faults import metric

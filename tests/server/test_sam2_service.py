@@ -27,7 +27,7 @@ from pycocotools import mask as mask_utils
 
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
 from models.sam2 import transforms as sam2_tf
-from server.http.imaging import decode_image, square_min_size
+from server.imaging import decode_image, square_min_size
 from server.settings_cli import BadSettingError, load_settings
 from tests.conftest import PHOTOS
 

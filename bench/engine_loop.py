@@ -40,7 +40,7 @@ import numpy as np
 from PIL import Image as PILImage
 
 from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
-from bench.frontend_cpu import _cpu_s, _threads
+from bench.frontend_cpu import process_cpu_s, thread_cpu_s
 from bench.openloop.report import percentile
 from server.domain import Image, Prompt, SegmentRequest
 from server.errors import ServiceError
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     schedules = _schedules(rate, args.seconds, args.clients, int(rate))
                     start_at = time.time() + 2.0  # the clients connect meanwhile
                     spy = _spy(args.spy, kind, rate, engine.pid, args.seconds + 2.5)
-                    before, threads0 = _cpu_s(engine.pid), _threads(engine.pid)
+                    before, threads0 = process_cpu_s(engine.pid), thread_cpu_s(engine.pid)
                     jobs = [
                         (address, kind, args.images, s, start_at, n)
                         for n, s in enumerate(schedules)
@@ -281,7 +281,7 @@ def _row(
     """One rate's line; CPU is over the whole step (its idle wait included: a few %)."""
     ok = sorted(ms for outcome, ms in results if outcome == "ok")
     errors = Counter(outcome for outcome, _ in results if outcome != "ok")
-    threads = {k: v - threads0[k] for k, v in _threads(pid).items()}
+    threads = {k: v - threads0[k] for k, v in thread_cpu_s(pid).items()}
     answered = max(1, len(ok))
     return {
         "kind": kind,
@@ -293,7 +293,7 @@ def _row(
         "errors": dict(errors) or "",
         "loop ms/call": round(threads["loop"] / answered * 1000, 3),
         "workers ms/call": round(threads["workers"] / answered * 1000, 3),
-        "engine ms/call": round((_cpu_s(pid) - cpu0) / answered * 1000, 3),
+        "engine ms/call": round((process_cpu_s(pid) - cpu0) / answered * 1000, 3),
     }
 
 

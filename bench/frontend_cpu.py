@@ -85,12 +85,13 @@ def _photos(folder: Path) -> tuple[Photo, ...]:
     return tuple(photos)
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` (also `bench.engine_loop`'s)."""
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
 
 
-def _threads(pid: int) -> dict[str, float]:
+def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds by thread group: the event loop's (the main thread), zmq's I/O
     threads (libzmq names them), the engine's stage workers (`gpu-<stage>`, named by
     `server.threadnames`), the rest (the decode pool, the metrics sampler, torch's
@@ -226,25 +227,25 @@ async def _measure_kind(
     await _load(service.url, maker, kind, WARMUP_REQUESTS, rate, base)
     engine_pid = service.engine.pid
     assert engine_pid is not None
-    idle_at, idle_cpu = time.perf_counter(), _cpu_s(pid)
-    idle_engine, idle_engine_threads = _cpu_s(engine_pid), _threads(engine_pid)
+    idle_at, idle_cpu = time.perf_counter(), process_cpu_s(pid)
+    idle_engine, idle_engine_threads = process_cpu_s(engine_pid), thread_cpu_s(engine_pid)
     await asyncio.sleep(IDLE_SECONDS)
     idle_wall = time.perf_counter() - idle_at
-    idle_rate = (_cpu_s(pid) - idle_cpu) / idle_wall
+    idle_rate = (process_cpu_s(pid) - idle_cpu) / idle_wall
     engine_idle = {k: (v - idle_engine_threads[k]) / idle_wall
-                   for k, v in _threads(engine_pid).items()}  # fmt: skip
-    engine_idle["all"] = (_cpu_s(engine_pid) - idle_engine) / idle_wall
+                   for k, v in thread_cpu_s(engine_pid).items()}  # fmt: skip
+    engine_idle["all"] = (process_cpu_s(engine_pid) - idle_engine) / idle_wall
     perf = _start_perf(pid, service.folder / f"{kind}.perf") if args.perf else None
-    cpu0, wall0, threads0 = _cpu_s(pid), time.perf_counter(), _threads(pid)
-    engine0, engine_threads0 = _cpu_s(engine_pid), _threads(engine_pid)
+    cpu0, wall0, threads0 = process_cpu_s(pid), time.perf_counter(), thread_cpu_s(pid)
+    engine0, engine_threads0 = process_cpu_s(engine_pid), thread_cpu_s(engine_pid)
     results = await _load(service.url, maker, kind, args.requests, rate, base + 1000)
-    cpu, wall = _cpu_s(pid) - cpu0, time.perf_counter() - wall0
-    engine_cpu = _cpu_s(engine_pid) - engine0
-    engine_threads = _threads(engine_pid)
+    cpu, wall = process_cpu_s(pid) - cpu0, time.perf_counter() - wall0
+    engine_cpu = process_cpu_s(engine_pid) - engine0
+    engine_threads = thread_cpu_s(engine_pid)
     if perf is not None:
         perf.send_signal(signal.SIGINT)
         perf.wait(60)
-    threads = {k: (v - threads0[k]) / args.requests * 1000 for k, v in _threads(pid).items()}
+    threads = {k: (v - threads0[k]) / args.requests * 1000 for k, v in thread_cpu_s(pid).items()}
 
     def per_request(busy: float, idle: float) -> float:
         """ms per request of CPU seconds `busy` over the load, less the idle rate's share."""

@@ -316,7 +316,13 @@ class EngineClient:
             return reply
         except TimeoutError:
             self._cancel(link, call_id)
-            raise ServiceError(504, "deadline", "the engine did not answer in time") from None
+            # the code every other 504 of a passed deadline has: a client sees one code for
+            # one condition, whichever side noticed it first
+            raise ServiceError(
+                504,
+                "deadline_exceeded",
+                "the request's deadline passed: the engine did not answer in time",
+            ) from None
         except asyncio.CancelledError:
             self._cancel(link, call_id)
             raise

@@ -155,6 +155,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
     if args.model in SAM2_CONFIGS:
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
         sam2.sam_mask_decoder.fused_upscale = args.fused_upscale
+        sam2.share_image = args.share_image
         decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
@@ -251,6 +252,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fused-upscale",
         action="store_true",
         help="SAM 2: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
+    )
+    p.add_argument(
+        "--share-image",
+        action="store_true",
+        help="SAM 2: the decoder's first layer on one row of image tokens (Sam2.share_image)",
     )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")

@@ -352,6 +352,7 @@ def everything_pipelines(
     def copy(dtype: torch.dtype) -> Sam2:
         model = load_sam2(config, path).to(args.device, dtype)
         model.sam_mask_decoder.fused_upscale = args.fused_upscale
+        model.share_image = args.share_image
         return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
@@ -406,6 +407,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="ours: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
     )
+    p.add_argument(
+        "--share-image",
+        action="store_true",
+        help="ours: the decoder's first layer on one row of image tokens (Sam2.share_image)",
+    )
     p.add_argument("--points-per-side", type=int, default=32)
     p.add_argument("--points-per-batch", type=int, default=64, help="both sides' decoder calls")
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
@@ -442,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
             for model in (fp32, bf16):
                 model.sam_mask_decoder.fused_upscale = args.fused_upscale
+                model.share_image = args.share_image
             if "encoder" in args.parts:
                 encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
                 log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short

@@ -69,14 +69,18 @@ class Attention(nn.Module):
         return x.reshape(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None = None) -> Tensor:
-        """q `[B, Nq, D]`, k/v `[B, Nk, D]`, key_valid `[B, Nk]` bool -> `[B, Nq, D]`."""
+        """q `[B, Nq, D]`, k/v `[B, Nk, D]`, key_valid `[B, Nk]` bool -> `[B, Nq, D]`.
+
+        One side may have a batch of 1 (image tokens shared by every prompt set): it is
+        projected once and broadcast to the other's batch.
+        """
         mask = None if key_valid is None else key_valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            self._heads(self.q_proj(q)),
-            self._heads(self.k_proj(k)),
-            self._heads(self.v_proj(v)),
-            attn_mask=mask,
-        )  # [B, heads, Nq, C]
+        qh = self._heads(self.q_proj(q))
+        kh, vh = self._heads(self.k_proj(k)), self._heads(self.v_proj(v))
+        if qh.shape[0] != kh.shape[0]:
+            batch = max(qh.shape[0], kh.shape[0])
+            qh, kh, vh = (t.expand(batch, -1, -1, -1) for t in (qh, kh, vh))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # [B, heads, Nq, C]
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -152,7 +156,9 @@ class TwoWayTransformer(nn.Module):
     def forward(
         self, image: Tensor, image_pe: Tensor, tokens: Tensor, token_valid: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """image `[P, D, h, w]`, image_pe `[1, D, h, w]`, tokens `[P, T, D]`, token_valid `[P, T]`.
+        """image `[P or 1, D, h, w]`, image_pe `[1, D, h, w]`, tokens `[P, T, D]`,
+        token_valid `[P, T]`. One image row is shared by every set until the first
+        image-to-token attention makes the rows differ.
 
         Returns (tokens `[P, T, D]`, image tokens `[P, h*w, D]`).
         """

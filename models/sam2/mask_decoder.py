@@ -76,12 +76,14 @@ class Sam2MaskDecoder(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Every mask token's mask and score.
 
-        image: `[P, D, h, w]` (embedding plus dense prompt); image_pe `[1, D, h, w]`;
+        image: `[P or 1, D, h, w]` (embedding plus dense prompt; one row when every set
+        has the same); image_pe `[1, D, h, w]`;
         high_res: projected (s0 `[P or 1, D/8, 4h, 4w]`, s1 `[P or 1, D/4, 2h, 2w]`);
         prompt_tokens `[P, T, D]`; token_valid `[P, T]` bool.
         Returns masks `[P, 4, 4h, 4w]`, iou `[P, 4]` in [0, 1], object logits `[P, 1]`.
         """
-        P, D, h, w = image.shape
+        P = prompt_tokens.shape[0]
+        _, D, h, w = image.shape
         output_tokens = torch.cat(
             [self.obj_score_token.weight, self.iou_token.weight, self.mask_tokens.weight]
         )  # [6, D]

@@ -65,6 +65,11 @@ class Sam2(nn.Module):
         self.sam_prompt_encoder = PromptEncoder(config.prompt_config())
         self.sam_mask_decoder = Sam2MaskDecoder(config)
         self.no_mem_embed = nn.Parameter(torch.zeros(1, 1, config.d_model))
+        # Prompt sets on one image without mask inputs see the same image tokens until the
+        # first image-to-token attention: with this set, `decode` hands the decoder one row
+        # of them, and the first layer's image-side projections run once, not once per set.
+        # Opt-in, for benches, until measured on the GPU (docs/BENCHMARKS.md, issue 24).
+        self.share_image = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -99,7 +104,10 @@ class Sam2(nn.Module):
         encoder = self.sam_prompt_encoder
         has_mask = None if mask_input is None else mask_input.new_ones(P, dtype=torch.bool)
         dense = encoder.embed_dense(mask_input, has_mask, P)  # [P, D, h, w]
-        image = features.image_embed.expand(P, -1, -1, -1) + dense
+        if self.share_image and mask_input is None and features.image_embed.shape[0] == 1:
+            image = features.image_embed + dense[:1]  # [1, D, h, w]: the same for every set
+        else:
+            image = features.image_embed.expand(P, -1, -1, -1) + dense
         valid = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
         masks, iou, obj = self.sam_mask_decoder(
             image,

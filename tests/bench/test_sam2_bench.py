@@ -42,11 +42,13 @@ def test_cpu_smoke_writes_every_table(small_jpeg_dir: Path, tmp_path: Path) -> N
 
 def test_parts_and_pipelines_choose_what_runs(small_jpeg_dir: Path) -> None:
     """A GPU call's time goes to the rows asked for: here segment everything alone, ours
-    in fp32 against Meta's fp32 reference."""
+    in fp32 (with the decoder's first layer on one shared image row) against Meta's fp32
+    reference."""
     args = ["--device", "cpu", "--sizes", "sam2_test_tiny", "--no-compile"]
     args += ["--images", str(small_jpeg_dir), "--everything-photos", "1"]
     args += ["--points-per-side", "4", "--pred-iou-thresh", "0.01", "--stability-thresh", "0.5"]
     args += ["--parts", "everything", "--everything-pipelines", "fp32", "--no-meta-autocast"]
+    args += ["--share-image"]
     payload = main(args)
     assert payload["encoder"] == [] and payload["click"] == []
     rows = {row["pipeline"]: row for row in payload["everything"]}

@@ -44,7 +44,7 @@ from models.optimize import compile_fn
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
 from models.sam.automatic_pipeline import GridMaskGenerator
-from models.sam.transformer import MATH_ATTENTION_DTYPES
+from models.sam.transformer import MATH_ATTENTION_DTYPES, use_fused_attention
 from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
@@ -156,6 +156,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
         sam2.sam_mask_decoder.fused_upscale = args.fused_upscale
         sam2.share_image = args.share_image
+        use_fused_attention(sam2.sam_mask_decoder, args.fused_attention)
         decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
@@ -257,6 +258,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--share-image",
         action="store_true",
         help="SAM 2: the decoder's first layer on one row of image tokens (Sam2.share_image)",
+    )
+    p.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="SAM 2: the decoder's attention in one kernel (decoder_attention_kernel.py)",
     )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")

@@ -167,7 +167,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         device="cpu", sam_model=args.sam_model, swin_model="swin_test",
         sam_checkpoint=args.checkpoint, mask_rle="device", max_batch_size=4,
         classify_max_batch_size=4, batch_buckets=[1, 2, 4], max_queue_delay_ms=5.0,
-        decoder_max_batch_prompts=32, log_level="INFO",
+        decoder_max_batch_prompts=32, log_level="INFO", jpeg_decode=args.jpeg_decode,
     )  # type: ignore[call-arg]  # fmt: skip
 
 
@@ -389,6 +389,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=None, help=f"requests/s (default {RATES})")
     p.add_argument("--sam-model", default="vit_tiny", help="vit_b: masks of vit_b's detail")
     p.add_argument("--checkpoint", type=Path, default=None, help="SAM vit_tiny weights")
+    p.add_argument(
+        "--jpeg-decode",
+        default="auto",
+        choices=["auto", "engine", "frontend"],
+        help="SERVE_JPEG_DECODE; engine: the frontend passes JPEGs on, as on a GPU host",
+    )
     p.add_argument("--perf", action="store_true", help="perf record: CPU by library")
     p.add_argument("--profile", action="store_true", help="cProfile by step instead")
     p.add_argument("--profile-out", type=Path, default=None, help="keep <kind>.prof here")

@@ -74,6 +74,7 @@ from bench.sam2_meta import (
     official_checkpoint,
 )
 from models.optimize import compile_fn
+from models.sam.transformer import use_fused_attention
 from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
@@ -353,6 +354,7 @@ def everything_pipelines(
         model = load_sam2(config, path).to(args.device, dtype)
         model.sam_mask_decoder.fused_upscale = args.fused_upscale
         model.share_image = args.share_image
+        use_fused_attention(model.sam_mask_decoder, args.fused_attention)
         return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
@@ -412,6 +414,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="ours: the decoder's first layer on one row of image tokens (Sam2.share_image)",
     )
+    p.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="ours: the decoder's attention in one kernel (decoder_attention_kernel.py)",
+    )
     p.add_argument("--points-per-side", type=int, default=32)
     p.add_argument("--points-per-batch", type=int, default=64, help="both sides' decoder calls")
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
@@ -449,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for model in (fp32, bf16):
                 model.sam_mask_decoder.fused_upscale = args.fused_upscale
                 model.share_image = args.share_image
+                use_fused_attention(model.sam_mask_decoder, args.fused_attention)
             if "encoder" in args.parts:
                 encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
                 log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short

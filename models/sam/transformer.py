@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.sam.common import MLPBlock
+from models.sam.decoder_attention_kernel import attention_supported, decoder_attention_fused
 
-__all__ = ["TwoWayTransformer", "decoder_attention"]
+__all__ = ["TwoWayTransformer", "decoder_attention", "use_fused_attention"]
 
 # Not cuDNN's fused attention: it builds an execution plan for each new shape on its first
 # call, 40 to 100 ms each (1 s for the first) on an H100 with torch 2.11, and a decoder's
@@ -63,6 +64,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(embedding_dim, internal)
         self.v_proj = nn.Linear(embedding_dim, internal)
         self.out_proj = nn.Linear(internal, embedding_dim)
+        # one Triton kernel for the decoder's lopsided shapes
+        # (models/sam/decoder_attention_kernel.py): opt-in, for benches, until measured
+        self.fused = False
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, c = x.shape
@@ -80,7 +84,10 @@ class Attention(nn.Module):
         if qh.shape[0] != kh.shape[0]:
             batch = max(qh.shape[0], kh.shape[0])
             qh, kh, vh = (t.expand(batch, -1, -1, -1) for t in (qh, kh, vh))
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # [B, heads, Nq, C]
+        if self.fused and attention_supported(qh.device):
+            out = decoder_attention_fused(qh, kh, vh, key_valid)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # [B, heads, Nq, C]
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -171,3 +178,10 @@ class TwoWayTransformer(nn.Module):
         k = keys + key_pe
         queries = self.norm_final_attn(queries + self.final_attn_token_to_image(q, k, keys))
         return queries, keys
+
+
+def use_fused_attention(module: nn.Module, on: bool = True) -> None:
+    """Every decoder `Attention` inside `module` through the fused kernel (or back)."""
+    for child in module.modules():
+        if isinstance(child, Attention):
+            child.fused = on

@@ -29,10 +29,10 @@ from models.sam2.automatic import (
 )
 from models.sam2.transforms import preprocess_image
 from tests.conftest import PHOTOS
+from tests.models.sam2_blobs import blob_weights
 from tests.models.sam2_reference import build_reference_sam2, randomize, save_official
 
 PHOTO_SIZE = (256, 171)  # (W, H): stretched to the tiny model's 256 x 256 input
-SHARPNESS = 100.0
 MIN_IOU = 0.98
 
 # With random weights every mask covers most of the image (its logits are mostly positive
@@ -74,16 +74,7 @@ def blob_models(tmp_path_factory: pytest.TempPathFactory, config: Sam2Config) ->
     per-pixel noise) and the hypernetwork outputs scaled up (sharp, stable logits)."""
     reference = build_reference_sam2(config, override_sizes=True)
     randomize(reference, seed=1234)
-    with torch.no_grad():
-        decoder = reference.sam_mask_decoder
-        for conv in (decoder.output_upscaling[0], decoder.output_upscaling[3]):
-            conv.weight.copy_(conv.weight.mean(dim=(2, 3), keepdim=True).expand_as(conv.weight))
-        for conv in (decoder.conv_s0, decoder.conv_s1):
-            conv.weight.zero_()
-            conv.bias.zero_()
-        for mlp in decoder.output_hypernetworks_mlps:
-            mlp.layers[-1].weight.mul_(SHARPNESS)
-            mlp.layers[-1].bias.mul_(SHARPNESS)
+    blob_weights(reference)
     path = save_official(reference, tmp_path_factory.mktemp("sam2_amg") / "sam2_blobs.pt")
     return reference, load_sam2(config, path)
 

@@ -74,20 +74,11 @@ import models.sam2.automatic as automatic
 from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
 from tests.conftest import PHOTOS
+from tests.models.sam2_blobs import blob_weights
 
 torch.manual_seed(0)
 model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None).eval()
-with torch.no_grad():  # blobs instead of noise (as tests/models/test_sam2_automatic.py)
-    decoder = model.sam_mask_decoder
-    for conv in (decoder.output_upscaling[0], decoder.output_upscaling[3]):
-        conv.weight.copy_(conv.weight.mean(dim=(2, 3), keepdim=True).expand_as(conv.weight))
-    for conv in (decoder.conv_s0, decoder.conv_s1):
-        conv.weight.zero_()
-        conv.bias.zero_()
-    for mlp in decoder.output_hypernetworks_mlps:
-        last = list(mlp.modules())[-1]
-        last.weight.mul_(100.0)
-        last.bias.mul_(100.0)
+blob_weights(model)  # blobs instead of noise
 image = Image.open(PHOTOS / "dog.jpg").convert("RGB").resize((96, 64), Image.Resampling.BILINEAR)
 photo = torch.from_numpy(np.array(image))
 fused = automatic.measure_supported

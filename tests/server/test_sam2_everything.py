@@ -30,6 +30,7 @@ from models.sam2.automatic import (
     Sam2AutomaticMaskSettings,
 )
 from tests.conftest import PHOTOS
+from tests.models.sam2_blobs import blob_weights
 from tests.server.test_api_errors import assert_error
 from tests.server.test_sam2_service import MODEL, save_meta_format
 
@@ -53,26 +54,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def blob_weights(model: Sam2) -> Sam2:
-    """Flat blocks per embedding cell (one weight for the four taps of each transposed
-    convolution), no per-pixel high-res skips, sharp logits, raised IoU scores."""
-    with torch.no_grad():
-        decoder = model.sam_mask_decoder
-        for conv in (decoder.output_upscaling[0], decoder.output_upscaling[3]):
-            conv.weight.copy_(conv.weight.mean(dim=(2, 3), keepdim=True).expand_as(conv.weight))
-        for conv in (decoder.conv_s0, decoder.conv_s1):
-            conv.weight.zero_()
-            conv.bias.zero_()
-        for mlp in decoder.output_hypernetworks_mlps:
-            mlp.layers[-1].weight.mul_(100.0)
-            mlp.layers[-1].bias.mul_(100.0)
-        decoder.iou_prediction_head.layers[-1].bias.add_(IOU_SHIFT)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model() -> Sam2:
-    return blob_weights(load_sam2(CONFIG, None, seed=0))
+    return blob_weights(load_sam2(CONFIG, None, seed=0), iou_shift=IOU_SHIFT)
 
 
 @pytest.fixture(scope="module")

@@ -52,3 +52,17 @@ def test_clocked_restores_the_generator_and_the_nms(small_jpeg_dir: Path) -> Non
     assert pipeline.batched_nms is nms
     assert {n: getattr(generator, n) for n in methods} == methods
     assert "_encode" not in vars(generator)
+
+
+def test_the_opt_in_decoder_paths_are_set_on_the_model() -> None:
+    """bench/gpu_sam2_decoder_paths.sh's flags reach the model they are meant for (on the
+    CPU the kernels' paths stay off: they run on CUDA or in Triton's interpreter)."""
+    flags = ["--fused-upscale", "--fused-attention", "--share-image", "--dtypes", "tf32"]
+    args = parse_args(["--device", "cpu", "--model", "sam2_test_tiny", "--no-compile", *flags])
+    model = build(args, torch.float32).model  # type: ignore[attr-defined]
+    assert model.share_image and model.sam_mask_decoder.fused_upscale
+    attention = model.sam_mask_decoder.transformer.layers[0].cross_attn_image_to_token
+    assert attention.fused
+    plain = build(parse_args(["--device", "cpu", "--model", "sam2_test_tiny", "--no-compile"]),
+                  torch.float32).model  # type: ignore[attr-defined]  # fmt: skip
+    assert not (plain.share_image or plain.sam_mask_decoder.fused_upscale)

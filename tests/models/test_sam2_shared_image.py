@@ -1,7 +1,7 @@
 """`Sam2.share_image`: prompt sets on one image without mask inputs hand the decoder one
 row of image tokens, broadcast until the first image-to-token attention. The arithmetic
 is the same (each set's first-layer projections of identical rows), so the answers are
-too, eager, compiled and through segment everything."""
+too, eager and through segment everything."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ import torch
 from PIL import Image
 
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
-from models.sam2.automatic import (
-    Sam2AutomaticMaskGenerator,
-    Sam2AutomaticMaskSettings,
-    point_decoder,
-)
+from models.sam2.automatic import Sam2AutomaticMaskGenerator, Sam2AutomaticMaskSettings
 from tests.conftest import PHOTOS
 
 
@@ -55,7 +51,9 @@ def test_a_shared_image_row_gives_the_same_answers(model: Sam2, kind: str) -> No
         torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_grid_decoder_and_segment_everything_with_a_shared_row(model: Sam2) -> None:
+def test_segment_everything_with_a_shared_row(model: Sam2) -> None:
+    """Eager here; compiled, with the fused attention reading the shared row in place, in
+    tests/models/test_decoder_attention_kernel.py."""
     image = Image.open(PHOTOS / "dog.jpg").convert("RGB").resize((96, 64))
     photo = torch.from_numpy(np.array(image))
     settings = Sam2AutomaticMaskSettings(
@@ -64,8 +62,7 @@ def test_compiled_grid_decoder_and_segment_everything_with_a_shared_row(model: S
     plain = Sam2AutomaticMaskGenerator(model, settings).generate(photo)
     model.share_image = True
     try:
-        decode = torch.compile(point_decoder(model), dynamic=True, fullgraph=True)
-        shared = Sam2AutomaticMaskGenerator(model, settings, decode).generate(photo)
+        shared = Sam2AutomaticMaskGenerator(model, settings).generate(photo)
     finally:
         model.share_image = False
     assert plain.masks.shape[0] >= 1

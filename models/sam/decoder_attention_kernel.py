@@ -19,10 +19,10 @@ full fp32; bf16 and fp16 inputs are exact in TF32. The softmax runs in fp32. Opt
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from models.triton_device import runs_triton
 
 try:  # importing this module never needs Triton: callers ask `attention_supported` first
     import triton
@@ -37,9 +37,7 @@ _LOG2E = 1.4426950408889634
 
 def attention_supported(device: torch.device) -> bool:
     """On CUDA with Triton, and on the CPU in Triton's interpreter (the tests)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_triton(device)
 
 
 if triton is not None:

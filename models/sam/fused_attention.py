@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.triton_device import triton_installed as triton_available
+
 __all__ = [
     "MAX_GRID_W",
     "KernelConfig",
@@ -36,14 +38,6 @@ __all__ = [
 
 
 @functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def fused_supported(grid: tuple[int, int], device: torch.device) -> bool:
     """Whether the kernel can run this grid here: CUDA, Triton installed, a row of keys
     that fits one block (the kernel keeps a `[BLOCK_M, w]` tile in registers)."""

@@ -21,13 +21,12 @@ count differently (tests/models/test_sam2_measure_kernel.py compares the two).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from models.images import Size
+from models.triton_device import runs_triton
 
 try:  # importing this module never needs Triton: callers ask `measure_supported` first
     import triton
@@ -45,9 +44,7 @@ _NO_ROW = 1 << 30  # above any row or column: a band without mask pixels
 def measure_supported(device: torch.device) -> bool:
     """The kernels run on CUDA with Triton, and on the CPU in Triton's interpreter
     (`TRITON_INTERPRET=1`, how the tests run them)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_triton(device)
 
 
 if triton is not None:

@@ -27,10 +27,10 @@ approximately in bf16 (tests/models/test_sam2_upscale_kernel.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from models.triton_device import runs_triton
 
 try:  # importing this module never needs Triton: callers ask `upscale_supported` first
     import triton
@@ -46,9 +46,7 @@ _BLOCK_K = 64  # input channels per product step
 
 def upscale_supported(device: torch.device) -> bool:
     """On CUDA with Triton, and on the CPU in Triton's interpreter (the tests)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_triton(device)
 
 
 if triton is not None:
@@ -118,43 +116,6 @@ def _taps(weight: Tensor) -> Tensor:
     return weight.permute(2, 3, 0, 1).reshape(4, weight.shape[0], weight.shape[1]).contiguous()
 
 
-def _launch(
-    tokens: Tensor,
-    w1: Tensor,
-    b1: Tensor,
-    ln_w: Tensor,
-    ln_b: Tensor,
-    s1: Tensor,
-    w2: Tensor,
-    b2: Tensor,
-    s0: Tensor,
-    hyper: Tensor,
-    h: int,
-    w: int,
-    eps: float,
-) -> Tensor:
-    P, _, D = tokens.shape
-    C1, C2, masks = w1.shape[1], w2.shape[1], hyper.shape[1]
-    out = torch.empty(P, masks, 4 * h, 4 * w, dtype=tokens.dtype, device=tokens.device)
-    # operands go to the tensor cores as float32: TF32 holds a bf16 or fp16 value exactly
-    # (and Triton's interpreter, the CPU tests', multiplies bf16 wrongly); fp32 ones are
-    # rounded to TF32 only where PyTorch's matmul precision allows it
-    fp32 = tokens.dtype == torch.float32
-    tf32 = not fp32 or torch.get_float32_matmul_precision() != "highest"
-    w1r, w2r = _taps(w1.to(tokens.dtype)), _taps(w2.to(tokens.dtype))
-    # a skip shared by every prompt (segment everything: one image) is read with stride 0
-    s1_stride = 0 if s1.shape[0] == 1 else s1.stride(0)
-    s0_stride = 0 if s0.shape[0] == 1 else s0.stride(0)
-    grid = (triton.cdiv(h * w, _BLOCK), P)
-    _upscale[grid](
-        tokens.contiguous(), w1r, b1, ln_w, ln_b, s1.contiguous(), w2r, b2, s0.contiguous(),
-        hyper.contiguous(), out, s1_stride, s0_stride, h, w, eps,
-        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=_BLOCK, BLOCK_K=min(_BLOCK_K, D),
-        PRECISION="tf32" if tf32 else "ieee",
-    )  # fmt: skip
-    return out
-
-
 @torch.library.custom_op("sam_serve::sam2_upscale_masks", mutates_args=())
 def upscale_masks(
     tokens: Tensor,
@@ -177,7 +138,27 @@ def upscale_masks(
     LayerNorm2d; s1 `[P or 1, D/4, 2h, 2w]`, s0 `[P or 1, D/8, 4h, 4w]`: the projected
     skips; w2/b2: the second ConvTranspose2d; hyper `[P, M, D/8]`: the mask tokens'
     hypernetwork outputs. An opaque op to torch.compile (the kernel is already fused)."""
-    return _launch(tokens, w1, b1, ln_w, ln_b, s1, w2, b2, s0, hyper, h, w, eps)
+    P, _, D = tokens.shape
+    C1, C2, masks = w1.shape[1], w2.shape[1], hyper.shape[1]
+    out = torch.empty(P, masks, 4 * h, 4 * w, dtype=tokens.dtype, device=tokens.device)
+    # operands go to the tensor cores as float32: TF32 holds a bf16 or fp16 value exactly
+    # (and Triton's interpreter, the CPU tests', multiplies bf16 wrongly); fp32 ones are
+    # rounded to TF32 only where PyTorch's matmul precision allows it
+    fp32 = tokens.dtype == torch.float32
+    tf32 = not fp32 or torch.get_float32_matmul_precision() != "highest"
+    w1r, w2r = _taps(w1.to(tokens.dtype)), _taps(w2.to(tokens.dtype))
+    s1, s0 = s1.contiguous(), s0.contiguous()
+    # a skip shared by every prompt (segment everything: one image) is read with stride 0
+    s1_stride = 0 if s1.shape[0] == 1 else s1.stride(0)
+    s0_stride = 0 if s0.shape[0] == 1 else s0.stride(0)
+    grid = (triton.cdiv(h * w, _BLOCK), P)
+    _upscale[grid](
+        tokens.contiguous(), w1r, b1, ln_w, ln_b, s1, w2r, b2, s0,
+        hyper.contiguous(), out, s1_stride, s0_stride, h, w, eps,
+        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=_BLOCK, BLOCK_K=min(_BLOCK_K, D),
+        PRECISION="tf32" if tf32 else "ieee",
+    )  # fmt: skip
+    return out
 
 
 @upscale_masks.register_fake

@@ -33,6 +33,7 @@ from torch import Tensor
 from models.images import Size
 from models.swin.config import SwinConfig
 from models.swin.transforms import center_crop_offsets, resize_shorter_side_size
+from models.triton_device import triton_installed
 
 __all__ = ["packed_supported", "pil_coefficients", "preprocess_packed"]
 
@@ -41,18 +42,9 @@ _A = -0.5  # Pillow's bicubic
 _BLOCK_ROWS = 16
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def packed_supported(device: torch.device) -> bool:
     """The kernels run on CUDA with Triton (and anywhere under `TRITON_INTERPRET=1`)."""
-    return _triton_available() and device.type == "cuda"
+    return triton_installed() and device.type == "cuda"
 
 
 def _bicubic(x: np.ndarray) -> np.ndarray:

@@ -22,22 +22,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.triton_device import runs_triton
-
-try:  # importing this module never needs Triton: callers ask `attention_supported` first
+try:  # importing this module never needs Triton: callers ask `models.triton_device.runs_triton`
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["attention_supported", "decoder_attention_fused"]
+__all__ = ["decoder_attention_fused"]
 
 _LOG2E = 1.4426950408889634
-
-
-def attention_supported(device: torch.device) -> bool:
-    """On CUDA with Triton, and on the CPU in Triton's interpreter (the tests)."""
-    return runs_triton(device)
 
 
 if triton is not None:

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.sam.common import MLPBlock
-from models.sam.decoder_attention_kernel import attention_supported, decoder_attention_fused
+from models.sam.decoder_attention_kernel import decoder_attention_fused
+from models.triton_device import runs_triton
 
 __all__ = ["TwoWayTransformer", "decoder_attention", "use_fused_attention"]
 
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         if qh.shape[0] != kh.shape[0]:
             batch = max(qh.shape[0], kh.shape[0])
             qh, kh, vh = (t.expand(batch, -1, -1, -1) for t in (qh, kh, vh))
-        if self.fused and attention_supported(qh.device):
+        if self.fused and runs_triton(qh.device):
             out = decoder_attention_fused(qh, kh, vh, key_valid)
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # [B, heads, Nq, C]

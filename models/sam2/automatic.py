@@ -37,9 +37,10 @@ from models.sam.automatic_types import (
 )
 from models.sam.transformer import decoder_attention
 from models.sam2.config import Sam2Config
-from models.sam2.measure_kernel import measure_supported, measure_upscaled, paint_upscaled
+from models.sam2.measure_kernel import measure_upscaled, paint_upscaled
 from models.sam2.model import Sam2, Sam2Features
 from models.sam2.transforms import scale_points
+from models.triton_device import runs_triton
 
 __all__ = [
     "AutomaticMasks",
@@ -137,6 +138,8 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
         self.config: Sam2Config = model.config
         self.settings = settings if settings is not None else Sam2AutomaticMaskSettings()
         self.decode = decode if decode is not None else point_decoder(model)
+        # stability, boxes and painting by `models.sam2.measure_kernel` where it runs
+        self._fused_measure = runs_triton(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -225,12 +228,12 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
 
     @property
     def _measures_every_candidate(self) -> bool:
-        return measure_supported(self.device)
+        return self._fused_measure
 
     def _measure(self, low_res: Tensor, job: CropJob) -> tuple[Tensor, Tensor]:
         """`GridMaskGenerator._measure`'s stability and boxes, from one fused kernel where
         it runs (`models.sam2.measure_kernel`): the crop-size logits never exist."""
-        if not measure_supported(self.device):
+        if not self._fused_measure:
             return super()._measure(low_res, job)
         offset = self.settings.stability_score_offset
         return measure_upscaled(low_res, job.crop_size, self.mask_threshold, offset)
@@ -238,7 +241,7 @@ class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
     def _paint_chunk(
         self, masks: Tensor, candidates: MaskCandidates, local: list[int], dest: list[int]
     ) -> None:
-        if not measure_supported(self.device):
+        if not self._fused_measure:
             super()._paint_chunk(masks, candidates, local, dest)
             return
         rows = self._to_device(torch.tensor(local))

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from models.sam.common import MLP, LayerNorm2d
 from models.sam.transformer import TwoWayTransformer
 from models.sam2.config import Sam2Config
-from models.sam2.upscale_kernel import upscale_masks, upscale_supported
+from models.sam2.upscale_kernel import upscale_masks
+from models.triton_device import runs_triton
 
 __all__ = ["Sam2MaskDecoder", "select_masks"]
 
@@ -101,7 +102,7 @@ class Sam2MaskDecoder(nn.Module):
             [mlp(mask_tokens_out[:, i]) for i, mlp in enumerate(self.output_hypernetworks_mlps)],
             dim=1,
         )  # [P, 4, D/8]
-        if self.fused_upscale and upscale_supported(image.device):
+        if self.fused_upscale and runs_triton(image.device):
             masks = upscale_masks(
                 image_tokens, up1.weight, up1.bias, norm.weight, norm.bias, feat_s1,
                 up2.weight, up2.bias, feat_s0, hyper_in, h, w, norm.eps,

@@ -26,25 +26,18 @@ import torch
 from torch import Tensor
 
 from models.images import Size
-from models.triton_device import runs_triton
 
-try:  # importing this module never needs Triton: callers ask `measure_supported` first
+try:  # importing this module never needs Triton: callers ask `models.triton_device.runs_triton`
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["measure_supported", "measure_upscaled", "paint_upscaled"]
+__all__ = ["measure_upscaled", "paint_upscaled"]
 
 _BLOCK_H = 8
 _BLOCK_W = 128
 _NO_ROW = 1 << 30  # above any row or column: a band without mask pixels
-
-
-def measure_supported(device: torch.device) -> bool:
-    """The kernels run on CUDA with Triton, and on the CPU in Triton's interpreter
-    (`TRITON_INTERPRET=1`, how the tests run them)."""
-    return runs_triton(device)
 
 
 if triton is not None:

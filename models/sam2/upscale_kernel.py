@@ -30,23 +30,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.triton_device import runs_triton
-
-try:  # importing this module never needs Triton: callers ask `upscale_supported` first
+try:  # importing this module never needs Triton: callers ask `models.triton_device.runs_triton`
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["upscale_masks", "upscale_supported"]
+__all__ = ["upscale_masks"]
 
 _BLOCK = 32  # source pixels per program
 _BLOCK_K = 64  # input channels per product step
-
-
-def upscale_supported(device: torch.device) -> bool:
-    """On CUDA with Triton, and on the CPU in Triton's interpreter (the tests)."""
-    return runs_triton(device)
 
 
 if triton is not None:

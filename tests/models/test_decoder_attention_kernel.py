@@ -2,7 +2,7 @@
 SDPA, and inside SAM's and SAM 2's decoders, eager and compiled.
 
 CI has no GPU, so the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, in a
-subprocess: tests/models/interpreter.py), where `attention_supported` holds for CPU
+subprocess: tests/models/interpreter.py), where `runs_triton` holds for CPU
 tensors.
 """
 

@@ -3,7 +3,7 @@ unfused path they replace: `F.interpolate` to the crop's size, then `stability_s
 `masks_to_boxes`, and the generator's painting of the kept masks.
 
 CI has no GPU, so the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, in a
-subprocess: tests/models/interpreter.py), where `measure_supported` also holds for CPU
+subprocess: tests/models/interpreter.py), where `runs_triton` also holds for CPU
 tensors, so the generator takes its fused path there.
 """
 
@@ -81,7 +81,7 @@ model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None).eval()
 blob_weights(model)  # blobs instead of noise
 image = Image.open(PHOTOS / "dog.jpg").convert("RGB").resize((96, 64), Image.Resampling.BILINEAR)
 photo = torch.from_numpy(np.array(image))
-fused = automatic.measure_supported
+fused = automatic.runs_triton
 FIELDS = ("masks", "scores", "stability", "boxes", "areas", "point_coords", "crop_boxes")
 results = []
 for case in json.loads(sys.argv[1]):
@@ -90,7 +90,7 @@ for case in json.loads(sys.argv[1]):
     )
     outputs = []
     for supported in (fused, lambda device: False):
-        automatic.measure_supported = supported
+        automatic.runs_triton = supported
         generator = Sam2AutomaticMaskGenerator(model, settings)
         outputs.append((generator._measures_every_candidate, generator.generate(photo)))
     (fast_all, a), (slow_all, b) = outputs

@@ -2,7 +2,7 @@
 modules it replaces, and inside the decoder, eager and compiled.
 
 CI has no GPU, so the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, in a
-subprocess: tests/models/interpreter.py), where `upscale_supported` holds for CPU tensors.
+subprocess: tests/models/interpreter.py), where `runs_triton` holds for CPU tensors.
 """
 
 from __future__ import annotations

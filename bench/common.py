@@ -6,6 +6,7 @@ their figures go to docs/BENCHMARKS.md with date, GPU, torch version and command
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -87,6 +88,26 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+# SAM 2's opt-in decoder paths (`Sam2.use_decoder_paths`), flags of bench.sam2 and
+# bench.everything_stages: (flag, help)
+DECODER_PATHS = (
+    ("--fused-upscale", "the decoder's output in one kernel (models/sam2/upscale_kernel.py)"),
+    ("--fused-attention", "the decoder's attention in one kernel (decoder_attention_kernel.py)"),
+    ("--share-image", "the decoder's first layer on one row of image tokens (Sam2.share_image)"),
+)
+
+
+def add_decoder_path_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, text in DECODER_PATHS:
+        parser.add_argument(flag, action="store_true", help=f"SAM 2: {text}")
+
+
+def decoder_paths(args: argparse.Namespace) -> dict[str, bool]:
+    """`Sam2.use_decoder_paths`' arguments from the parsed flags."""
+    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+            for flag, _ in DECODER_PATHS}  # fmt: skip
 
 
 def peak_gib() -> float:

@@ -34,6 +34,8 @@ import torch
 import models.sam.automatic_pipeline as pipeline
 from bench.common import (
     DEFAULT_IMAGES,
+    add_decoder_path_flags,
+    decoder_paths,
     environment,
     load_photos,
     print_table,
@@ -44,7 +46,7 @@ from models.optimize import compile_fn
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam.automatic import AutomaticMaskGenerator, AutomaticMaskSettings
 from models.sam.automatic_pipeline import GridMaskGenerator
-from models.sam.transformer import MATH_ATTENTION_DTYPES, use_fused_attention
+from models.sam.transformer import MATH_ATTENTION_DTYPES
 from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
@@ -154,9 +156,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
     device = torch.device(args.device)
     if args.model in SAM2_CONFIGS:
         sam2 = load_sam2(SAM2_CONFIGS[args.model], args.checkpoint).to(device, dtype)
-        sam2.sam_mask_decoder.fused_upscale = args.fused_upscale
-        sam2.share_image = args.share_image
-        use_fused_attention(sam2.sam_mask_decoder, args.fused_attention)
+        sam2.use_decoder_paths(**decoder_paths(args))
         decode = None
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
@@ -249,21 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="bf16/fp16 decoders attend through plain matmuls too, as fp32 ones do",
     )
-    p.add_argument(
-        "--fused-upscale",
-        action="store_true",
-        help="SAM 2: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
-    )
-    p.add_argument(
-        "--share-image",
-        action="store_true",
-        help="SAM 2: the decoder's first layer on one row of image tokens (Sam2.share_image)",
-    )
-    p.add_argument(
-        "--fused-attention",
-        action="store_true",
-        help="SAM 2: the decoder's attention in one kernel (decoder_attention_kernel.py)",
-    )
+    add_decoder_path_flags(p)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--top", type=int, default=20, help="profiler rows per table")
     p.add_argument("--out", type=Path, default=None)

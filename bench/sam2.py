@@ -58,7 +58,9 @@ import torch
 
 from bench.common import (
     DEFAULT_IMAGES,
+    add_decoder_path_flags,
     cuda_time_ms,
+    decoder_paths,
     empty_cache,
     environment,
     load_photos,
@@ -74,7 +76,6 @@ from bench.sam2_meta import (
     official_checkpoint,
 )
 from models.optimize import compile_fn
-from models.sam.transformer import use_fused_attention
 from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
@@ -352,9 +353,7 @@ def everything_pipelines(
 
     def copy(dtype: torch.dtype) -> Sam2:
         model = load_sam2(config, path).to(args.device, dtype)
-        model.sam_mask_decoder.fused_upscale = args.fused_upscale
-        model.share_image = args.share_image
-        use_fused_attention(model.sam_mask_decoder, args.fused_attention)
+        model.use_decoder_paths(**decoder_paths(args))
         return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
@@ -404,21 +403,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="ours (the compiled ones need --compile); Meta's fp32 always runs as reference",
     )
     p.add_argument("--no-meta-autocast", dest="meta_autocast", action="store_false")
-    p.add_argument(
-        "--fused-upscale",
-        action="store_true",
-        help="ours: the decoder's output in one kernel (models/sam2/upscale_kernel.py)",
-    )
-    p.add_argument(
-        "--share-image",
-        action="store_true",
-        help="ours: the decoder's first layer on one row of image tokens (Sam2.share_image)",
-    )
-    p.add_argument(
-        "--fused-attention",
-        action="store_true",
-        help="ours: the decoder's attention in one kernel (decoder_attention_kernel.py)",
-    )
+    add_decoder_path_flags(p)  # ours
     p.add_argument("--points-per-side", type=int, default=32)
     p.add_argument("--points-per-batch", type=int, default=64, help="both sides' decoder calls")
     # Meta's SAM 2 defaults; random weights need lower ones (see the module docstring)
@@ -454,9 +439,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             fp32 = load_sam2(config, path).to(args.device)
             bf16 = load_sam2(config, path).to(args.device, torch.bfloat16)
             for model in (fp32, bf16):
-                model.sam_mask_decoder.fused_upscale = args.fused_upscale
-                model.share_image = args.share_image
-                use_fused_attention(model.sam_mask_decoder, args.fused_attention)
+                model.use_decoder_paths(**decoder_paths(args))
             if "encoder" in args.parts:
                 encoder_rows += bench_encoder(config, bf16, meta, args.batches, args)
                 log.info("encoder: %s", encoder_rows[-len(args.batches) :])  # kept if cut short

@@ -25,6 +25,7 @@ from models.sam.prompt_encoder import (
     PromptEncoder,
 )
 from models.sam.prompts import PromptBatch
+from models.sam.transformer import use_fused_attention
 from models.sam2.config import Sam2Config
 from models.sam2.image_encoder import ImageEncoder
 from models.sam2.mask_decoder import Sam2MaskDecoder, select_masks
@@ -74,6 +75,15 @@ class Sam2(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.no_mem_embed.dtype
+
+    def use_decoder_paths(
+        self, *, fused_upscale: bool, fused_attention: bool, share_image: bool
+    ) -> None:
+        """The decoder's opt-in paths, each on or off: `Sam2MaskDecoder.fused_upscale`,
+        the attention kernel (`Attention.fused`) and `share_image`."""
+        self.sam_mask_decoder.fused_upscale = fused_upscale
+        use_fused_attention(self.sam_mask_decoder, fused_attention)
+        self.share_image = share_image
 
     def encode(self, images: Tensor) -> Sam2Features:
         """images `[B, 3, S, S]`, normalised (see `transforms.preprocess_image`)."""

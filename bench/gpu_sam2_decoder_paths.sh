@@ -14,7 +14,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-FLAGS=(--fused-upscale --fused-attention --share-image)
+# PATHS: the flags to try (default: all three); e.g. PATHS="--fused-attention --share-image"
+read -ra FLAGS <<< "${PATHS:---fused-upscale --fused-attention --share-image}"
 case "${PART:-stages}" in
   stages)
     started=$(date +%s)

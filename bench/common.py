@@ -90,8 +90,9 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-# SAM 2's opt-in decoder paths (`Sam2.use_decoder_paths`), flags of bench.sam2 and
-# bench.everything_stages: (flag, help)
+# SAM 2's decoder paths (`Sam2.use_decoder_paths`), flags of bench.sam2 and
+# bench.everything_stages, each --x or --no-x, by default what the service picks for the
+# device (`models.sam2.model.default_decoder_paths`): (flag, help)
 DECODER_PATHS = (
     ("--fused-upscale", "the decoder's output in one kernel (models/sam2/upscale_kernel.py)"),
     ("--fused-attention", "the decoder's attention in one kernel (decoder_attention_kernel.py)"),
@@ -101,13 +102,22 @@ DECODER_PATHS = (
 
 def add_decoder_path_flags(parser: argparse.ArgumentParser) -> None:
     for flag, text in DECODER_PATHS:
-        parser.add_argument(flag, action="store_true", help=f"SAM 2: {text}")
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None,
+            help=f"SAM 2: {text} (default: as the service on this device)",
+        )  # fmt: skip
 
 
 def decoder_paths(args: argparse.Namespace) -> dict[str, bool]:
-    """`Sam2.use_decoder_paths`' arguments from the parsed flags."""
-    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-            for flag, _ in DECODER_PATHS}  # fmt: skip
+    """`Sam2.use_decoder_paths`' arguments: each flag given, else the service's default."""
+    from models.sam2.model import default_decoder_paths
+
+    paths = default_decoder_paths(torch.device(args.device))
+    for name in paths:
+        given = getattr(args, name)
+        if given is not None:
+            paths[name] = given
+    return paths
 
 
 def peak_gib() -> float:

@@ -4,7 +4,7 @@ the same kernel source in its tests."""
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 
 import torch
@@ -12,14 +12,14 @@ import torch
 __all__ = ["runs_triton", "triton_installed"]
 
 
-@functools.cache
+# found once, at import: a plain constant is what torch.compile traces through without a
+# warning (it warned of a functools.cache wrapper when a decoder asked inside the graph)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    """Whether Triton imports here (it ships with CUDA builds of torch)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton is installed here (it ships with CUDA builds of torch)."""
+    return _TRITON_INSTALLED
 
 
 def runs_triton(device: torch.device) -> bool:

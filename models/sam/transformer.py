@@ -66,7 +66,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(embedding_dim, internal)
         self.out_proj = nn.Linear(internal, embedding_dim)
         # one Triton kernel for the decoder's lopsided shapes
-        # (models/sam/decoder_attention_kernel.py): opt-in, for benches, until measured
+        # (models/sam/decoder_attention_kernel.py): SAM 2 on CUDA sets it
+        # (`models.sam2.model.default_decoder_paths`); SAM's decoder has not been measured
         self.fused = False
 
     def _heads(self, x: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from models.sam2.config import SAM2_CONFIGS, Sam2Config
 
 if TYPE_CHECKING:
     from models.sam2.checkpoint import Sam2CheckpointError, load_sam2
-    from models.sam2.model import Sam2, Sam2Features, Sam2Prediction
+    from models.sam2.model import Sam2, Sam2Features, Sam2Prediction, default_decoder_paths
 
 __all__ = [
     "SAM2_CONFIGS",
@@ -19,6 +19,7 @@ __all__ = [
     "Sam2Config",
     "Sam2Features",
     "Sam2Prediction",
+    "default_decoder_paths",
     "load_sam2",
 ]
 
@@ -30,6 +31,7 @@ _LAZY = {
     "Sam2": "models.sam2.model",
     "Sam2Features": "models.sam2.model",
     "Sam2Prediction": "models.sam2.model",
+    "default_decoder_paths": "models.sam2.model",
 }
 
 

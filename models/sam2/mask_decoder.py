@@ -59,7 +59,7 @@ class Sam2MaskDecoder(nn.Module):
         )
         self.pred_obj_score_head = MLP(dim, dim, 1, 3)
         # the upscaling, skips and hypernetwork product as one Triton kernel
-        # (models/sam2/upscale_kernel.py): opt-in, for benches, until measured on the GPU
+        # (models/sam2/upscale_kernel.py): off unless asked (`default_decoder_paths`)
         self.fused_upscale = False
 
     def project_high_res(self, feat_s0: Tensor, feat_s1: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,25 @@ from models.sam.transformer import use_fused_attention
 from models.sam2.config import Sam2Config
 from models.sam2.image_encoder import ImageEncoder
 from models.sam2.mask_decoder import Sam2MaskDecoder, select_masks
+from models.triton_device import runs_triton
 
-__all__ = ["Sam2", "Sam2Features", "Sam2Prediction"]
+__all__ = ["Sam2", "Sam2Features", "Sam2Prediction", "default_decoder_paths"]
+
+
+def default_decoder_paths(device: torch.device) -> dict[str, bool]:
+    """`Sam2.use_decoder_paths`' arguments that paid off where measured.
+
+    On an H100 in TF32 (docs/BENCHMARKS.md, issue 24's eleventh session), segment
+    everything's decoder took 116 ms per photo plainly, 90 with the attention kernel, 105
+    with one shared image row, and 161 with the upscale kernel, which stays off. Sharing
+    the image row is plain PyTorch with equal answers, so it is on everywhere; the kernel
+    only where it compiles (CUDA), not under the CPU's interpreter.
+    """
+    return {
+        "fused_upscale": False,
+        "fused_attention": device.type == "cuda" and runs_triton(device),
+        "share_image": True,
+    }
 
 
 @dataclass(frozen=True)
@@ -68,9 +85,9 @@ class Sam2(nn.Module):
         self.no_mem_embed = nn.Parameter(torch.zeros(1, 1, config.d_model))
         # Prompt sets on one image without mask inputs see the same image tokens until the
         # first image-to-token attention: with this set, `decode` hands the decoder one row
-        # of them, and the first layer's image-side projections run once, not once per set.
-        # Opt-in, for benches, until measured on the GPU (docs/BENCHMARKS.md, issue 24).
-        self.share_image = False
+        # of them, and the first layer's image-side projections run once, not once per set
+        # (`default_decoder_paths` says what it saved).
+        self.share_image = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,8 +96,9 @@ class Sam2(nn.Module):
     def use_decoder_paths(
         self, *, fused_upscale: bool, fused_attention: bool, share_image: bool
     ) -> None:
-        """The decoder's opt-in paths, each on or off: `Sam2MaskDecoder.fused_upscale`,
-        the attention kernel (`Attention.fused`) and `share_image`."""
+        """The decoder's paths, each on or off: `Sam2MaskDecoder.fused_upscale`, the
+        attention kernel (`Attention.fused`) and `share_image` (`default_decoder_paths`
+        says which pay off)."""
         self.sam_mask_decoder.fused_upscale = fused_upscale
         use_fused_attention(self.sam_mask_decoder, fused_attention)
         self.share_image = share_image

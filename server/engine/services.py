@@ -24,7 +24,7 @@ from models.aot import AotStore, PackageKey, device_name, weights_hash
 from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
-from models.sam2 import SAM2_CONFIGS, load_sam2
+from models.sam2 import SAM2_CONFIGS, default_decoder_paths, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, load_swin
 from server.domain import (
@@ -312,6 +312,7 @@ class Engine:
         opts = self.options
         model = load_sam2(SAM2_CONFIGS[s.sam_model], s.sam_checkpoint, seed=s.seed)
         model = model.to(self.device, opts.dtype)
+        model.use_decoder_paths(**default_decoder_paths(self.device))
         if s.sam_checkpoint is None:
             log.warning(
                 "SAM 2 %s has seeded RANDOM weights (seed %d): masks mean nothing",

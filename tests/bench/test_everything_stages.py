@@ -54,15 +54,19 @@ def test_clocked_restores_the_generator_and_the_nms(small_jpeg_dir: Path) -> Non
     assert "_encode" not in vars(generator)
 
 
-def test_the_opt_in_decoder_paths_are_set_on_the_model() -> None:
-    """bench/gpu_sam2_decoder_paths.sh's flags reach the model they are meant for (on the
-    CPU the kernels' paths stay off: they run on CUDA or in Triton's interpreter)."""
-    flags = ["--fused-upscale", "--fused-attention", "--share-image", "--dtypes", "tf32"]
+def _paths(*flags: str) -> tuple[bool, bool, bool]:
     args = parse_args(["--device", "cpu", "--model", "sam2_test_tiny", "--no-compile", *flags])
     model = build(args, torch.float32).model  # type: ignore[attr-defined]
-    assert model.share_image and model.sam_mask_decoder.fused_upscale
     attention = model.sam_mask_decoder.transformer.layers[0].cross_attn_image_to_token
-    assert attention.fused
-    plain = build(parse_args(["--device", "cpu", "--model", "sam2_test_tiny", "--no-compile"]),
-                  torch.float32).model  # type: ignore[attr-defined]  # fmt: skip
-    assert not (plain.share_image or plain.sam_mask_decoder.fused_upscale)
+    return model.sam_mask_decoder.fused_upscale, attention.fused, model.share_image
+
+
+def test_the_decoder_path_flags_are_set_on_the_model() -> None:
+    """bench/gpu_sam2_decoder_paths.sh's flags reach the model they are meant for, both
+    ways; without them the model takes the service's paths for the device (on the CPU the
+    kernels stay off: they compile on CUDA only, and the interpreter is for tests)."""
+    assert _paths("--fused-upscale", "--fused-attention", "--share-image") == (True,) * 3
+    assert _paths("--no-fused-upscale", "--no-fused-attention", "--no-share-image") == (
+        False,
+    ) * 3  # fmt: skip
+    assert _paths() == (False, False, True)

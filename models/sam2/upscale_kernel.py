@@ -38,7 +38,9 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 
 __all__ = ["upscale_masks"]
 
-_BLOCK = 32  # source pixels per program
+# Source pixels per program and warps: picked on an H100 with bench/sam2_upscale.py
+BLOCK = 64
+NUM_WARPS = 4
 _BLOCK_K = 64  # input channels per product step
 
 
@@ -50,9 +52,50 @@ if triton is not None:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
     @triton.jit
+    def _tap(
+        a, T1: tl.constexpr, p, y, x, ok, h, w, eps,
+        B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+        s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x,
+        C1: tl.constexpr, C2: tl.constexpr, MASKS: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One tap of the first convolution, `a` `[BLOCK, C1]` (its product, for the
+        block's source pixels), through the norm and on to its 4 x 4 output pixels."""
+        c1 = tl.arange(0, C1)
+        c2 = tl.arange(0, C2)
+        yy = 2 * y + T1 // 2
+        xx = 2 * x + T1 % 2
+        # the skips are read channels-last (`upscale_masks` lays them out so): a pixel's
+        # channels are one contiguous run, where channels-first scattered them a plane apart
+        skip = tl.load(S1 + p * s1_p + c1[None, :] * s1_c
+                       + (yy * s1_y + xx * s1_x)[:, None]).to(tl.float32)  # fmt: skip
+        a = a + tl.load(B1 + c1).to(tl.float32)[None, :] + skip
+        mean = tl.sum(a, axis=1) / C1
+        centred = a - mean[:, None]
+        var = tl.sum(centred * centred, axis=1) / C1
+        g = centred * (1.0 / tl.sqrt(var + eps))[:, None]
+        lnw = tl.load(LNW + c1).to(tl.float32)
+        lnb = tl.load(LNB + c1).to(tl.float32)
+        g = _gelu(g * lnw[None, :] + lnb[None, :])
+        b2 = tl.load(B2 + c2).to(tl.float32)
+        plane0 = 16 * h * w  # (4h) x (4w)
+        for t2 in tl.static_range(4):  # the second convolution's tap (k, l)
+            Y = 2 * yy + t2 // 2
+            Xc = 2 * xx + t2 % 2
+            w2 = tl.load(W2 + (t2 * C1 + c1[:, None]) * C2 + c2[None, :]).to(tl.float32)
+            z = tl.dot(g, w2, input_precision=PRECISION) + b2[None, :]
+            skip0 = tl.load(S0 + p * s0_p + c2[None, :] * s0_c
+                            + (Y * s0_y + Xc * s0_x)[:, None]).to(tl.float32)  # fmt: skip
+            z = _gelu(z + skip0)
+            for m in tl.static_range(MASKS):
+                hyper = tl.load(HYPER + (p * MASKS + m) * C2 + c2).to(tl.float32)
+                logit = tl.sum(z * hyper[None, :], axis=1)
+                tl.store(OUT + (p * MASKS + m) * plane0 + Y * 4 * w + Xc,
+                         logit.to(OUT.dtype.element_ty), mask=ok)  # fmt: skip
+
+    @triton.jit
     def _upscale(
         X, W1, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-        s1_prompt_stride, s0_prompt_stride, h, w, eps,
+        s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, h, w, eps,
         D: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, MASKS: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -63,45 +106,30 @@ if triton is not None:
         y = pix // w
         x = pix % w
         c1 = tl.arange(0, C1)
-        c2 = tl.arange(0, C2)
         kk = tl.arange(0, BLOCK_K)
-        b1 = tl.load(B1 + c1).to(tl.float32)
-        lnw = tl.load(LNW + c1).to(tl.float32)
-        lnb = tl.load(LNB + c1).to(tl.float32)
-        b2 = tl.load(B2 + c2).to(tl.float32)
         rows = X + p * h * w * D + pix[:, None] * D
-        plane1 = 4 * h * w  # (2h) x (2w)
-        plane0 = 16 * h * w  # (4h) x (4w)
-        for t1 in tl.static_range(4):  # the first convolution's tap (i, j)
-            yy = 2 * y + t1 // 2
-            xx = 2 * x + t1 % 2
-            a = tl.zeros([BLOCK, C1], dtype=tl.float32)
-            for k0 in tl.static_range(0, D, BLOCK_K):
-                xs = tl.load(rows + k0 + kk[None, :]).to(tl.float32)
-                ws = tl.load(W1 + (t1 * D + k0 + kk[:, None]) * C1 + c1[None, :]).to(tl.float32)
-                a = tl.dot(xs, ws, a, input_precision=PRECISION)
-            skip = tl.load(S1 + p * s1_prompt_stride + c1[None, :] * plane1
-                           + (yy * 2 * w + xx)[:, None]).to(tl.float32)  # fmt: skip
-            a = a + b1[None, :] + skip
-            mean = tl.sum(a, axis=1) / C1
-            centred = a - mean[:, None]
-            var = tl.sum(centred * centred, axis=1) / C1
-            g = centred * (1.0 / tl.sqrt(var + eps))[:, None]
-            g = _gelu(g * lnw[None, :] + lnb[None, :])
-            for t2 in tl.static_range(4):  # the second convolution's tap (k, l)
-                Y = 2 * yy + t2 // 2
-                Xc = 2 * xx + t2 % 2
-                w2 = tl.load(W2 + (t2 * C1 + c1[:, None]) * C2 + c2[None, :]).to(tl.float32)
-                z = tl.dot(g, w2, input_precision=PRECISION) + b2[None, :]
-                skip0 = tl.load(S0 + p * s0_prompt_stride + c2[None, :] * plane0
-                                + (Y * 4 * w + Xc)[:, None]).to(tl.float32)  # fmt: skip
-                z = _gelu(z + skip0)
-                at = Y * 4 * w + Xc
-                for m in tl.static_range(MASKS):
-                    hyper = tl.load(HYPER + (p * MASKS + m) * C2 + c2).to(tl.float32)
-                    logit = tl.sum(z * hyper[None, :], axis=1)
-                    out = OUT + (p * MASKS + m) * plane0 + at
-                    tl.store(out, logit.to(OUT.dtype.element_ty), mask=ok)
+        # the four taps' products from one read of each chunk of the tokens
+        a0 = tl.zeros([BLOCK, C1], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK, C1], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK, C1], dtype=tl.float32)
+        a3 = tl.zeros([BLOCK, C1], dtype=tl.float32)
+        for k0 in tl.static_range(0, D, BLOCK_K):
+            xs = tl.load(rows + k0 + kk[None, :]).to(tl.float32)
+            taps = W1 + (k0 + kk[:, None]) * C1 + c1[None, :]
+            a0 = tl.dot(xs, tl.load(taps).to(tl.float32), a0, input_precision=PRECISION)
+            a1 = tl.dot(xs, tl.load(taps + D * C1).to(tl.float32), a1, input_precision=PRECISION)
+            a2 = tl.dot(xs, tl.load(taps + 2 * D * C1).to(tl.float32), a2,
+                        input_precision=PRECISION)  # fmt: skip
+            a3 = tl.dot(xs, tl.load(taps + 3 * D * C1).to(tl.float32), a3,
+                        input_precision=PRECISION)  # fmt: skip
+        _tap(a0, 0, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
+        _tap(a1, 1, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
+        _tap(a2, 2, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
+        _tap(a3, 3, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
+             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
 
 
 def _taps(weight: Tensor) -> Tensor:
@@ -140,16 +168,18 @@ def upscale_masks(
     fp32 = tokens.dtype == torch.float32
     tf32 = not fp32 or torch.get_float32_matmul_precision() != "highest"
     w1r, w2r = _taps(w1.to(tokens.dtype)), _taps(w2.to(tokens.dtype))
-    s1, s0 = s1.contiguous(), s0.contiguous()
+    # channels-last skips: one copy of a shared skip per call (8 MiB at 1024 px in fp32),
+    # none where the producer wrote them so
+    s1, s0 = (t.contiguous(memory_format=torch.channels_last) for t in (s1, s0))
     # a skip shared by every prompt (segment everything: one image) is read with stride 0
-    s1_stride = 0 if s1.shape[0] == 1 else s1.stride(0)
-    s0_stride = 0 if s0.shape[0] == 1 else s0.stride(0)
-    grid = (triton.cdiv(h * w, _BLOCK), P)
+    s1_strides = (0 if s1.shape[0] == 1 else s1.stride(0), *s1.stride()[1:])
+    s0_strides = (0 if s0.shape[0] == 1 else s0.stride(0), *s0.stride()[1:])
+    grid = (triton.cdiv(h * w, BLOCK), P)
     _upscale[grid](
-        tokens.contiguous(), w1r, b1, ln_w, ln_b, s1, w2r, b2, s0,
-        hyper.contiguous(), out, s1_stride, s0_stride, h, w, eps,
-        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=_BLOCK, BLOCK_K=min(_BLOCK_K, D),
-        PRECISION="tf32" if tf32 else "ieee",
+        tokens.contiguous(), w1r, b1, ln_w, ln_b, s1, w2r, b2, s0, hyper.contiguous(), out,
+        *s1_strides, *s0_strides, h, w, eps,
+        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=BLOCK, BLOCK_K=min(_BLOCK_K, D),
+        PRECISION="tf32" if tf32 else "ieee", num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 

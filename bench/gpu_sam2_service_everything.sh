@@ -5,7 +5,11 @@
 # Whole requests by curl (upload, JPEG decode, encode, generate, COCO runs, JSON), three
 # per photo, then a few clicks and /v1/models.
 #
-#   OUT=/tmp/out [MODEL=sam2.1_hiera_large] [PHOTOS=3] bash bench/gpu_sam2_service_everything.sh
+#   OUT=/tmp/out [MODEL=sam2.1_hiera_large] [PHOTOS=3] [SPY=1] bash bench/gpu_sam2_service_everything.sh
+#
+# SPY=1: then the engine process sampled by py-spy (all threads, and the GIL holder) while
+# one client sends segment everything back to back (`python -m bench.spy_summary` reads
+# the files).
 #
 # fp32 at 256 points per batch needs about 14 GiB on a 770 px photo (the generator's own
 # estimate), so SERVE_EVERYTHING_MAX_BYTES is raised from its 4 GiB default; encoder and
@@ -36,6 +40,19 @@ for photo in $(ls .benchdata/images/*.jpg | head -"${PHOTOS:-3}"); do
   done
 done
 photo=$(ls .benchdata/images/*.jpg | head -1)
+if [ "${SPY:-0}" = 1 ]; then
+  ENGINE=$(grep -o '"engine-0 process [0-9]* started' "$OUT/server.log" | head -1 | awk '{print $3}')
+  (for i in $(seq 60); do
+    curl -s -o /dev/null localhost:$PORT/v1/segment/everything -F image=@"$photo" \
+      -F 'request={"points_per_batch": 256}'
+  done) &
+  client=$!
+  sleep 1
+  py-spy record --gil -d 5 -r 200 -f raw -o "$OUT/spy_gil_everything.txt" -p "$ENGINE" > /dev/null 2>&1
+  py-spy record -d 5 -r 200 -f raw --threads --idle -o "$OUT/spy_all_everything.txt" -p "$ENGINE" > /dev/null 2>&1
+  kill "$client" 2> /dev/null; wait "$client" 2> /dev/null
+  echo "py-spy of engine $ENGINE: $(wc -l < "$OUT/spy_all_everything.txt") stacks"
+fi
 for i in 1 2 3 4 5; do
   curl -s -o /dev/null -w "click %{http_code} %{time_total} s\n" localhost:$PORT/v1/segment \
     -F image=@"$photo" -F 'request={"point_coords": [[200, 200]], "point_labels": [1]}'

@@ -80,6 +80,7 @@ from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
+    chunk_size_dynamic,
     point_decoder,
 )
 from models.sam2.transforms import postprocess_masks, preprocess_image, scale_points
@@ -348,7 +349,8 @@ def everything_pipelines(
         return model
 
     def compiled(model: Sam2) -> tuple[Sam2, Any]:
-        decode = compile_fn(point_decoder(model), args.compile_mode, dynamic=True)
+        inner = compile_fn(point_decoder(model), args.compile_mode, dynamic=None)
+        decode = chunk_size_dynamic(inner)
         return compiled_encoder(model), decode
 
     def copy(dtype: torch.dtype) -> Sam2:
@@ -357,7 +359,9 @@ def everything_pipelines(
         return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
-        inner = compile_fn(point_decoder(copy(decoder_dtype)), args.compile_mode, dynamic=True)
+        inner = chunk_size_dynamic(
+            compile_fn(point_decoder(copy(decoder_dtype)), args.compile_mode, dynamic=None)
+        )
 
         def decode(
             embed: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, points: torch.Tensor, mm: bool

@@ -164,8 +164,9 @@ def _quantize(
 FnT = TypeVar("FnT", bound=Callable[..., Any])
 
 
-def compile_fn(fn: FnT, mode: CompileMode, *, dynamic: bool) -> FnT:
+def compile_fn(fn: FnT, mode: CompileMode, *, dynamic: bool | None) -> FnT:
     """torch.compile with one explicit line, or `fn` itself when compilation is off.
+    `dynamic` as torch.compile's: None compiles static sizes but those marked dynamic.
 
     CUDA graphs are ours (`GraphedBuckets`), so the modes that would add their own graphs
     are mapped to their graph-free twins.

@@ -118,6 +118,26 @@ def point_decoder(model: Sam2) -> PointDecoder:
     return decode
 
 
+def chunk_size_dynamic(compiled: PointDecoder) -> PointDecoder:
+    """`compiled` (a `point_decoder` under `torch.compile(dynamic=None)`) with only the
+    chunk's point count dynamic.
+
+    `dynamic=True` makes every input size symbolic, and duck sizing gives sizes equal at the
+    first call one symbol: a 64-point warm-up shared its symbol with s1's 64 channels, the
+    graph was specialised to 64 points, and the service's 256-point chunks ran eagerly
+    under its no-recompile stance (176 ms a photo against 96 compiled, SAM 2.1 large in
+    TF32 on the H100; docs/BENCHMARKS.md, issue 24's eleventh session).
+    """
+
+    def decode(
+        image_embed: Tensor, s0: Tensor, s1: Tensor, points: Tensor, multimask: bool
+    ) -> tuple[Tensor, Tensor]:
+        torch._dynamo.maybe_mark_dynamic(points, 0)
+        return compiled(image_embed, s0, s1, points, multimask)
+
+    return decode
+
+
 class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):
     """Segment everything with a SAM 2 model; see `GridMaskGenerator` for the steps.
 

@@ -41,7 +41,7 @@ from models.sam.prompts import PromptBatch
 from models.sam.transformer import decoder_attention
 from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
-from models.sam2.automatic import PointDecoder, point_decoder
+from models.sam2.automatic import PointDecoder, chunk_size_dynamic, point_decoder
 from models.sam2.mask_decoder import select_masks
 from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
@@ -107,8 +107,8 @@ class Sam2Stages(SamStages):
         # in fp32, 167 and 92 in bf16 (H100, `python -m bench.everything_stages`)
         self.everything_decode: PointDecoder | None = None
         if self.compiled:
-            decode = point_decoder(model)
-            self.everything_decode = compile_fn(decode, options.compile_mode, dynamic=True)
+            decode = compile_fn(point_decoder(model), options.compile_mode, dynamic=None)
+            self.everything_decode = chunk_size_dynamic(decode)
 
     def warm_everything(self, points: int) -> None:
         """Compile segment everything's decoder call for chunks of `points` prompts (the

@@ -24,6 +24,7 @@ from models.sam2.automatic import (
     AutomaticMasks,
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
+    chunk_size_dynamic,
     point_decoder,
     preprocess_crop,
 )
@@ -260,3 +261,35 @@ def test_a_compiled_point_decoder_is_one_graph_with_the_eager_masks(
     assert len(eager) >= 5
     assert torch.equal(got.masks, eager.masks)
     assert torch.equal(got.scores, eager.scores)
+
+
+def test_the_compiled_point_decoder_takes_any_chunk_size_without_recompiling() -> None:
+    """Warmed at 64 points (the default chunk), the compiled call must serve 256: the
+    service runs under a no-recompile stance, where a recompile silently runs eagerly.
+    With every size dynamic, duck sizing tied the point count to s1's 64 channels and
+    specialised the graph to 64 points (what happened on the H100); only the point count
+    dynamic does not."""
+    model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None).eval()
+    d, e = model.config.d_model, model.config.embedding_size
+    assert d // 4 == 64  # the collision this guards against: s1 has 64 channels
+    features = [torch.zeros(shape) for shape in ((1, d, e, e), (1, d // 8, 4 * e, 4 * e),
+                                                  (1, d // 4, 2 * e, 2 * e))]  # fmt: skip
+
+    def points(n: int) -> Tensor:
+        return torch.full((n, 2), model.config.image_size / 2)
+
+    def served(decode: Any) -> None:
+        with torch.inference_mode():
+            decode(*features, points(64), True)  # the warm-up
+            with torch.compiler.set_stance("fail_on_recompile"):
+                for n in (256, 100, 64):
+                    low_res, _ = decode(*features, points(n), True)
+                    assert low_res.shape[0] == n
+
+    torch._dynamo.reset()
+    every_size = torch.compile(point_decoder(model), backend="aot_eager", dynamic=True)
+    with pytest.raises(RuntimeError, match="recompile"):
+        served(every_size)
+    torch._dynamo.reset()
+    compiled = torch.compile(point_decoder(model), backend="aot_eager", fullgraph=True)
+    served(chunk_size_dynamic(compiled))

@@ -51,7 +51,7 @@ from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
-    chunk_size_dynamic,
+    compiled_call,
     point_decoder,
 )
 
@@ -162,9 +162,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> GridMaskGenerator[Any
         if args.compile:
             sam2.encode = torch.compile(sam2.encode)  # type: ignore[method-assign]
             if args.compile_decoder:  # as the service's Sam2Stages.everything_decode
-                decode = chunk_size_dynamic(
-                    compile_fn(point_decoder(sam2), "default", dynamic=None)
-                )
+                decode = compiled_call(compile_fn(point_decoder(sam2), "default", dynamic=None))
         return Sam2AutomaticMaskGenerator(sam2, Sam2AutomaticMaskSettings(**fields), decode)
     if args.model not in SAM_CONFIGS:
         raise SystemExit(f"unknown model {args.model!r}: one of {[*SAM2_CONFIGS, *SAM_CONFIGS]}")

@@ -80,7 +80,7 @@ from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
 from models.sam2.automatic import (
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
-    chunk_size_dynamic,
+    compiled_call,
     point_decoder,
 )
 from models.sam2.transforms import postprocess_masks, preprocess_image, scale_points
@@ -350,7 +350,7 @@ def everything_pipelines(
 
     def compiled(model: Sam2) -> tuple[Sam2, Any]:
         inner = compile_fn(point_decoder(model), args.compile_mode, dynamic=None)
-        decode = chunk_size_dynamic(inner)
+        decode = compiled_call(inner)
         return compiled_encoder(model), decode
 
     def copy(dtype: torch.dtype) -> Sam2:
@@ -359,7 +359,7 @@ def everything_pipelines(
         return model
 
     def mixed(decoder_dtype: torch.dtype) -> tuple[Sam2, Any]:
-        inner = chunk_size_dynamic(
+        inner = compiled_call(
             compile_fn(point_decoder(copy(decoder_dtype)), args.compile_mode, dynamic=None)
         )
 

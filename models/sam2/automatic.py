@@ -118,24 +118,43 @@ def point_decoder(model: Sam2) -> PointDecoder:
     return decode
 
 
-def chunk_size_dynamic(compiled: PointDecoder) -> PointDecoder:
-    """`compiled` (a `point_decoder` under `torch.compile(dynamic=None)`) with only the
-    chunk's point count dynamic.
+def compiled_call(compiled: PointDecoder) -> PointDecoder:
+    """`compiled` (a `point_decoder` under `torch.compile(dynamic=None)`) called so that
+    warm-up's graph is the one every request takes: the service serves under a
+    no-recompile stance, where a missed graph runs eagerly (176 against 96 ms a photo for
+    SAM 2.1 large in TF32 on the H100; docs/BENCHMARKS.md, issue 24's eleventh session).
 
-    `dynamic=True` makes every input size symbolic, and duck sizing gives sizes equal at the
-    first call one symbol: a 64-point warm-up shared its symbol with s1's 64 channels, the
-    graph was specialised to 64 points, and the service's 256-point chunks ran eagerly
-    under its no-recompile stance (176 ms a photo against 96 compiled, SAM 2.1 large in
-    TF32 on the H100; docs/BENCHMARKS.md, issue 24's eleventh session).
+    - Only the chunk's point count is dynamic. With every size dynamic, duck sizing gave
+      sizes equal at the first call one symbol: a 64-point warm-up shared its symbol with
+      s1's 64 channels, and the graph was specialised to 64 points.
+    - The graph is specialised to its inputs' kind of tensor and strides, size-1 dimensions
+      included. A request's cached features (a row of the encoder's batch) and its point
+      grid (made outside inference mode) differed from warm-up's fresh tensors in both, so
+      each input is made an inference tensor with row-major strides (a copy only if not).
     """
 
     def decode(
         image_embed: Tensor, s0: Tensor, s1: Tensor, points: Tensor, multimask: bool
     ) -> tuple[Tensor, Tensor]:
+        image_embed, s0, s1, points = (_canonical(t) for t in (image_embed, s0, s1, points))
         torch._dynamo.maybe_mark_dynamic(points, 0)
         return compiled(image_embed, s0, s1, points, multimask)
 
     return decode
+
+
+def _canonical(t: Tensor) -> Tensor:
+    """`t` itself if it is an inference tensor with a fresh row-major tensor's strides and
+    offset, else such a copy of it (`compiled_call`)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    fresh = t.stride() == tuple(reversed(strides)) and t.storage_offset() == 0
+    if fresh and t.is_inference():
+        return t
+    with torch.inference_mode():
+        return t.clone(memory_format=torch.contiguous_format)
 
 
 class Sam2AutomaticMaskGenerator(GridMaskGenerator[Sam2Features]):

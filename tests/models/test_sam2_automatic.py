@@ -19,12 +19,12 @@ from PIL import Image
 from torch import Tensor
 
 from models.sam.automatic import MaskCandidates
-from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, load_sam2
+from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, Sam2Features, load_sam2
 from models.sam2.automatic import (
     AutomaticMasks,
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
-    chunk_size_dynamic,
+    compiled_call,
     point_decoder,
     preprocess_crop,
 )
@@ -263,33 +263,40 @@ def test_a_compiled_point_decoder_is_one_graph_with_the_eager_masks(
     assert torch.equal(got.scores, eager.scores)
 
 
-def test_the_compiled_point_decoder_takes_any_chunk_size_without_recompiling() -> None:
-    """Warmed at 64 points (the default chunk), the compiled call must serve 256: the
-    service runs under a no-recompile stance, where a recompile silently runs eagerly.
-    With every size dynamic, duck sizing tied the point count to s1's 64 channels and
-    specialised the graph to 64 points (what happened on the H100); only the point count
-    dynamic does not."""
+def test_the_compiled_call_serves_every_request_with_warm_ups_graph(photo: Tensor) -> None:
+    """Warmed once as `Sam2Stages.warm_everything` does (64 points, fresh tensors), the
+    compiled call must take requests as the service brings them without recompiling: the
+    service serves under a no-recompile stance, where a missed graph silently runs eagerly
+    (what happened on the H100). Their chunks hold 256 or 100 points; their features are a
+    row of the encoder's batch, s1 channels-last; their point grid is made outside
+    inference mode. Each broke the graph before `compiled_call`: duck sizing tied the
+    point count to s1's 64 channels, and the graph guarded the kind of tensor and strides."""
     model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None).eval()
     d, e = model.config.d_model, model.config.embedding_size
-    assert d // 4 == 64  # the collision this guards against: s1 has 64 channels
-    features = [torch.zeros(shape) for shape in ((1, d, e, e), (1, d // 8, 4 * e, 4 * e),
+    assert d // 4 == 64  # the collision: s1 has 64 channels, the warm-up 64 points
+    with torch.inference_mode():
+        warm = [torch.zeros(shape) for shape in ((1, d, e, e), (1, d // 8, 4 * e, 4 * e),
                                                   (1, d // 4, 2 * e, 2 * e))]  # fmt: skip
+        points = torch.full((64, 2), model.config.image_size / 2)
+        two = model.encode(preprocess_image(photo.numpy(), model.config).expand(2, -1, -1, -1))
+    s0, s1 = two.high_res
+    row = Sam2Features(two.image_embed[1:], (s0[1:], s1[1:].to(memory_format=torch.channels_last)))
 
-    def points(n: int) -> Tensor:
-        return torch.full((n, 2), model.config.image_size / 2)
-
-    def served(decode: Any) -> None:
+    def serve(decode: Any) -> None:
         with torch.inference_mode():
-            decode(*features, points(64), True)  # the warm-up
-            with torch.compiler.set_stance("fail_on_recompile"):
-                for n in (256, 100, 64):
-                    low_res, _ = decode(*features, points(n), True)
-                    assert low_res.shape[0] == n
+            decode(*warm, points, True)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for batch in (256, 100):
+                fields = {"points_per_side": 12, "points_per_batch": batch}
+                settings = Sam2AutomaticMaskSettings(
+                    **fields, pred_iou_thresh=0.0, stability_score_thresh=0.0
+                )
+                _, found = _steps(Sam2AutomaticMaskGenerator(model, settings, decode), photo, row)
+                assert len(found.scores) > 0
 
     torch._dynamo.reset()
     every_size = torch.compile(point_decoder(model), backend="aot_eager", dynamic=True)
     with pytest.raises(RuntimeError, match="recompile"):
-        served(every_size)
+        serve(every_size)
     torch._dynamo.reset()
-    compiled = torch.compile(point_decoder(model), backend="aot_eager", fullgraph=True)
-    served(chunk_size_dynamic(compiled))
+    serve(compiled_call(torch.compile(point_decoder(model), backend="aot_eager", fullgraph=True)))

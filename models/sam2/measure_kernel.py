@@ -68,7 +68,10 @@ if triton is not None:
         lower = hx[None, :] * c + lx[None, :] * d
         return hy[:, None] * upper + ly[:, None] * lower
 
-    @triton.jit
+    # Sizes are not specialised on (divisible by 16, equal to 1): each new class of photo
+    # size compiled a variant at its first request, 0.7 to 1.5 s in the service on the H100
+    # (docs/BENCHMARKS.md, issue 24's eleventh session); one variant serves every size.
+    @triton.jit(do_not_specialize=["m", "height", "width"])
     def _measure(
         LOW, STATS, m, height, width, scale_h, scale_w, inner_t, outer_t, mask_t,
         BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, NO_ROW: tl.constexpr,
@@ -104,7 +107,7 @@ if triton is not None:
         tl.atomic_max(out + 4, tl.max(tl.max(right, axis=1), axis=0))
         tl.atomic_max(out + 5, tl.max(tl.max(bottom, axis=1), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "height", "width", "image_h", "image_w", "y_off", "x_off"])
     def _paint(
         LOW, ROWS, DEST, MASKS, m, height, width, image_h, image_w, y_off, x_off,
         scale_h, scale_w, mask_t,

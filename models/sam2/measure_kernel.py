@@ -33,7 +33,7 @@ try:  # importing this module never needs Triton: callers ask `models.triton_dev
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["measure_upscaled", "paint_upscaled"]
+__all__ = ["measure_upscaled", "paint_upscaled", "warm_kernels"]
 
 _BLOCK_H = 8
 _BLOCK_W = 128
@@ -182,3 +182,15 @@ def paint_upscaled(
         masks.shape[1], masks.shape[2], y0, x0, scale_h, scale_w, mask_threshold,
         BLOCK_H=_BLOCK_H, BLOCK_W=_BLOCK_W,
     )  # fmt: skip
+
+
+def warm_kernels(m: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile both kernels for `dtype` logits of side `m` now (the service's warm-up), on
+    an 8 x 8 crop: they are not specialised on sizes, so these serve every photo. Otherwise
+    the first segment everything after start-up compiled them: 1.2 s of its 1.3 s in the
+    service on the H100 (docs/BENCHMARKS.md, issue 24's eleventh session)."""
+    low_res = torch.zeros(1, m, m, dtype=dtype, device=device)
+    measure_upscaled(low_res, (8, 8), 0.0, 1.0)
+    masks = torch.zeros(1, 8, 8, dtype=torch.bool, device=device)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    paint_upscaled(masks, low_res, index, index, (0, 0, 8, 8), 0.0)

@@ -43,6 +43,8 @@ from models.sam2 import Sam2, Sam2Features
 from models.sam2 import transforms as sam2_tf
 from models.sam2.automatic import PointDecoder, compiled_call, point_decoder
 from models.sam2.mask_decoder import select_masks
+from models.sam2.measure_kernel import warm_kernels
+from models.triton_device import runs_triton
 from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
 from server.engine.stages import (
@@ -112,17 +114,17 @@ class Sam2Stages(SamStages):
 
     def warm_everything(self, points: int) -> None:
         """Compile segment everything's decoder call for chunks of `points` prompts (the
-        chunk size is dynamic: other sizes share the graph) on zero features of one image,
-        as the generator calls it (inference mode, the decoder's attention kernels,
-        multimask)."""
-        if self.everything_decode is None:
-            return
+        chunk size is dynamic: other sizes share the graph; `compiled_call` says what else
+        makes every request take this graph) on zero features of one image, as the
+        generator calls it (inference mode, the decoder's attention kernels, multimask),
+        and the generator's measure and paint kernels where they run."""
         cfg = self.sam2_config
         d, e = cfg.d_model, cfg.embedding_size
+        if runs_triton(self.device):
+            warm_kernels(4 * e, self.dtype, self.device)
+        if self.everything_decode is None:
+            return
         shapes = [(1, d, e, e), (1, d // 8, 4 * e, 4 * e), (1, d // 4, 2 * e, 2 * e)]
-        # made in inference mode, as the cached features a request brings are: dynamo
-        # guards on the kind of tensor, and normal ones compiled a graph that every request
-        # missed, to run eagerly under the serving stance (176 against 96 ms a photo)
         with torch.inference_mode(), decoder_attention(self.dtype):
             embed, s0, s1 = (
                 torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes

@@ -16,9 +16,15 @@ session). Here one program takes a band of source pixels of one prompt through a
 steps in registers. A source pixel's four children, and their four children each, depend
 on nothing else, so only the final logits are written.
 
-The kernel is opt-in (`Sam2MaskDecoder.fused_upscale`) until it has been measured on the
-GPU. Float32 products run in TF32 where PyTorch's float32 matmul precision allows it (as
-the unfused path's cuBLAS and cuDNN calls do), otherwise in full fp32. bf16 and fp16
+Measured on an H100 it loses to inductor, so it stays off (`Sam2MaskDecoder.fused_upscale`,
+`models.sam2.model.default_decoder_paths`). For 256 prompts at 1024 px
+(`python -m bench.sam2_upscale`, docs/BENCHMARKS.md, issue 24's eleventh session) the
+compiled modules took 7.7 ms in TF32 and 4.8 in bf16. This kernel took 11.5 and 7.4 ms at
+its best block (64 source pixels, 4 warps). The first version, which read the skips
+channels-first and the tokens once per tap, took 22.3 ms.
+
+Float32 products run in TF32 where PyTorch's float32 matmul precision allows it (as the
+unfused path's cuBLAS and cuDNN calls do), otherwise in full fp32. bf16 and fp16
 inputs are exact in TF32. Everything after the products (biases, skips, the norm, the
 GELUs, the second product's input, the hypernetwork sums) stays in fp32. The unfused
 path rounds each of those steps to the model's dtype, so the two agree in fp32 and only
@@ -38,7 +44,8 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 
 __all__ = ["upscale_masks"]
 
-# Source pixels per program and warps: picked on an H100 with bench/sam2_upscale.py
+# Source pixels per program and warps: the fastest of 32/64/128 x 4/8 in both precisions
+# on an H100 but one (bf16: 128 and 8 warps, 6.5 ms) with bench/sam2_upscale.py
 BLOCK = 64
 NUM_WARPS = 4
 _BLOCK_K = 64  # input channels per product step

@@ -20,8 +20,9 @@ Measured on an H100 it loses to inductor, so it stays off (`Sam2MaskDecoder.fuse
 `models.sam2.model.default_decoder_paths`). For 256 prompts at 1024 px
 (`python -m bench.sam2_upscale`, docs/BENCHMARKS.md, issue 24's eleventh session) the
 compiled modules took 7.7 ms in TF32 and 4.8 in bf16. This kernel took 11.5 and 7.4 ms at
-its best block (64 source pixels, 4 warps). The first version, which read the skips
-channels-first and the tokens once per tap, took 22.3 ms.
+its best block (64 source pixels, 4 warps), 22.3 ms at 32. The tenth session's version
+(the skips read channels-first, the tokens once per tap) made the whole decoder 45 ms a
+photo slower, 161 against 116 ms.
 
 Float32 products run in TF32 where PyTorch's float32 matmul precision allows it (as the
 unfused path's cuBLAS and cuDNN calls do), otherwise in full fp32. bf16 and fp16

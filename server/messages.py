@@ -72,7 +72,14 @@ class Traced:
 
 @dataclass(frozen=True)
 class StatusCall:
-    """Readiness, progress and what is loaded; every frontend asks a few times a second."""
+    """Readiness, progress and what is loaded; every frontend asks a few times a second.
+
+    `pixels`: the frontend's shared-memory file, which the engine maps (and page-locks, on
+    CUDA) at the first status call rather than at the frontend's first image: 128 MiB took
+    about 90 ms to page-lock, added to that request (docs/BENCHMARKS.md, issue 24's
+    eleventh session)."""
+
+    pixels: str | None = None
 
 
 @dataclass(frozen=True)

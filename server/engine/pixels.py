@@ -50,6 +50,7 @@ class PixelMaps:
         self.device = device
         self._release = release
         self._maps: dict[str, _Mapping] = {}
+        self._unmappable: set[str] = set()  # `map` failed: not tried again at every status
         self._pending: list[tuple[torch.cuda.Event, bytes, int, str]] = []
         self._lock = threading.Lock()  # finalizers run on whichever thread drops a tensor
         self._live: dict[str, int] = {}  # per file: slots lent here and not yet given back
@@ -76,6 +77,17 @@ class PixelMaps:
             log.info("mapped %s (%.0f MiB%s)", path, size / 2**20,
                      ", page-locked" if registered else "")  # fmt: skip
         return mapping
+
+    def map(self, path: str) -> None:
+        """Map (and page-lock) a frontend's file ahead of its first image (`StatusCall`);
+        one that cannot be mapped is said once and left to the frontend's first image."""
+        if path in self._maps or path in self._unmappable:
+            return
+        try:
+            self._mapping(path)
+        except OSError as exc:
+            self._unmappable.add(path)
+            log.warning("could not map %s ahead of its images: %s", path, exc)
 
     def tensor(self, ref: PixelRef, owner: bytes) -> torch.Tensor:
         """`uint8` of the ref's shape (`[h, w, 3]` pixels, `[n]` a JPEG file's bytes) over

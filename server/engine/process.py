@@ -279,6 +279,8 @@ class EngineServer:
                 task.cancel()
             return
         if isinstance(call, StatusCall):
+            if call.pixels is not None and self.pixels is not None:
+                self.pixels.map(call.pixels)
             self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
             return
         key = (owner, call_id)

@@ -222,7 +222,8 @@ class EngineClient:
     async def _poll_status(self, link: EngineLink) -> None:
         while True:
             try:
-                reply = await self._call(StatusCall(), time.monotonic() + 2.0, link)
+                pixels = None if self.pixels is None else str(self.pixels.path)
+                reply = await self._call(StatusCall(pixels), time.monotonic() + 2.0, link)
                 link.status = reply.value
                 link.status_at = time.monotonic()
                 self.status = combined_status([e.status for e in self.engines])

@@ -10,7 +10,7 @@ one CUDA graph per encoder bucket on CUDA; fp32 eager on the CPU).
   (SAM 2's stability fallback): mask IoU rank by rank, and score difference;
 - with `--everything N`: segment everything on cached embeddings, ms per photo, through the
   engine's `EverythingRunner` as a request runs it (steps on the GPU worker, under the
-  serving stance), the same without the stance, and the generator called directly.
+  serving stance), and the generator called directly (no worker, no stance).
 
     SERVE_SAM_MODEL=sam2.1_hiera_large python -m bench.sam2_service --batch 8
     SERVE_DEVICE=cpu SERVE_SAM_MODEL=sam2_test_tiny python -m bench.sam2_service --batch 2 --iters 2
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import statistics
 import time
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -107,13 +106,12 @@ def fidelity(stages: Sam2Stages, reference: Sam2, photos: list[torch.Tensor]) ->
 def everything(
     engine: Engine, photos: list[torch.Tensor], points_per_batch: int
 ) -> list[dict[str, object]]:
-    """Segment everything's ms per photo three ways (module docstring), median of three runs
-    after one warm-up run per photo (Triton compiles its kernels per image size)."""
+    """Segment everything's ms per photo two ways (module docstring), median of three runs
+    after one warm-up run per photo."""
     assert engine.sam is not None
     stages, runner = engine.sam.stages, engine.sam.everything
     assert isinstance(stages, Sam2Stages)
     fields: dict[str, float | int] = {"points_per_batch": points_per_batch}
-    served_stance = runner.serving
     entries = [stages.encode([EncodeItem(f"everything-{k}", p)])[0] for k, p in enumerate(photos)]
 
     def served(entry: ImageEmbedding) -> int:
@@ -134,12 +132,7 @@ def everything(
             return len(generator.finish(per_crop, entry.original_size).scores)
 
     rows: list[dict[str, object]] = []
-    for name, run, stance in (
-        ("runner, serving stance", served, served_stance),
-        ("runner, no stance", served, nullcontext),
-        ("generator called directly", direct, served_stance),
-    ):
-        runner.serving = stance
+    for name, run in (("as served", served), ("generator called directly", direct)):
         times, kept = [], []
         for entry in entries:
             run(entry)  # warm-up
@@ -152,7 +145,6 @@ def everything(
         rows.append({"call": f"everything, {name}", "ms": statistics.median(times),
                      "masks": statistics.mean(kept)})  # fmt: skip
         print(rows[-1], [round(t, 1) for t in times], flush=True)
-    runner.serving = served_stance
     return rows
 
 
@@ -184,9 +176,9 @@ def main() -> None:
     asyncio.run(engine.load())
     assert engine.sam is not None and isinstance(engine.sam.stages, Sam2Stages)
     stages = engine.sam.stages
-    started = time.perf_counter()
-    stages.warmup()
-    warmup_s = time.perf_counter() - started
+    # the engine's own warm-up: it also sets the no-recompile stance that served calls run
+    # under (`stages.warmup()` alone did not, and hid the eager segment everything)
+    warmup_s = asyncio.run(engine.warmup())
     print(f"{engine.sam.info}: warm-up {warmup_s:.1f}s", flush=True)
     photos = load_photos(args.images)
 

@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 
-@functools.cache
 def fused_supported(grid: tuple[int, int], device: torch.device) -> bool:
     """Whether the kernel can run this grid here: CUDA, Triton installed, a row of keys
     that fits one block (the kernel keeps a `[BLOCK_M, w]` tile in registers)."""

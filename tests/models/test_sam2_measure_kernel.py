@@ -9,14 +9,7 @@ tensors, so the generator takes its fused path there.
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-import server.engine.sam2_stages as stages_module
-from models.optimize import OptimizeOptions
-from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.measure_kernel import _measure, _paint
-from server.engine.sam2_stages import Sam2Stages
 from tests.models.interpreter import run_interpreted
 
 KERNELS = r"""
@@ -136,22 +129,11 @@ print(json.dumps(done))
 """
 
 
-def test_the_warm_up_runs_both_kernels_in_each_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`warm_kernels` (the service's warm-up) launches both kernels on fp32 and bf16 logits,
-    and `Sam2Stages.warm_everything` calls it where the kernels run. On the GPU that is
-    their one compile: they are not specialised on sizes."""
+def test_the_warm_up_runs_both_kernels_in_each_dtype() -> None:
+    """`warm_kernels` (the service's warm-up, `Sam2Stages.warm_everything`) launches both
+    kernels on fp32 and bf16 logits. On the GPU that is their one compile: they are not
+    specialised on sizes."""
     assert run_interpreted(WARM, ["float32", "bfloat16"]) == ["float32", "bfloat16"]
     for kernel in (_measure, _paint):
         names = {n if isinstance(n, str) else kernel.arg_names[n] for n in kernel.do_not_specialize}
         assert {"m", "height", "width"} <= names
-    calls: list[tuple[int, torch.dtype, str]] = []
-    monkeypatch.setattr(stages_module, "runs_triton", lambda device: True)
-    monkeypatch.setattr(
-        stages_module,
-        "warm_kernels",
-        lambda m, dtype, device: calls.append((m, dtype, device.type)),
-    )
-    model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None)
-    stages = Sam2Stages(model, torch.device("cpu"), OptimizeOptions(), [1], [1])
-    stages.warm_everything(4)
-    assert calls == [(4 * model.config.embedding_size, torch.float32, "cpu")]

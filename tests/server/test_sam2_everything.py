@@ -23,12 +23,15 @@ import torch
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+import server.engine.sam2_stages as stages_module
+from models.optimize import OptimizeOptions
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
 from models.sam2.automatic import (
     AutomaticMasks,
     Sam2AutomaticMaskGenerator,
     Sam2AutomaticMaskSettings,
 )
+from server.engine.sam2_stages import Sam2Stages
 from tests.conftest import PHOTOS
 from tests.models.sam2_blobs import blob_weights
 from tests.server.test_api_errors import assert_error
@@ -159,3 +162,24 @@ def test_the_memory_bound_refuses_before_running(checkpoint: Path, png: bytes) -
             assert_error(everything(http, png, **REQUEST), 413, "everything_too_large")
     finally:
         server.stop()
+
+
+def test_the_warm_up_compiles_the_measure_kernels_where_they_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Sam2Stages.warm_everything` compiles the generator's measure and paint kernels
+    (`warm_kernels`) where they run, so the first request after start does not (1.2 s on
+    the H100)."""
+    calls: list[tuple[int, torch.dtype, str]] = []
+
+    def record(m: int, dtype: torch.dtype, device: torch.device) -> None:
+        calls.append((m, dtype, device.type))
+
+    monkeypatch.setattr(stages_module, "warm_kernels", record)
+    model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None)
+    stages = Sam2Stages(model, torch.device("cpu"), OptimizeOptions(), [1], [1])
+    stages.warm_everything(4)
+    assert calls == []  # the CPU without the interpreter: the generator measures unfused
+    monkeypatch.setattr(stages_module, "runs_triton", lambda device: True)
+    stages.warm_everything(4)
+    assert calls == [(4 * model.config.embedding_size, torch.float32, "cpu")]

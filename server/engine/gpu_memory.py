@@ -47,7 +47,8 @@ class EntryPool:
         if self._pool is None:
             yield
             return
-        with torch.cuda.use_mem_pool(self._pool, self.device):
+        # an index-less "cuda" is the current device, which use_mem_pool takes as None
+        with torch.cuda.use_mem_pool(self._pool, self.device.index):
             yield
 
     def reserved_bytes(self) -> int:

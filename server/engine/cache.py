@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from server.engine.batcher import DEADLINE_CANCEL
-from server.engine.gpu_memory import EntryPool
 from server.errors import ServiceError
 from server.observers import CacheObserver
 
@@ -99,15 +98,12 @@ class EmbeddingCache:
         host_bytes: int = 0,
         device: torch.device | None = None,
         observer: CacheObserver | None = None,
-        pool: EntryPool | None = None,
     ) -> None:
         self.device_tier = _Tier("device", max_bytes)
         # Host copies are pinned where a GPU can read them back asynchronously. (On a CPU
         # device both tiers are host memory; the second is then just a colder LRU.)
         self.host_tier = _Tier("host", host_bytes)
         self.device = device or torch.device("cpu")
-        # entries brought back from the host tier live where the encoder's do (EntryPool)
-        self.pool = pool or EntryPool(self.device)
         self._pin = self.device.type == "cuda"
         self.observer = observer or CacheObserver()
         self._inflight: dict[str, _Flight] = {}
@@ -142,8 +138,7 @@ class EmbeddingCache:
         # A blocking copy (~2 MB, well under a millisecond from pinned memory): this runs on
         # the event loop's thread and stream, and the decoder's thread reads the result on
         # another stream, which would not wait for an asynchronous copy here.
-        with self.pool.allocating():
-            entry = hosted.moved(lambda t: t.to(self.device))
+        entry = hosted.moved(lambda t: t.to(self.device))
         self.put(entry)
         return entry
 

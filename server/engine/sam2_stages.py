@@ -47,7 +47,6 @@ from models.sam2.measure_kernel import warm_kernels
 from models.triton_device import runs_triton
 from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.engine.gpu_memory import EntryPool
 from server.engine.stages import (
     GRAPHED_SETS,
     DecodeItem,
@@ -76,10 +75,8 @@ class Sam2Stages(SamStages):
         rle_on_device: bool = False,
         work_bytes: int = 256 * 1024**2,
         decoder_graphs: bool = True,
-        entry_pool: EntryPool | None = None,
     ) -> None:
         self.sam2 = model
-        self.entry_pool = entry_pool or EntryPool(device)
         self.sam2_config = model.config
         # SAM's view of the same sizes (input square, 4x-embedding low-res masks, multimask
         # count, threshold), which the inherited mask handling reads
@@ -182,17 +179,16 @@ class Sam2Stages(SamStages):
         bucket = bucket_for(len(items), self.encoder_buckets)
         embed, s0, s1 = self._encode(pad_batch(batch, bucket).to(self.dtype))
         square = (self.sam2_config.image_size, self.sam2_config.image_size)
-        with self.entry_pool.allocating():  # they outlive the batch: see SamStages.encode
-            return [
-                ImageEmbedding(
-                    item.image_id,
-                    embed[k].clone(),
-                    square,
-                    item.size(),
-                    high_res=(s0[k].clone(), s1[k].clone()),
-                )
-                for k, item in enumerate(items)
-            ]
+        return [
+            ImageEmbedding(
+                item.image_id,
+                embed[k].clone(),
+                square,
+                item.size(),
+                high_res=(s0[k].clone(), s1[k].clone()),
+            )
+            for k, item in enumerate(items)
+        ]
 
     def _to_input_frame(self, xy: np.ndarray, original_size: tuple[int, int]) -> np.ndarray:
         """x scaled by S / W and y by S / H (the square resize), in float32 and in Meta's

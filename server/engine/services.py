@@ -55,7 +55,6 @@ from server.engine.everything import (
 )
 from server.engine.faults import Faults
 from server.engine.fidelity import FidelityReport, measure_served
-from server.engine.gpu_memory import EntryPool
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.sam_service import SamParts, SamService
 from server.engine.stages import (
@@ -106,15 +105,11 @@ class Engine:
         self.workers = StageWorkers(self.device, settings.stage_threads)
         # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
         self.worker = self.workers["sam_encoder"]
-        # the cache's entries, made by the encoder's stage or brought back from the host
-        # tier, in device memory of their own (EntryPool says why)
-        self.entry_pool = EntryPool(self.device)
         self.cache = EmbeddingCache(
             settings.embedding_cache_bytes,
             host_bytes=settings.embedding_cache_host_bytes,
             device=self.device,
             observer=observer if isinstance(observer, CacheObserver) else None,
-            pool=self.entry_pool,
         )
         self.low_res = LowResStore(settings.low_res_cache_bytes)
         self.sam: SamParts | None = None
@@ -302,7 +297,7 @@ class Engine:
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
             aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
-            decoder_graphs=s.decoder_graphs, entry_pool=self.entry_pool,
+            decoder_graphs=s.decoder_graphs,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         return self._sam_parts(stages, info, sam_generators(model, info.name))
@@ -329,7 +324,6 @@ class Engine:
             model, self.device, opts, encoder_buckets,
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
             work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
-            entry_pool=self.entry_pool,
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")

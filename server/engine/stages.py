@@ -34,7 +34,6 @@ from models.swin import transforms as swin_tf
 from models.swin.resize_kernel import packed_supported, preprocess_packed
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.engine.gpu_memory import EntryPool
 from server.engine.runs import mask_runs
 
 log = logging.getLogger(__name__)
@@ -148,11 +147,8 @@ class SamStages:
         work_bytes: int = 256 * 1024**2,
         aot: AotStore | None = None,
         decoder_graphs: bool = True,
-        entry_pool: EntryPool | None = None,
     ) -> None:
         self.model = model
-        # where the embeddings `encode` returns are allocated: they outlive the batch
-        self.entry_pool = entry_pool or EntryPool(device)
         self.rle_on_device = rle_on_device
         self.work_bytes = work_bytes  # float logits upscaled at once (see _full_size_masks)
         self.config = config
@@ -199,14 +195,11 @@ class SamStages:
         bucket = bucket_for(len(items), self.encoder_buckets)
         # batch: [bucket, 3, S, S] -> embeddings [bucket, C, S/16, S/16]
         embeddings = self._encode(pad_batch(batch, bucket).to(self.dtype))
-        # input sizes from the pixels, which a scaled decode keeps equal to the image's;
-        # each embedding copied out of the batch (and the graph's output) into the pool of
-        # what outlives a batch, where a cached one pins no transient segment (EntryPool)
-        with self.entry_pool.allocating():
-            return [
-                ImageEmbedding(item.image_id, embeddings[k].clone(), input_sizes[k], item.size())
-                for k, item in enumerate(items)
-            ]
+        # input sizes from the pixels, which a scaled decode keeps equal to the image's
+        return [
+            ImageEmbedding(item.image_id, embeddings[k].clone(), input_sizes[k], item.size())
+            for k, item in enumerate(items)
+        ]
 
     def _prompt_set(
         self, prompt: Prompt, entry: ImageEmbedding, mask_input: torch.Tensor | None

@@ -10,7 +10,9 @@
 # $OUT/openloop_<kind>.json and, as tables, to $OUT/openloop.txt; the server's log, its
 # /metrics after the run and nvidia-smi beside them. Where the time went: each load's second
 # table in openloop.txt (p50/p99 ms per hop: client lag, HTTP, frontend, engine call, engine,
-# its phases; bench/openloop/phases.py) and `phases_ms` in each JSON row. Clicks alone:
+# its phases; bench/openloop/phases.py) and `phases_ms` in each JSON row. After each load
+# the engines' GPU memory goes to openloop.txt and their allocator pools by stream to
+# memory_by_stream.txt. Clicks alone:
 #   WEIGHTS=synthetic SEGMENT_RATES= CLASSIFY_RATES= MIX= CLICK_RATES=100 bash bench/gpu_openloop.sh About 3 minutes of load after start-up
 # (a cold start compiles: the whole run stays under 8 minutes while start-up takes < 5).
 #
@@ -84,6 +86,20 @@ echo "ready after $(($(date +%s) - started)) s" | tee "$OUT/openloop.txt"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 } >> "$OUT/openloop.txt" 2>&1
 
+# The engines' process ids, from the supervisor's log lines.
+engine_pids() { grep -o '"engine-[0-9]* process [0-9]* started' "$OUT/server.log" | awk '{print $3}'; }
+# After each load: the engine's GPU memory gauges into openloop.txt, and its caching
+# allocator's pools by stream into the server's log (SIGUSR2; server.engine.gpu_memory).
+memory_note() {
+  python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \
+    "$URL" 2> /dev/null | grep -E '^serve_gpu_memory_(allocated|reserved|peak_allocated)_bytes' \
+    | sed "s/^/memory after $1: /" | tee -a "$OUT/openloop.txt"
+  for pid in $(engine_pids); do kill -USR2 "$pid" 2> /dev/null; done
+  sleep 1
+  grep -o 'gpu memory by stream: .*' "$OUT/server.log" | tail -n "$(engine_pids | wc -l)" \
+    | sed "s/^/after $1: /" >> "$OUT/memory_by_stream.txt"
+}
+
 COMMON=(--url "$URL" --images "$IMAGES" --seconds "$SECONDS_PER_RATE" --warmup-seconds "$WARMUP"
   --pause-seconds 1 --timeout 5)
 load() {  # name, cut-off in seconds, then the tool's own arguments
@@ -95,6 +111,7 @@ load() {  # name, cut-off in seconds, then the tool's own arguments
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { echo "$name: rc=$rc (124: cut at $limit s)"; tail -5 "$OUT/openloop_$name.log"; } \
     | tee -a "$OUT/openloop.txt"
+  memory_note "$name"
 }
 # a step takes WARMUP + SECONDS_PER_RATE + up to the 5 s timeout + 2 s; the cut-offs leave
 # room for 3 steps plus start-up and, for clicks, embedding the photos
@@ -111,7 +128,7 @@ python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metric
   "$URL" > "$OUT/metrics.txt" 2>&1
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpu.csv" 2>&1
 if [ -n "${DUMP_STACKS:-}" ]; then  # every engine thread's Python stack (faulthandler)
-  for pid in $(grep -o '"engine-[0-9]* process [0-9]* started' "$OUT/server.log" | awk '{print $3}'); do
+  for pid in $(engine_pids); do
     kill -USR1 "$pid" 2> /dev/null
   done
   sleep 2

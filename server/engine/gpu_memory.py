@@ -1,4 +1,5 @@
-"""GPU memory as the engine sees it, pushed into `Metrics` by its sampler.
+"""GPU memory as the engine sees it, pushed into `Metrics` by its sampler, and its caching
+allocator's pools by stream, for the log (`kill -USR2` an engine).
 
 Read in the engine process (the frontends never import torch) and written to the gauges,
 which multiprocess mode shares with every frontend's render. The `device` label is the
@@ -10,6 +11,8 @@ the same series, and NVML's own index, which ignores CUDA_VISIBLE_DEVICES.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -68,3 +71,46 @@ def _nvml_memory() -> list[tuple[int, float, float]]:
 
 
 _nvml_state: dict[str, object] = {}
+
+
+def memory_by_stream(streams: Mapping[str, torch.cuda.Stream]) -> list[dict[str, object]]:
+    """The caching allocator's segments summed per stream (and private pool: a CUDA graph's):
+    which stage holds the device's reserve, and how fragmented it is (its largest free
+    block beside what it reserves). Walks every block of the allocator's snapshot, holding
+    the GIL for milliseconds: for a signal or a bench, not for every metrics sample.
+
+    `streams` names the stages' streams; 0 is the default stream, where the event loop and
+    the JPEG thread allocate. Sizes in MB (10^6 bytes)."""
+    names = {int(stream.cuda_stream): stage for stage, stream in streams.items()}
+    return summarize_segments(torch.cuda.memory_snapshot(), names)
+
+
+def summarize_segments(
+    segments: list[dict[str, Any]], names: Mapping[int, str]
+) -> list[dict[str, object]]:
+    """`memory_by_stream`'s sums over segments in the format of torch.cuda.memory_snapshot()
+    (streams named by `names`, 0 as "default"), the largest reserve first."""
+    names = {0: "default", **names}
+    rows: dict[str, dict[str, float]] = {}
+    for segment in segments:
+        name = names.get(int(segment["stream"]), hex(int(segment["stream"])))
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):
+            name = f"{name}, pool {pool[0]}.{pool[1]}"
+        row = rows.setdefault(
+            name, {"segments": 0, "reserved_mb": 0.0, "allocated_mb": 0.0, "free_blocks": 0,
+                   "largest_free_mb": 0.0, "largest_segment_mb": 0.0},
+        )  # fmt: skip
+        row["segments"] += 1
+        row["reserved_mb"] += segment["total_size"] / 1e6
+        row["allocated_mb"] += segment["allocated_size"] / 1e6
+        row["largest_segment_mb"] = max(row["largest_segment_mb"], segment["total_size"] / 1e6)
+        for block in segment["blocks"]:
+            if block["state"] == "inactive":
+                row["free_blocks"] += 1
+                row["largest_free_mb"] = max(row["largest_free_mb"], block["size"] / 1e6)
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1]["reserved_mb"])
+    return [
+        {"pool": name, **{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}}
+        for name, row in ordered
+    ]

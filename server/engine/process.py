@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ from server import tracing
 from server.domain import Image
 from server.engine import jpeg
 from server.engine.fidelity import FidelityError
+from server.engine.gpu_memory import memory_by_stream
 from server.engine.jpeg import JpegDecoder
 from server.engine.pixels import PixelMaps
 from server.engine.services import Engine
@@ -111,6 +113,16 @@ class EngineServer:
         self.jpeg: JpegDecoder | None = None  # None: the frontends decode every image
         self.jpeg_models: tuple[str, ...] = ()  # whose JPEG files come here undecoded
         self.bound = threading.Event()  # set once the socket listens (embedded mode waits)
+
+    def log_gpu_memory(self) -> None:
+        """`kill -USR2`: the caching allocator's reserve per stage's stream, to the log (on
+        CUDA, once the engine is built): where the device's memory went."""
+        engine = self.engine
+        if engine is None or engine.device.type != "cuda":
+            log.info("gpu memory by stream: no CUDA engine yet")
+            return
+        rows = memory_by_stream(engine.workers.streams)
+        log.info("gpu memory by stream: %s", json.dumps(rows))
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -455,6 +467,7 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     async def main() -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, server.stop.set)
+        loop.add_signal_handler(signal.SIGUSR2, server.log_gpu_memory)
 
         async def fail_fast() -> None:
             while server.failure is None:

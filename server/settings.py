@@ -185,6 +185,13 @@ class Settings(BaseSettings):
     watchdog_timeout_s: float = Field(120.0, gt=0.0)
     """a batch computing longer than this (seconds) marks the worker stuck (/healthz 503)"""
 
+    # Diagnosis of GPU memory: `kill -USR2` an engine logs its allocator's reserve per
+    # stage stream (server.engine.gpu_memory); with this set it also records that many of
+    # the allocator's latest events with their Python stacks and writes them beside the
+    # log line as a snapshot for PyTorch's memory viz (costs host time per allocation).
+    gpu_memory_history: int = Field(0, ge=0)
+    """allocator events recorded with their stacks for `kill -USR2` (0: off; diagnosis)"""
+
     # Fault injection, for tests of failure handling only (see server/engine/faults.py).
     fault_oom_min_batch: int = Field(0, ge=0)
     """tests only: fail batches of at least this many items with out-of-memory (0: never)"""

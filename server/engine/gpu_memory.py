@@ -11,6 +11,8 @@ the same series, and NVML's own index, which ignores CUDA_VISIBLE_DEVICES.
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,3 +116,22 @@ def summarize_segments(
         {"pool": name, **{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}}
         for name, row in ordered
     ]
+
+
+def record_history(entries: int) -> None:
+    """Record the allocator's latest `entries` events (allocations, frees, segment mallocs)
+    with the Python stack of each (`SERVE_GPU_MEMORY_HISTORY`): what `dump_history` writes.
+    Set before the models load, so their segments are in it too."""
+    torch.cuda.memory._record_memory_history(
+        "all", context="all", stacks="python", max_entries=entries
+    )
+
+
+def dump_history() -> str:
+    """The recorded events and the allocator's segments, as a pickle that PyTorch's memory
+    viz (pytorch.org/memory_viz) or `torch.cuda._memory_viz` reads; returns its path."""
+    path = os.path.join(
+        tempfile.gettempdir(), f"gpu-memory-{os.getpid()}-{time.strftime('%H%M%S')}.pickle"
+    )
+    torch.cuda.memory._dump_snapshot(path)
+    return path

@@ -39,7 +39,7 @@ from server import tracing
 from server.domain import Image
 from server.engine import jpeg
 from server.engine.fidelity import FidelityError
-from server.engine.gpu_memory import memory_by_stream
+from server.engine.gpu_memory import dump_history, memory_by_stream, record_history
 from server.engine.jpeg import JpegDecoder
 from server.engine.pixels import PixelMaps
 from server.engine.services import Engine
@@ -123,6 +123,9 @@ class EngineServer:
             return
         rows = memory_by_stream(engine.workers.streams)
         log.info("gpu memory by stream: %s", json.dumps(rows))
+        if self.settings.gpu_memory_history:
+            path = dump_history()
+            log.info("gpu memory history (torch.cuda.memory._dump_snapshot) in %s", path)
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -175,6 +178,8 @@ class EngineServer:
         try:
             engine = Engine(settings, metrics)
             self.engine = engine
+            if settings.gpu_memory_history and engine.device.type == "cuda":
+                record_history(settings.gpu_memory_history)  # before any model's tensors
             self.pixels = PixelMaps(engine.device, self._release_soon)
             decode = await asyncio.to_thread(jpeg.choose, settings.jpeg_decode, engine.device)
             if decode is not None:

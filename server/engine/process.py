@@ -125,7 +125,9 @@ class EngineServer:
         log.info("gpu memory by stream: %s", json.dumps(rows))
         if self.settings.gpu_memory_history:
             path = dump_history()
-            log.info("gpu memory history (torch.cuda.memory._dump_snapshot) in %s", path)
+            streams = {stage: hex(s.cuda_stream) for stage, s in engine.workers.streams.items()}
+            log.info("gpu memory history (torch.cuda.memory._dump_snapshot) in %s; the "
+                     "stages' streams: %s", path, streams)  # fmt: skip
 
     # -- life cycle -------------------------------------------------------------------
 

@@ -178,8 +178,8 @@ def _tables(
 ) -> tuple[np.ndarray, np.ndarray, int, int, int]:
     """Per image: the packed offsets; per axis: first input index, taps and weights of
     every cropped output position, padded to the batch's widest filter. Returns (params
-    `[B, 4]` int64, one int32 array holding the six tables, the widest filter, the rows
-    of the intermediate buffer, the tallest image)."""
+    `[B, 4]` int64, one int32 array holding the six tables, the widest filter, the pixels
+    of the intermediate buffer (each image's rows, S wide), the tallest image)."""
     S, R = config.img_size, config.resize_size
     params = np.empty((len(sizes), 4), dtype=np.int64)
     axes: list[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]] = []
@@ -211,7 +211,7 @@ def preprocess_packed(values: Tensor, sizes: Sequence[Size], config: SwinConfig)
     horizontal, vertical = _kernels()
     S = config.img_size
     device = values.device
-    params, table, k_max, inter_rows, tallest = _tables(sizes, config)
+    params, table, k_max, inter_pixels, tallest = _tables(sizes, config)
     B = len(sizes)
     tables = torch.from_numpy(table).to(device, non_blocking=True)
     params_t = torch.from_numpy(params).to(device, non_blocking=True)
@@ -220,7 +220,9 @@ def preprocess_packed(values: Tensor, sizes: Sequence[Size], config: SwinConfig)
     taps_h, taps_v = tables[2 * n : 3 * n], tables[3 * n : 4 * n]
     weights = tables[4 * n :]
     weights_h, weights_v = weights[: n * k_max], weights[n * k_max :]
-    inter = torch.empty(inter_rows * S * 3, dtype=torch.uint8, device=device)
+    # [sum(H), S, 3]: the horizontal pass's rows (counted in pixels by _tables; sized by
+    # S once more, it reserved 6 GB for a batch of 32 photos, docs/BENCHMARKS.md)
+    inter = torch.empty(inter_pixels * 3, dtype=torch.uint8, device=device)
     out = torch.empty(B, 3, S, S, dtype=torch.float32, device=device)
     block_c = max(16, 1 << (S - 1).bit_length())
     flat = values.reshape(-1)

@@ -185,3 +185,18 @@ def test_the_classifier_stage_serves_through_the_kernels() -> None:
     assert result["images"] == 6
     assert result["logit_diff"] <= 0.05 * result["scale"], result
     assert all(result["same_top1"]), result
+
+
+def test_the_intermediate_buffer_holds_each_images_rows_once() -> None:
+    """The horizontal pass writes S pixels for each source row: the buffer the batch gets is
+    sum(H) * S pixels of 3 bytes. (It was S times that: 6 GB for 32 photos, reserved for
+    good by the caching allocator; H200, docs/BENCHMARKS.md.)"""
+    from models.swin.resize_kernel import _tables
+
+    config = SWIN_CONFIGS["swin_tiny_patch4_window7_224"]
+    sizes = [(1365, 2048), (534, 800), (224, 224), (3000, 17)]
+    params, _, _, inter_pixels, tallest = _tables(sizes, config)
+    S = config.img_size
+    assert inter_pixels == sum(h for h, _ in sizes) * S and tallest == 3000
+    # each image's rows start where the previous image's end
+    assert [int(p[3]) for p in params] == [0, 1365 * S, (1365 + 534) * S, (1365 + 534 + 224) * S]

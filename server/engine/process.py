@@ -217,6 +217,11 @@ class EngineServer:
                         "the served variant is below the fidelity floor: "
                         + "; ".join(report.shortfalls)
                     )
+            # start-up's transients (the largest decoder bucket's masks and runs, compiling,
+            # capturing) go back to the device: reserved by the start-up thread's stream,
+            # they would stay there unused, 23 GB on an H200 (docs/BENCHMARKS.md)
+            released = await asyncio.to_thread(engine.workers.release_cached)
+            log.info("start-up's cached GPU memory released: %.2f GB", released / 1e9)
             self.ready = True
             metrics.ready.set(1)
             log.info("ready after %.1fs (%.1fs since process start)",

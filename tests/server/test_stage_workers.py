@@ -95,3 +95,13 @@ def test_per_stage_threads_answer_as_one_thread_does() -> None:
             assert pa.masks is not None and pb.masks is not None  # host RLE on the CPU
             assert pa.masks.shape == pb.masks.shape
             assert (pa.masks == pb.masks).mean() > 0.99
+
+
+def test_releasing_the_cache_gives_nothing_back_without_cuda() -> None:
+    # on CUDA it waits for every stream and empties the caching allocator (the end of
+    # start-up, measured on the GPU: docs/BENCHMARKS.md); the CPU has no such cache
+    workers = StageWorkers(torch.device("cpu"), "per_stage")
+    try:
+        assert workers.release_cached() == 0
+    finally:
+        workers.shutdown()

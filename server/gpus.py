@@ -1,7 +1,8 @@
 """Which GPUs the engines get, decided by the supervisor without importing torch.
 
-One engine process per GPU: each is started with CUDA_VISIBLE_DEVICES naming its one GPU,
-so inside it the device is `cuda:0` and nothing in the engine knows there are others. The
+Engine processes per GPU (two by default, `SERVE_ENGINES_PER_GPU`): each is started with
+CUDA_VISIBLE_DEVICES naming its one GPU, so inside it the device is `cuda:0` and nothing in
+the engine knows there are others. The
 GPUs are counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is
 set (a pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG
 instances counts once per instance, named by its UUID, since a CUDA process can use only
@@ -85,12 +86,25 @@ def visible_gpus(environ: Mapping[str, str]) -> list[str]:
     return parse_nvidia_smi(done.stdout)
 
 
+def engines_on(gpu: str, per_gpu: int | str) -> int:
+    """Engines `SERVE_ENGINES_PER_GPU` puts on `gpu` (a CUDA_VISIBLE_DEVICES entry): auto is
+    two on a whole GPU (their two GILs keep its stages fed), one on a MIG instance."""
+    if per_gpu != "auto":
+        return int(per_gpu)
+    return 1 if gpu.startswith("MIG-") else 2
+
+
 def plan_engines(settings: Settings, environ: Mapping[str, str]) -> list[EnginePlan]:
-    """How many engines, each with its GPU: `SERVE_ENGINES`, or one per visible GPU.
+    """How many engines, each with its GPU: `SERVE_ENGINES`, or `SERVE_ENGINES_PER_GPU` on
+    each visible GPU, in turns (engine-0 on the first GPU, engine-1 on the second, ...).
 
     On the CPU (`SERVE_DEVICE=cpu`, or no GPU) nothing is pinned and any number may run
     (tests); more engines than GPUs share them round robin."""
     gpus = [] if settings.device == "cpu" else visible_gpus(environ)
+    if settings.engines == "auto" and gpus:
+        counts = [engines_on(gpu, settings.engines_per_gpu) for gpu in gpus]
+        turns = range(max(counts))
+        gpus = [g for turn in turns for g, n in zip(gpus, counts, strict=True) if n > turn]
     count = settings.engines if settings.engines != "auto" else max(1, len(gpus))
     if not gpus:
         return [EnginePlan(index, {}) for index in range(count)]
@@ -98,8 +112,8 @@ def plan_engines(settings: Settings, environ: Mapping[str, str]) -> list[EngineP
     if "CUDA_VISIBLE_DEVICES" not in environ:
         # nvidia-smi numbers GPUs by PCI bus; CUDA's default order may differ
         order = {"CUDA_DEVICE_ORDER": environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
-    if count > len(gpus):
-        log.warning("%d engines on %d GPUs: some GPUs serve two or more", count, len(gpus))
+    if count > len(set(gpus)):
+        log.info("%d engines on %d GPUs: some GPUs serve two or more", count, len(set(gpus)))
     return [
         EnginePlan(index, {**order, "CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]})
         for index in range(count)

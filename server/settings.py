@@ -228,8 +228,15 @@ class Settings(BaseSettings):
     # process drives one device, and each keeps its own embedding cache, so the frontends
     # send every call about an image to the engine that image hashes to (its `image_id`).
     engines: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    """engine processes: auto (one per visible GPU, 1 without one), or a number (several on
-    the CPU too; more than the GPUs share them round robin)"""
+    """engine processes: auto (SERVE_ENGINES_PER_GPU per visible GPU, 1 without one), or a
+    number (several on the CPU too; more than the GPUs share them round robin)"""
+    # Two engines on one GPU: each a process of its own, with its own GIL, models and
+    # cache (images hash between them as between GPUs). On an H200 two held the README's
+    # mix where one collapsed, and served 2,483-2,863 clicks/s where one served 1,893-1,909
+    # (docs/BENCHMARKS.md, issue 19); a MIG instance is too small to hold two.
+    engines_per_gpu: Annotated[int, Field(ge=1, le=8)] | Literal["auto"] = "auto"
+    """engines on each GPU with SERVE_ENGINES=auto: auto (2 per whole GPU, 1 per MIG
+    instance) or a number"""
     # Each frontend decodes into a file of this size in /dev/shm that the engine maps (and
     # page-locks on CUDA): pixels reach the GPU without a copy or a pickle. An image that
     # does not fit travels inline with its call instead (one copy more); none is refused.

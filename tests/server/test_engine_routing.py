@@ -120,7 +120,7 @@ def test_gpus_are_counted_as_cuda_will_see_them():
 
 
 def test_each_engine_gets_its_own_gpu():
-    auto = Settings(device="auto")
+    auto = Settings(device="auto", engines_per_gpu=1)
     plans = plan_engines(auto, {"CUDA_VISIBLE_DEVICES": "2,3"})
     assert [(p.role, dict(p.env)) for p in plans] == [
         ("engine-0", {"CUDA_VISIBLE_DEVICES": "2"}),
@@ -134,3 +134,20 @@ def test_each_engine_gets_its_own_gpu():
     assert [dict(p.env) for p in plan_engines(auto, {"CUDA_VISIBLE_DEVICES": ""})] == [{}]
     cpu = plan_engines(Settings(device="cpu", engines=2), {"CUDA_VISIBLE_DEVICES": "0,1"})
     assert [dict(p.env) for p in cpu] == [{}, {}]
+
+
+def test_two_engines_per_whole_gpu_one_per_mig_instance_by_default():
+    def gpus_of(settings: Settings, visible: str) -> list[str]:
+        return [p.env["CUDA_VISIBLE_DEVICES"] for p in plan_engines(settings, {
+            "CUDA_VISIBLE_DEVICES": visible})]  # fmt: skip
+
+    default = Settings(device="cuda")
+    assert gpus_of(default, "0") == ["0", "0"]
+    assert gpus_of(default, "2,3") == ["2", "3", "2", "3"]  # in turns: engine-0, -1 differ
+    mig = "MIG-9a8b7c6d-1111-2222-3333-444455556666"
+    assert gpus_of(default, f"0,{mig}") == ["0", mig, "0"]
+    assert gpus_of(Settings(device="cuda", engines_per_gpu=3), "1") == ["1", "1", "1"]
+    assert gpus_of(Settings(device="cuda", engines_per_gpu=1), f"1,{mig}") == ["1", mig]
+    # a number of engines overrides the count per GPU; no GPU: one engine
+    assert gpus_of(Settings(device="cuda", engines=1), "0,1") == ["0"]
+    assert [dict(p.env) for p in plan_engines(default, {"CUDA_VISIBLE_DEVICES": ""})] == [{}]

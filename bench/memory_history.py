@@ -29,6 +29,34 @@ def _site(frames: list[dict[str, Any]], depth: int) -> str:
     )
 
 
+def summarise(snapshot: dict[str, Any], depth: int = 3, rows: int = 25) -> str:
+    """The report `main` prints for one snapshot (the dict `_dump_snapshot` pickles)."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    kinds = collections.Counter(e["action"] for e in events)
+    lines = [f"{len(events)} events: {dict(kinds)}"]
+    grown: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
+    for event in events:
+        if event["action"] == "segment_alloc":
+            key = (int(event.get("stream", 0)), _site(event.get("frames", []), depth))
+            grown[key].append(int(event["size"]))
+    freed = sum(int(e["size"]) for e in events if e["action"] == "segment_free")
+    ordered = sorted(grown.items(), key=lambda kv: -sum(kv[1]))
+    total = sum(sum(sizes) for sizes in grown.values())
+    lines.append(f"segments allocated: {total / 1e9:.2f} GB in "
+                 f"{sum(map(len, grown.values()))}, freed: {freed / 1e9:.2f} GB")  # fmt: skip
+    lines.append("| stream | segments | GB | largest MB | where (our innermost frames) |")
+    lines.append("|---|---|---|---|---|")
+    for (stream, site), sizes in ordered[:rows]:
+        lines.append(f"| {stream:#x} | {len(sizes)} | {sum(sizes) / 1e9:.2f} | "
+                     f"{max(sizes) / 1e6:.1f} | {site} |")  # fmt: skip
+    by_stream: dict[int, int] = collections.Counter()
+    for segment in snapshot.get("segments", []):
+        by_stream[int(segment["stream"])] += int(segment["total_size"])
+    reserved = {f"{k:#x}": round(v / 1e9, 2) for k, v in by_stream.items()}
+    lines.append(f"reserved now by stream (GB): {reserved}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("snapshot", type=Path)
@@ -37,31 +65,7 @@ def main() -> None:
     args = p.parse_args()
     with args.snapshot.open("rb") as f:
         snapshot = pickle.load(f)
-    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
-    kinds = collections.Counter(e["action"] for e in events)
-    print(f"{len(events)} events: {dict(kinds)}")
-    grown: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
-    for event in events:
-        if event["action"] == "segment_alloc":
-            key = (int(event.get("stream", 0)), _site(event.get("frames", []), args.depth))
-            grown[key].append(int(event["size"]))
-    freed = sum(int(e["size"]) for e in events if e["action"] == "segment_free")
-    rows = sorted(grown.items(), key=lambda kv: -sum(kv[1]))
-    total = sum(sum(sizes) for sizes in grown.values())
-    print(f"segments allocated: {total / 1e9:.2f} GB in {sum(map(len, grown.values()))}, "
-          f"freed: {freed / 1e9:.2f} GB")  # fmt: skip
-    print("| stream | segments | GB | largest MB | where (our innermost frames) |")
-    print("|---|---|---|---|---|")
-    for (stream, site), sizes in rows[: args.rows]:
-        print(f"| {stream:#x} | {len(sizes)} | {sum(sizes) / 1e9:.2f} | "
-              f"{max(sizes) / 1e6:.1f} | {site} |")  # fmt: skip
-    segments = snapshot.get("segments", [])
-    by_stream: dict[int, int] = collections.Counter()
-    for segment in segments:
-        by_stream[int(segment["stream"])] += int(segment["total_size"])
-    print(
-        "reserved now by stream (GB):", {f"{k:#x}": round(v / 1e9, 2) for k, v in by_stream.items()}
-    )
+    print(summarise(snapshot, args.depth, args.rows))
 
 
 if __name__ == "__main__":

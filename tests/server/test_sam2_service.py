@@ -299,7 +299,7 @@ def test_settings_accept_sam2_names_and_refuse_unknown_ones(
         assert name in message
     monkeypatch.setenv("SERVE_SAM_MODEL", "sam2.1_hiera_tiny")
     monkeypatch.setenv("SERVE_QUANTIZATION", "int8")
-    with pytest.raises(BadSettingError, match="not measured for SAM 2"):
+    with pytest.raises(BadSettingError, match="slower and less faithful than bf16"):
         load_settings()
 
 

@@ -2,11 +2,11 @@
 
 Engine processes per GPU (two by default, `SERVE_ENGINES_PER_GPU`): each is started with
 CUDA_VISIBLE_DEVICES naming its one GPU, so inside it the device is `cuda:0` and nothing in
-the engine knows there are others. The
-GPUs are counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is
-set (a pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG
-instances counts once per instance, named by its UUID, since a CUDA process can use only
-one of them). No nvidia-smi, or it fails: no GPU, one engine.
+the engine knows there are others. The GPUs are counted the way CUDA will see them: the
+entries of CUDA_VISIBLE_DEVICES when it is set (a pod's runtime or a user chose them),
+else `nvidia-smi -L` (a GPU split into MIG instances counts once per instance, named by its
+UUID, since a CUDA process can use only one of them). No nvidia-smi, or it fails: no GPU,
+one engine.
 
 CUDA_VISIBLE_DEVICES is CUDA's own variable, read here as CUDA would read it (not a
 setting; `server.engine.gpu_memory` reads it the same way for its labels).

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.common import DEFAULT_IMAGES, cuda_time_ms, environment, load_photos, print_table
+from models.fidelity import mask_iou, relative_error
 from models.int8_select import calibration_run
 from models.quantize import quantize_linears
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
@@ -98,15 +99,15 @@ def main() -> None:
                     ms = cuda_time_ms(functools.partial(encode, x), args.iters)
                 feats = [encode(i[None].to(torch.bfloat16)) for i in inputs]
                 errs = [
-                    float((f.image_embed.float() - r.image_embed).norm() / r.image_embed.norm())
+                    relative_error(f.image_embed, r.image_embed)
                     for f, r in zip(feats, ref_feats, strict=True)
                 ]
                 masks = _masks(model, feats, boxes.to(torch.bfloat16), sizes)
-            ious = []
-            for a, b in zip(masks, ref_masks, strict=True):
-                inter = (a & b).flatten(1).sum(1).float()
-                union = (a | b).flatten(1).sum(1).float().clamp(min=1)
-                ious += (inter / union).tolist()
+            ious = [
+                iou
+                for a, b in zip(masks, ref_masks, strict=True)
+                for iou in mask_iou(a, b).tolist()
+            ]
             rows.append(
                 {
                     "model": name,

@@ -148,7 +148,9 @@ async def _load(
                 response = await client.get("/healthz")
             else:
                 request = maker.make(kind, seq)
-                response = await client.post(request.path, **request.kwargs)
+                response = await client.post(
+                    request.path, content=request.body, headers=request.headers
+                )
             return response.status_code, len(response.content), time.perf_counter() - started
 
         started = time.perf_counter()

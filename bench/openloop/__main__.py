@@ -102,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight-seconds", type=float, default=2.0, help=pool_help)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES, help="folder of .jpg photos")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client", choices=("wire", "httpx"), default="wire",
+        help="HTTP client: wire (bench/openloop/wire.py, lean) or httpx (to compare)",
+    )  # fmt: skip
+    p.add_argument(
+        "--spin-ms", type=float, default=1.0,
+        help="busy-wait this long before each arrival, so requests leave on time, in a "
+        "process whose rate is at most 200/s (0: sleep only; asyncio then sends up to ~1 ms late)",
+    )  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args(argv)
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         url=url, rates=(), seconds=args.seconds, warmup_s=args.warmup_seconds,
         timeout_s=args.timeout, processes=args.processes, seed=args.seed,
         nonce=os.urandom(8).hex(), images=images, image_ids=image_ids, api_key=args.api_key,
-        inflight_s=args.inflight_seconds,
+        inflight_s=args.inflight_seconds, client=args.client, spin_s=args.spin_ms / 1000,
     )  # fmt: skip
     run = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -134,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_seconds": args.warmup_seconds,
         "timeout_s": args.timeout,
         "inflight_seconds": args.inflight_seconds,
+        "client": args.client,
+        "spin_ms": args.spin_ms,
         "images": [name for name, _, _, _ in images],
         "client_host": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "models": served_models(url, args.api_key),

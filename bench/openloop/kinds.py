@@ -30,8 +30,30 @@ JPEG_EOI = b"\xff\xd9"
 
 @dataclass(frozen=True)
 class Request:
+    """A POST ready for the wire: the body encoded once, whichever client sends it."""
+
     path: str
-    kwargs: dict[str, Any]  # httpx's post(): files and data, or json
+    body: bytes
+    headers: dict[str, str]  # Content-Type and X-Image-Id
+    image: bytes | None = None  # the uploaded photo (segment, classify)
+    fields: dict[str, Any] | None = None  # the JSON body, or the multipart `request` field
+
+
+def multipart(name: str, data: bytes, fields: dict[str, Any], digest: str) -> tuple[bytes, str]:
+    """`image` (the file) and `request` (the fields as JSON) as multipart/form-data: the
+    body and its Content-Type. The boundary holds the photo's SHA-256 (`digest`, computed
+    once for X-Image-Id too), so the photo's bytes cannot plausibly contain it."""
+    boundary = "openloop" + digest
+    safe = name.replace('"', "_").replace("\r", "_").replace("\n", "_")
+    body = b"".join([
+        f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\n\r\n'.encode(),
+        json.dumps(fields).encode(),
+        f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; "
+        f'filename="{safe}"\r\nContent-Type: image/jpeg\r\n\r\n'.encode(),
+        data,
+        f"\r\n--{boundary}--\r\n".encode(),
+    ])  # fmt: skip
+    return body, f"multipart/form-data; boundary={boundary}"
 
 
 def unique_jpeg(data: bytes, tag: str) -> bytes:
@@ -96,15 +118,15 @@ class RequestMaker:
             coords, labels = random_points(self.rng, width, height)
             image_id = self.image_ids[k]
             body = {"image_id": image_id, "point_coords": coords, "point_labels": labels}
-            return Request("/v1/segment", {"json": body, "headers": {"X-Image-Id": image_id}})
+            headers = {"Content-Type": "application/json", "X-Image-Id": image_id}
+            return Request("/v1/segment", json.dumps(body).encode(), headers, fields=body)
         if kind == "classify":
             return self._multipart("/v1/classify", name, data, {"top_k": 5})
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
 
     @staticmethod
     def _multipart(path: str, name: str, data: bytes, fields: dict[str, Any]) -> Request:
-        files = {"image": (name, data, "image/jpeg")}
-        headers = {"X-Image-Id": hashlib.sha256(data).hexdigest()}
-        return Request(
-            path, {"files": files, "data": {"request": json.dumps(fields)}, "headers": headers}
-        )
+        digest = hashlib.sha256(data).hexdigest()
+        body, content_type = multipart(name, data, fields, digest)
+        headers = {"Content-Type": content_type, "X-Image-Id": digest}
+        return Request(path, body, headers, image=data, fields=fields)

@@ -1,9 +1,10 @@
-"""One client process of a step (asyncio, httpx), and the step spread over processes.
+"""One client process of a step (asyncio), and the step spread over processes.
 
 Every process takes rate/N of each kind on its own seeded Poisson schedule; all start at
 one wall-clock instant set by the parent. Each sends over HTTP/1.1 keep-alive connections,
-about rate/N x `inflight_s` of them (`ShardedPools`): a request that finds none free waits for
-one, and that wait is part of its latency, as every wait is (and shows as client lag). No
+about rate/N x `inflight_s` of them (`WirePool`, the lean client of wire.py, or
+`ShardedPools` of httpx clients with `client="httpx"`): a request that finds none free waits
+for one, and that wait is part of its latency, as every wait is (and shows as client lag). No
 retries: whatever the service answers is counted by its status. Each 200's `timing_ms` is
 kept with its sample, for the report's breakdown of where the time went (phases.py).
 """
@@ -25,8 +26,10 @@ from bench.openloop.kinds import Photo, RequestMaker
 from bench.openloop.phases import timing_of
 from bench.openloop.pools import ShardedPools
 from bench.openloop.schedule import Outcome, Sample, arrivals, run_open_loop
+from bench.openloop.wire import WirePool
 
 MAX_POOL = 1000  # connections per process (in pools of 32: see pools.py)
+SPIN_MAX_RATE = 200.0  # req/s of one process up to which `spin_s` applies
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class StepSpec:
     api_key: str | None = None
     inflight_s: float = 2.0  # pool size: this many seconds of arrivals may be in flight
     start_wall: float = 0.0  # time.time() at which every process starts its schedule
+    client: str = "wire"  # "wire" (wire.py) or "httpx"
+    spin_s: float = 0.0  # the dispatcher's busy wait before each arrival (schedule.py)
 
 
 def pool_size(spec: StepSpec) -> int:
@@ -53,11 +58,24 @@ def pool_size(spec: StepSpec) -> int:
     return max(4, min(MAX_POOL, math.ceil(per_process * spec.inflight_s) + 4))
 
 
+# what ends a request without a response: a timeout, or the connection failing (httpx's
+# errors; the wire client's OSError, ConnectionError and WireError among them, a response
+# cut short, a header that does not parse or does not fit)
+NO_RESPONSE = (
+    TimeoutError,
+    httpx.TransportError,
+    OSError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+    ValueError,
+)
+
+
 def classify_error(exc: BaseException) -> str:
     """The status of a request that got no response."""
     if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return "timeout"
-    if isinstance(exc, httpx.TransportError):
+    if isinstance(exc, NO_RESPONSE):
         return "conn_error"
     return f"error:{type(exc).__name__}"
 
@@ -78,7 +96,13 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
     # the server learns when this client gives up, so it refuses (429) or drops work it
     # could not finish by then, as a real client with a timeout should ask it to
     headers["X-Request-Timeout-Ms"] = str(int(spec.timeout_s * 1000))
-    pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
+    pools: WirePool | ShardedPools
+    if spec.client == "wire":
+        pools = WirePool(spec.url, pool_size(spec), headers)
+    elif spec.client == "httpx":
+        pools = ShardedPools(spec.url, pool_size(spec), spec.timeout_s, headers)
+    else:
+        raise ValueError(f"client {spec.client!r}: wire or httpx")
     loop = asyncio.get_running_loop()
 
     async def send(kind: str, seq: int) -> Outcome:
@@ -87,17 +111,25 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
         try:
             async with asyncio.timeout(spec.timeout_s), pools.slot() as http:
                 sent = loop.time()
-                response = await http.post(request.path, **request.kwargs)
-        except (TimeoutError, httpx.TransportError) as exc:
+                if isinstance(http, httpx.AsyncClient):
+                    response = await http.post(
+                        request.path, content=request.body, headers=request.headers
+                    )
+                    code, content = response.status_code, response.content
+                else:
+                    code, content = await http.post(request.path, request.body, request.headers)
+        except NO_RESPONSE as exc:
             return Outcome(classify_error(exc), 0, sent)
-        content = response.content
-        status = str(response.status_code)
+        status = str(code)
         return Outcome(status, len(content), sent, timing_of(content) if status == "200" else None)
 
     try:
         # the parent's start instant on this process's loop clock (monotonic)
         start = loop.time() + (spec.start_wall - time.time())
-        return await run_open_loop(schedule, send, start)
+        # busy-wait only at low rates, where a late wake-up is a large share of a latency;
+        # above, the load's own responses keep the loop awake, and the CPU is better spent
+        spin = spec.spin_s if sum(rates.values()) <= SPIN_MAX_RATE else 0.0
+        return await run_open_loop(schedule, send, start, spin)
     finally:
         await pools.aclose()
 

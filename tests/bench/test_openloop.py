@@ -237,13 +237,16 @@ def test_segment_bytes_never_repeat_and_click_names_the_embedding(small_jpeg_dir
         maker = RequestMaker(images, ids, random.Random(process), step, process)
         for seq in range(50):
             r = maker.make("segment", seq)
-            data = r.kwargs["files"]["image"][1]
+            data = r.image
+            assert data is not None and data in r.body
             seen.add(hashlib.sha256(data).hexdigest())
-            assert r.kwargs["headers"] == {"X-Image-Id": hashlib.sha256(data).hexdigest()}
-            assert json.loads(r.kwargs["data"]["request"]).keys() == {"box"}
+            assert r.headers["X-Image-Id"] == hashlib.sha256(data).hexdigest()
+            assert r.fields is not None and r.fields.keys() == {"box"}
             click = maker.make("click", seq)
-            assert click.path == "/v1/segment" and click.kwargs["json"]["image_id"] in ids
-            assert click.kwargs["headers"] == {"X-Image-Id": click.kwargs["json"]["image_id"]}
+            body = json.loads(click.body)
+            assert click.path == "/v1/segment" and body["image_id"] in ids
+            assert click.headers["X-Image-Id"] == body["image_id"]
+            assert click.headers["Content-Type"] == "application/json"
     assert len(seen) == 200
     with pytest.raises(ValueError, match="EOI"):
         unique_jpeg(b"\x89PNG\r\n\x1a\n", "x")

@@ -129,6 +129,11 @@ GROUPS = {
     "mlp": ("mlp.fc1", "mlp.fc2"),
     "after_norm": ("attn.qkv", "mlp.fc1"),  # the Linear layers a LayerNorm feeds
     "after_linear": ("attn.proj", "mlp.fc2"),
+    # three of the four: every pair stayed close, so which one kind completes the fault
+    "no_qkv": ("attn.proj", "mlp.fc1", "mlp.fc2"),
+    "no_proj": ("attn.qkv", "mlp.fc1", "mlp.fc2"),
+    "no_fc1": ("attn.qkv", "attn.proj", "mlp.fc2"),
+    "no_fc2": ("attn.qkv", "attn.proj", "mlp.fc1"),
 }
 # "inductor-emulate": inductor rounding its fused intermediates to their eager dtype
 # (`emulate_precision_casts`), to tell a precision difference from a wrong kernel

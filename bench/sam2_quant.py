@@ -1,9 +1,11 @@
-"""int8 and fp8 on SAM 2.1's Hiera encoder, measured as for SAM's (issue 24 asks for it).
+"""int8, fp8 and 2:4 on SAM 2.1's Hiera encoder, measured as for SAM's (issue 24 asks for it).
 
 Per size: the fp32 eager model on seeded random weights is the reference; each variant is
 the same weights in bf16 with the trunk's block Linear layers (qkv, proj, the MLPs, the
 stage-change projections) swapped by `models.quantize.quantize_linears` (the fused Triton
-kernel, per-layer choice on calibration images, as `SERVE_QUANTIZATION` does for SAM), then
+kernel, per-layer choice on calibration images, as `SERVE_QUANTIZATION` does for SAM), or,
+for `2:4`, the trunk's MLP layers pruned to 2:4 by magnitude without fine-tuning and run by
+cuSPARSELt (`models.sparsity`, as `SERVE_SPARSITY=2:4` does for SAM's encoder), then
 `torch.compile` of `Sam2.encode`. Printed per variant: encoder images/s at `--batch`
 (CUDA events, median), the image embedding's relative error against fp32 on the photos,
 and the mask IoU of one central box per photo (each variant's own decoder in bf16, against
@@ -27,20 +29,29 @@ from bench.common import DEFAULT_IMAGES, cuda_time_ms, environment, load_photos,
 from models.fidelity import mask_iou, relative_error
 from models.int8_select import calibration_run
 from models.quantize import quantize_linears
+from models.sparsity import semi_structured_2to4
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
 from models.sam2 import transforms as sam2_tf
 
-VARIANTS = ("bf16", "int8", "fp8")
+VARIANTS = ("bf16", "int8", "fp8", "2:4")
 
 
 def _trunk_linear(name: str, layer: torch.nn.Linear) -> bool:
     return name.startswith("trunk.blocks.")
 
 
-def _variant(reference: Sam2, variant: str) -> tuple[Sam2, int]:
+def _trunk_mlp(name: str, layer: torch.nn.Linear) -> bool:
+    return name.startswith("trunk.blocks.") and ".mlp." in name
+
+
+def _variant(reference: Sam2, variant: str, device: torch.device) -> tuple[Sam2, int]:
     model = copy.deepcopy(reference).to(torch.bfloat16)
     swapped: list[str] = []
-    if variant != "bf16":
+    if variant == "2:4":
+        # compressed for cuSPARSELt on CUDA; elsewhere the pruned weights stay dense
+        compress = device.type == "cuda"
+        swapped = semi_structured_2to4(model.image_encoder, _trunk_mlp, compress=compress)
+    elif variant != "bf16":
         size = reference.config.image_size
         swapped = quantize_linears(
             model.image_encoder, variant, _trunk_linear,  # type: ignore[arg-type]
@@ -90,7 +101,7 @@ def main() -> None:
             ref_feats = [reference.encode(x[None]) for x in inputs]
             ref_masks = _masks(reference, ref_feats, boxes, sizes)
         for variant in args.variants:
-            model, swapped = _variant(reference, variant)
+            model, swapped = _variant(reference, variant, device)
             encode = torch.compile(model.encode) if args.compile else model.encode
             x = torch.randn(args.batch, 3, S, S, device=device, dtype=torch.bfloat16)
             with torch.inference_mode():
@@ -112,7 +123,7 @@ def main() -> None:
                 {
                     "model": name,
                     "variant": variant,
-                    "int8_fp8_layers": swapped,
+                    "changed_layers": swapped,
                     "batch": args.batch,
                     "img_s": round(1000 * args.batch / ms, 1) if ms else None,
                     "embed_rel_err": round(statistics.mean(errs), 4),
@@ -127,7 +138,7 @@ def main() -> None:
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, {len(photos)} photos")
     print_table(
         rows,
-        ["model", "variant", "int8_fp8_layers", "batch", "img_s", "embed_rel_err",
+        ["model", "variant", "changed_layers", "batch", "img_s", "embed_rel_err",
          "mask_iou_mean", "mask_iou_min"],
     )  # fmt: skip
 

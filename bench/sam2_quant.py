@@ -29,9 +29,9 @@ from bench.common import DEFAULT_IMAGES, cuda_time_ms, environment, load_photos,
 from models.fidelity import mask_iou, relative_error
 from models.int8_select import calibration_run
 from models.quantize import quantize_linears
-from models.sparsity import semi_structured_2to4
 from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
 from models.sam2 import transforms as sam2_tf
+from models.sparsity import semi_structured_2to4
 
 VARIANTS = ("bf16", "int8", "fp8", "2:4")
 

@@ -18,9 +18,12 @@
 #
 #   [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_openloop.sh
 #
-# The clients' own cost, measured against a trivial server on the 2-core dev machine: 0.9 ms
-# CPU per click, 1.4 per classify, 2 per segment (these photos): 3000 clicks/s take ~3 cores,
-# hence 8 client processes; the lag column of each row says whether they kept up.
+# The clients' own cost: with httpx, measured against a trivial server on the 2-core dev
+# machine, 0.9 ms CPU per click, 1.4 per classify, 2 per segment (these photos); the tool's
+# own client (bench/openloop/wire.py, the default since 2026-11-26) costs less. 8 client
+# processes for 3000 clicks/s; the lag column of each row says whether they kept up.
+# COMPARE_HTTPX=1 runs the first click rate once more with the earlier client (httpx, no
+# busy wait before each arrival), on the same server: the client's share of a click.
 #
 # EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
 # MIX replace the targets ("" skips one); PROCS_<KIND> the client processes. Needs the wheels
@@ -120,6 +123,10 @@ per_step=$((WARMUP + SECONDS_PER_RATE + 7))
   --rates "$SEGMENT_RATES" --processes "${PROCS_SEGMENT:-4}"
 [ -n "$CLICK_RATES" ] && load click $((3 * per_step + 30)) --kind click \
   --rates "$CLICK_RATES" --processes "${PROCS_CLICK:-8}"
+if [ -n "$CLICK_RATES" ] && [ -n "${COMPARE_HTTPX:-}" ]; then
+  load click_httpx $((per_step + 30)) --kind click --rates "${CLICK_RATES%%,*}" \
+    --processes "${PROCS_CLICK:-8}" --client httpx --spin-ms 0
+fi
 [ -n "$CLASSIFY_RATES" ] && load classify $((3 * per_step + 20)) --kind classify \
   --rates "$CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
 [ -n "$MIX" ] && load mix $((per_step + 30)) --mix "$MIX" --processes "${PROCS_MIX:-8}"

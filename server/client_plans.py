@@ -210,8 +210,13 @@ class Plans:
             h, w = response.headers[name].split(",")
             return int(h), int(w)
 
-        array = np.load(io.BytesIO(response.content), allow_pickle=False)
-        return EmbeddingArray(array, size("x-original-size"), size("x-input-size"))
+        sizes = size("x-original-size"), size("x-input-size")
+        loaded = np.load(io.BytesIO(response.content), allow_pickle=False)
+        if isinstance(loaded, np.ndarray):  # SAM's .npy
+            return EmbeddingArray(loaded, *sizes)
+        with loaded:  # SAM 2's .npz
+            high_res = (loaded["high_res_feats_0"], loaded["high_res_feats_1"])
+            return EmbeddingArray(loaded["image_embed"], *sizes, high_res=high_res)
 
     def models(self) -> Plan[dict[str, Any]]:
         return (yield from self.send_json(Call("GET", "/v1/models")))

@@ -151,12 +151,15 @@ class Embedding:
 
 @dataclass(frozen=True)
 class EmbeddingArray:
-    """`/v1/embeddings/{image_id}`: float16 [1, 256, 64, 64] and the sizes SAM's ONNX
-    decoder needs beside it (original and resized-input height, width)."""
+    """`/v1/embeddings/{image_id}`: float16 [1, 256, 64, 64] and the sizes an ONNX decoder
+    needs beside it (original and resized-input height, width). A SAM 2 server's file also
+    holds the two high-res maps its decoder reads, `high_res_feats_0` [1, 32, 256, 256]
+    and `high_res_feats_1` [1, 64, 128, 128]; `embedding` is then its `image_embed`."""
 
     embedding: np.ndarray
     original_size: tuple[int, int]
     input_size: tuple[int, int]
+    high_res: tuple[np.ndarray, ...] = ()  # SAM 2's (high_res_feats_0, high_res_feats_1)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,17 @@ class ModelInfo:
         return {"name": self.name, "weights": self.weights, "precision": self.precision}
 
 
+@dataclass(frozen=True)
+class EmbeddingFile:
+    """A cached image's embedding as the file a decoder in the browser loads beside the
+    sizes it needs (`SamService.embedding_file` says what the arrays are)."""
+
+    data: bytes
+    suffix: str  # "npy" (SAM: one array) or "npz" (SAM 2: its three feature maps)
+    original_size: tuple[int, int]  # (H, W) of the image
+    input_size: tuple[int, int]  # (h, w) after the model's resize, before any padding
+
+
 @dataclass
 class EverythingMasks:
     """Host copies of the final masks, best predicted IoU first."""

@@ -117,7 +117,10 @@ class ClassifyCall(Traced):
 
 
 @dataclass(frozen=True)
-class EmbeddingNpyCall(Traced):
+class EmbeddingFileCall(Traced):
+    """The cached embedding as a file (`/v1/embeddings/{image_id}`): SAM's `.npy`, SAM 2's
+    `.npz`; answered with a `server.domain.EmbeddingFile`."""
+
     image_id: str
 
 

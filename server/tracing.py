@@ -317,6 +317,6 @@ def engine_span(call: object) -> AbstractContextManager[Span | _NullSpan]:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
-    kind = type(call).__name__.removesuffix("Call")  # EmbeddingNpyCall: embedding_npy
+    kind = type(call).__name__.removesuffix("Call")  # EmbeddingFileCall: embedding_file
     name, attributes = _rpc(re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower())
     return _started(name, attributes, kind="server", parent=parent)

@@ -50,7 +50,7 @@ from server.messages import (
     CancelCall,
     ClassifyCall,
     EmbedCall,
-    EmbeddingNpyCall,
+    EmbeddingFileCall,
     EverythingCall,
     Failure,
     ImageMsg,
@@ -454,9 +454,8 @@ class EngineServer:
             )
             height, width = entry.original_size
             return entry.image_id, width, height, masks, timing
-        if isinstance(call, EmbeddingNpyCall):
-            entry, data = await engine.embedding_npy(call.image_id)
-            return entry.original_size, entry.input_size, data
+        if isinstance(call, EmbeddingFileCall):
+            return await engine.embedding_file(call.image_id)
         raise ServiceError(500, "internal", f"unknown call {type(call).__name__}")
 
 

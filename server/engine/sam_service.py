@@ -19,13 +19,25 @@ import numpy as np
 import torch
 
 from models.sam.automatic_pipeline import GridMaskGenerator
-from server.domain import EmbedResult, Image, ModelInfo, PromptMasks, SegmentRequest, SegmentResult
+from server.domain import (
+    EmbeddingFile,
+    EmbedResult,
+    Image,
+    ModelInfo,
+    PromptMasks,
+    SegmentRequest,
+    SegmentResult,
+)
 from server.engine.batcher import Batcher, with_queues
 from server.engine.cache import EmbeddingCache, ImageEmbedding, LowResStore
 from server.engine.everything import EverythingMasks, EverythingRunner, refuse_over_budget
 from server.engine.stages import DecodeItem, EncodeItem, SamStages
 from server.errors import ServiceError
 from server.settings import Settings
+
+# SAM 2's `.npz` arrays, in `ImageEmbedding.tensors`' order: the names that the community
+# SAM 2 ONNX decoders give their inputs (`embedding_file` says what each holds)
+SAM2_FILE_ARRAYS = ("image_embed", "high_res_feats_0", "high_res_feats_1")
 
 
 def _check_everything(
@@ -41,6 +53,11 @@ def _check_everything(
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+def _half(tensor: torch.Tensor) -> np.ndarray:
+    """A cached `[C, h, w]` as the host float16 `[1, C, h, w]` that ONNX decoders take."""
+    return tensor[None].to(torch.float16).cpu().numpy()
 
 
 @dataclass
@@ -195,29 +212,44 @@ class SamService:
         )
         return held
 
-    async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
-        """The cached embedding as a float16 `.npy` `[1, C, h, w]` (for browser decoders)."""
-        if self.parts.sam2:
-            raise ServiceError(
-                501,
-                "not_implemented",
-                f"{self.parts.info.name}: the embedding download is SAM's; a SAM 2 decoder "
-                "also needs the two high-resolution feature maps, which it does not export",
-            )
+    async def embedding_file(self, image_id: str) -> EmbeddingFile:
+        """The cached entry as the file a decoder running in the browser loads, so clicks
+        need no round trip: the tensors the model's own decoder reads, rounded to float16
+        (half the bytes; the served click and one decoded from the file differ in a few
+        edge pixels, tests/server/test_sam2_service.py).
+
+        SAM: a `.npy` `[1, C, h, w]` (256 x 64 x 64 at 1024 px), the image encoder's output,
+        which SAM's ONNX decoder takes as `image_embeddings`.
+
+        SAM 2: a `.npz` (plain arrays, no pickle) under the input names of the community
+        SAM 2 ONNX decoders, each what Meta's `SAM2ImagePredictor` keeps in `_features`:
+        `image_embed` `[1, D, h, w]` (256 x 64 x 64), the stride-16 level with the learned
+        `no_mem_embed` already added; `high_res_feats_0` `[1, D/8, 4h, 4w]` (32 x 256 x 256)
+        and `high_res_feats_1` `[1, D/4, 2h, 2w]` (64 x 128 x 128), the stride-4 and
+        stride-8 levels already through the mask decoder's `conv_s0` / `conv_s1`. A decoder
+        given the embedding alone could not run: SAM 2's upscaling reads the other two.
+        About 8 MiB at 1024 px.
+        """
         entry = self.cache.get(image_id)
         if entry is None:
             raise ServiceError(
                 404, "unknown_image_id", f"image_id {image_id} is not cached; embed it first"
             )
+        sam2 = self.parts.sam2
         loop = asyncio.get_running_loop()
 
-        def to_npy() -> bytes:
-            array = entry.embedding[None].to(torch.float16).cpu().numpy()
+        def to_file() -> bytes:  # the copy back and the packing: off the event loop
             buf = io.BytesIO()
-            np.save(buf, array, allow_pickle=False)
+            if sam2:
+                arrays = zip(SAM2_FILE_ARRAYS, entry.tensors, strict=True)
+                np.savez(buf, allow_pickle=False, **{name: _half(t) for name, t in arrays})
+            else:
+                np.save(buf, _half(entry.embedding), allow_pickle=False)
             return buf.getvalue()
 
-        return entry, await loop.run_in_executor(self.worker, to_npy)
+        data = await loop.run_in_executor(self.worker, to_file)
+        suffix = "npz" if sam2 else "npy"
+        return EmbeddingFile(data, suffix, entry.original_size, entry.input_size)
 
     async def everything(
         self,

@@ -29,6 +29,7 @@ from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, load_swin
 from server.domain import (
     ClassifyResult,
+    EmbeddingFile,
     EmbedResult,
     Image,
     ModelInfo,
@@ -479,8 +480,8 @@ class Engine:
     async def segment(self, request: SegmentRequest) -> SegmentResult:
         return await self.sam_service().segment(request)
 
-    async def embedding_npy(self, image_id: str) -> tuple[ImageEmbedding, bytes]:
-        return await self.sam_service().embedding_npy(image_id)
+    async def embedding_file(self, image_id: str) -> EmbeddingFile:
+        return await self.sam_service().embedding_file(image_id)
 
     async def everything(
         self,

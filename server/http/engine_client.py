@@ -34,6 +34,7 @@ import zmq
 from server import tracing
 from server.domain import (
     ClassifyResult,
+    EmbeddingFile,
     EmbedResult,
     Image,
     ModelInfo,
@@ -47,7 +48,7 @@ from server.messages import (
     CancelCall,
     ClassifyCall,
     EmbedCall,
-    EmbeddingNpyCall,
+    EmbeddingFileCall,
     EverythingCall,
     ImageMsg,
     LookupCall,
@@ -414,9 +415,9 @@ class EngineClient:
         call = EverythingCall(message, image_id, fields, output, deadline)
         return await self._value(call, deadline, home, timing)
 
-    async def embedding_npy(self, image_id: str) -> tuple[tuple[int, int], tuple[int, int], bytes]:
-        """(original size, input size, the `.npy` bytes)."""
-        value: tuple[tuple[int, int], tuple[int, int], bytes] = await self._value(
-            EmbeddingNpyCall(image_id), time.monotonic() + 30.0, image_id
+    async def embedding_file(self, image_id: str) -> EmbeddingFile:
+        """The cached embedding as SAM's `.npy` or SAM 2's `.npz`, with its sizes."""
+        value: EmbeddingFile = await self._value(
+            EmbeddingFileCall(image_id), time.monotonic() + 30.0, image_id
         )
         return value

@@ -370,13 +370,28 @@ async def embed(request: Request) -> Response:
     responses={
         404: {"model": ErrorResponse},
         422: {"model": ErrorResponse},
-        200: {"content": {"application/octet-stream": {}}},
+        200: {
+            "description": "SAM: `{image_id}.npy`; SAM 2.1: `{image_id}.npz` (float16)",
+            "content": {"application/octet-stream": {}},
+        },
     },
     openapi_extra={"parameters": [image_id_header_doc("It must equal the path's image_id;")]},
 )
 async def get_embedding(request: Request, image_id: str) -> Response:
-    """The cached image embedding as a float16 `.npy` `[1, 256, 64, 64]`, for decoders that
-    run in the browser (SAM's ONNX decoder takes it with the sizes in the headers)."""
+    """The cached image's embedding in float16, for a decoder that runs in the browser
+    and answers clicks without a round trip. Headers give the sizes such a decoder needs:
+    `X-Original-Size` (the image's `height,width`) and `X-Input-Size` (after the model's
+    resize, before padding). The file depends on the served model:
+
+    - SAM (`vit_b`, `vit_l`, `vit_h`): `{image_id}.npy`, one array `[1, 256, 64, 64]`, the
+      `image_embeddings` input of SAM's ONNX decoder.
+    - SAM 2.1: `{image_id}.npz` (numpy's zip of arrays: `np.load(f, allow_pickle=False)`),
+      the three inputs of the community SAM 2 ONNX decoders, under their names:
+      `image_embed` `[1, 256, 64, 64]` (`no_mem_embed` added), `high_res_feats_0`
+      `[1, 32, 256, 256]` and `high_res_feats_1` `[1, 64, 128, 128]` (after the mask
+      decoder's `conv_s0`/`conv_s1`): about 8 MiB. The input size is the model's square,
+      `1024,1024`.
+    """
     state = _state(request)
     engine = state.require_engine()
     if not is_image_id(image_id):
@@ -384,14 +399,14 @@ async def get_embedding(request: Request, image_id: str) -> Response:
     claimed = image_id_header(request)
     if claimed is not None and claimed != image_id:
         raise mismatch(claimed, image_id, "the path")
-    original_size, input_size, data = await engine.embedding_npy(image_id)
+    file = await engine.embedding_file(image_id)
     return Response(
-        data,
+        file.data,
         media_type="application/octet-stream",
         headers={
-            "Content-Disposition": f'attachment; filename="{image_id}.npy"',
-            "X-Original-Size": f"{original_size[0]},{original_size[1]}",
-            "X-Input-Size": f"{input_size[0]},{input_size[1]}",
+            "Content-Disposition": f'attachment; filename="{image_id}.{file.suffix}"',
+            "X-Original-Size": f"{file.original_size[0]},{file.original_size[1]}",
+            "X-Input-Size": f"{file.input_size[0]},{file.input_size[1]}",
         },
     )
 

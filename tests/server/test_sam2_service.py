@@ -1,7 +1,8 @@
 """SAM 2.1 through the real server (`SERVE_SAM_MODEL=sam2_test_tiny`, 256 px, seeded random
 weights on the CPU): embed, segment with points and boxes, clicks on a cached embedding,
-refinement handles, concurrent requests on photos of two sizes batched together, and the
-served masks against `models.sam2`'s own `Sam2.decode` on the same weights and pixels.
+refinement handles, the embedding download (an `.npz` a decoder clicks on), concurrent
+requests on photos of two sizes batched together, and the served masks against
+`models.sam2`'s own `Sam2.decode` on the same weights and pixels.
 
 The checkpoint path: seeded weights saved in Meta's release format (`{"model": ...}`, Meta's
 key names, video keys beside) start `python -m server` and answer like the model they hold;
@@ -10,6 +11,7 @@ a wrong file stops start-up with the loader's message.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -25,8 +27,9 @@ import pytest
 import torch
 from pycocotools import mask as mask_utils
 
-from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
+from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Features, load_sam2
 from models.sam2 import transforms as sam2_tf
+from server.client import Client
 from server.imaging import decode_image, square_min_size
 from server.settings_cli import BadSettingError, load_settings
 from tests.conftest import PHOTOS
@@ -116,6 +119,21 @@ def reference(
     masks are in the photo's frame, `original_size` when the pixels are a scaled decode."""
     hw = original_size or (int(image.shape[0]), int(image.shape[1]))
     features = model.encode(sam2_tf.preprocess_image(image, CONFIG))
+    return decoded(model, features, hw, points, labels, box, multimask, mask_input)
+
+
+@torch.inference_mode()
+def decoded(
+    model: Sam2,
+    features: Sam2Features,
+    hw: tuple[int, int],
+    points: list[list[float]] | None = None,
+    labels: list[int] | None = None,
+    box: list[float] | None = None,
+    multimask: bool = False,
+    mask_input: torch.Tensor | None = None,
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """`reference`'s answer from given features (of an image of size `hw`)."""
     pts = lab = bxs = None
     if points is not None:
         pts = sam2_tf.scale_points(torch.tensor([points], dtype=torch.float32), hw, CONFIG)
@@ -275,11 +293,54 @@ def test_the_cache_counts_the_high_res_features_and_its_host_tier_keeps_them(
     np.testing.assert_allclose(scores_of(body), scores, atol=1e-4)
 
 
-def test_what_sam2_does_not_do_yet_is_a_clear_501(http: httpx.Client) -> None:
-    # segment everything is served (tests/server/test_sam2_everything.py); the download is not
-    image_id = http.post("/v1/embed", files={"image": ("d.jpg", DOG, "image/jpeg")}).json()
-    r = http.get(f"/v1/embeddings/{image_id['image_id']}")
-    assert r.status_code == 501 and "high-resolution" in r.json()["error"]["message"]
+def test_the_embedding_download_is_an_npz_a_decoder_can_click_on(
+    server: LiveServer, http: httpx.Client, model: Sam2
+) -> None:
+    """The `.npz` holds SAM 2's three decoder inputs under the ONNX decoders' names, in
+    float16; `Sam2.decode` on them alone (no encoder) gives the served click's masks, and
+    `server.client` reads the file into its `EmbeddingArray`."""
+    embedded = http.post("/v1/embed", files={"image": ("t.jpg", TRUCK, "image/jpeg")}).json()
+    image_id = embedded["image_id"]
+    r = http.get(f"/v1/embeddings/{image_id}")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert r.headers["content-disposition"] == f'attachment; filename="{image_id}.npz"'
+    assert r.headers["x-original-size"] == "600,900"
+    assert r.headers["x-input-size"] == f"{CONFIG.image_size},{CONFIG.image_size}"
+    d, h = CONFIG.d_model, CONFIG.embedding_size  # 256 and 16 at 256 px
+    expected = {
+        "image_embed": (1, d, h, h),
+        "high_res_feats_0": (1, d // 8, 4 * h, 4 * h),
+        "high_res_feats_1": (1, d // 4, 2 * h, 2 * h),
+    }
+    with np.load(io.BytesIO(r.content), allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    assert {name: a.shape for name, a in arrays.items()} == expected
+    assert all(a.dtype == np.float16 and np.isfinite(a).all() for a in arrays.values())
+
+    def tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(arrays[name]).float()
+
+    features = Sam2Features(
+        tensor("image_embed"), (tensor("high_res_feats_0"), tensor("high_res_feats_1"))
+    )
+    click = {"point_coords": [[450, 320]], "point_labels": [1], "multimask_output": True}
+    served = segment(http, image_id=image_id, **click)
+    masks, scores, _ = decoded(model, features, (600, 900), [[450, 320]], [1], multimask=True)
+    for mine, theirs in zip(masks, masks_of(served), strict=True):
+        assert mine.any() and (~mine).any(), "a degenerate mask proves nothing"
+        assert (mine & theirs).sum() / (mine | theirs).sum() >= 0.98  # fp16 moves a few pixels
+    np.testing.assert_allclose(scores, scores_of(served), atol=1e-3)
+
+    with Client(server.url) as client:
+        read = client.embedding(image_id)
+    assert read.original_size == (600, 900) and read.input_size == (CONFIG.image_size,) * 2
+    np.testing.assert_array_equal(read.embedding, arrays["image_embed"])
+    for mine, name in zip(read.high_res, ("high_res_feats_0", "high_res_feats_1"), strict=True):
+        np.testing.assert_array_equal(mine, arrays[name])
+
+    r = http.get("/v1/embeddings/" + "0" * 64)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_image_id"
 
 
 def test_settings_accept_sam2_names_and_refuse_unknown_ones(

@@ -5,9 +5,11 @@ one CUDA graph per encoder bucket on CUDA; fp32 eager on the CPU).
 - warm-up seconds (every encoder bucket compiled and graphed, the decoder's forms compiled);
 - encoder img/s per warmed bucket (photos of mixed sizes, the square resize included);
 - a click's decoder latency on a cached embedding (one request, masks and RLE runs);
-- fidelity of the served variant against fp32 eager `Sam2` on the same weights: embedding
-  relative error, and per photo a multimask click, a box and a two-click single mask
-  (SAM 2's stability fallback): mask IoU rank by rank, and score difference;
+- fidelity of the served variant against fp32 eager `Sam2` on the same weights, measured
+  as the start-up check measures it (`Sam2Stages.fidelity_outputs` against
+  `models.fidelity.eager_sam2_runner`): embedding relative error, and per photo five
+  prompts' four masks each (single-mask, SAM 2's stability fallback included, and the
+  three multimask ones): mask IoU and score difference;
 - with `--everything N`: segment everything on cached embeddings, ms per photo, through the
   engine's `EverythingRunner` as a request runs it (steps on the GPU worker, under the
   serving stance), and the generator called directly (no worker, no stance).
@@ -27,12 +29,11 @@ import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.common import DEFAULT_IMAGES, cuda_time_ms, environment, load_photos, print_table
-from models.sam2 import SAM2_CONFIGS, Sam2, load_sam2
-from models.sam2 import transforms as sam2_tf
+from models.fidelity import compare_sam, eager_sam2_runner
+from models.sam2 import SAM2_CONFIGS, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskGenerator
 from server.domain import Prompt
 from server.engine.cache import ImageEmbedding
@@ -41,66 +42,6 @@ from server.engine.services import Engine
 from server.engine.stages import DecodeItem, EncodeItem
 from server.metrics import Metrics
 from server.settings import Settings
-
-
-def _prompts(h: int, w: int) -> list[tuple[Prompt, bool]]:
-    return [
-        (Prompt(points=((w * 0.5, h * 0.5),), labels=(1,)), True),
-        (Prompt(box=(w * 0.2, h * 0.25, w * 0.7, h * 0.8)), False),
-        (Prompt(points=((w * 0.4, h * 0.4), (w * 0.8, h * 0.2)), labels=(1, 0)), False),
-    ]
-
-
-@torch.inference_mode()
-def _reference(
-    model: Sam2, image: np.ndarray, prompt: Prompt, multimask: bool
-) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-    """fp32 eager: masks `[K, H, W]` and scores, best first, and the image embedding."""
-    config = model.config
-    device = model.no_mem_embed.device
-    hw = (int(image.shape[0]), int(image.shape[1]))
-    features = model.encode(sam2_tf.preprocess_image(image, config).to(device))
-    points = labels = boxes = None
-    if prompt.points:
-        xy = torch.tensor([prompt.points], dtype=torch.float32, device=device)
-        points = sam2_tf.scale_points(xy, hw, config)
-        labels = torch.tensor([prompt.labels], device=device)
-    if prompt.box is not None:
-        box = torch.tensor([prompt.box], dtype=torch.float32, device=device)
-        boxes = sam2_tf.scale_boxes(box, hw, config)
-    pred = model.decode(features, points, labels, boxes, None, multimask)
-    masks, _ = sam2_tf.postprocess_masks(pred.low_res_masks, hw, config)
-    order = pred.iou[0].argsort(descending=True, stable=True)
-    return masks[0, order].cpu().numpy(), pred.iou[0, order].cpu().numpy(), features.image_embed
-
-
-def _iou(a: np.ndarray, b: np.ndarray) -> float:
-    union = np.logical_or(a, b).sum()
-    return float(np.logical_and(a, b).sum() / union) if union else 1.0
-
-
-def fidelity(stages: Sam2Stages, reference: Sam2, photos: list[torch.Tensor]) -> dict[str, float]:
-    ious: list[float] = []
-    score_diffs: list[float] = []
-    errors: list[float] = []
-    for k, photo in enumerate(photos):
-        (entry,) = stages.encode([EncodeItem(f"fidelity-{k}", photo)])
-        h, w = entry.original_size
-        for prompt, multimask in _prompts(h, w):
-            item = DecodeItem(entry, (prompt,), multimask, output="png")  # masks to the host
-            (served,) = stages.decode([item])[0]
-            masks, scores, embed = _reference(reference, photo.numpy(), prompt, multimask)
-            assert served.masks is not None
-            ious += [_iou(s, r) for s, r in zip(served.masks, masks, strict=True)]
-            score_diffs.append(float(np.abs(np.asarray(served.scores) - scores).max()))
-        ref = embed[0].float()
-        errors.append(float((entry.embedding.float() - ref).norm() / ref.norm()))
-    return {
-        "embedding_rel_error": max(errors),
-        "mask_iou_mean": float(np.mean(ious)),
-        "mask_iou_min": min(ious),
-        "score_diff_max": max(score_diffs),
-    }
 
 
 def everything(
@@ -198,7 +139,8 @@ def main() -> None:
 
     s = engine.settings
     reference = load_sam2(SAM2_CONFIGS[s.sam_model], s.sam_checkpoint, seed=s.seed)
-    measures = fidelity(stages, reference.to(engine.device), photos)
+    runner = eager_sam2_runner(reference.to(engine.device), engine.device)
+    measures = compare_sam(runner, stages.fidelity_outputs, photos).measures()
     info = engine.sam.info
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, {info.name} {info.precision} "
           f"compile {info.compile_mode} graphs {info.cuda_graphs}, warm-up {warmup_s:.1f}s, "

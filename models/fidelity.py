@@ -11,10 +11,10 @@ photos and prompts:
 - the service, when asked (`SERVE_FIDELITY_CHECK`), measures the variant it is about to
   serve, through its own compiled stages, and refuses to start below the floors it is given.
 
-SAM: every photo gets five prompts (two boxes, one point, a foreground and background pair,
-a box with a point); all four mask outputs of each (single-mask and the three multimask)
-are compared at the photo's size. Swin: seeded crops and flips of the photos, top-1
-agreement and logit error.
+SAM and SAM 2: every photo gets five prompts (two boxes, one point, a foreground and
+background pair, a box with a point); all four mask outputs of each (single-mask and the
+three multimask) are compared at the photo's size. Swin: seeded crops and flips of the
+photos, top-1 agreement and logit error.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from models.optimize import DTYPES, OptimizeOptions, prepare_sam_encoder, prepar
 from models.sam import SAM_CONFIGS, Sam, load_sam, pack_prompts
 from models.sam.prompts import PromptSet
 from models.sam.transforms import postprocess_masks, preprocess_images, scale_coords
+from models.sam2 import Sam2
+from models.sam2 import transforms as sam2_tf
 from models.swin import SWIN_CONFIGS, SwinConfig, SwinTransformer, load_swin
 from models.swin import transforms as swin_tf
 
@@ -145,6 +147,48 @@ def eager_sam_runner(
         low_res, iou = model.decode(embedding.expand(len(sets), -1, -1, -1), packed)
         logits = postprocess_masks(low_res.float(), input_size, size, config)
         return SamOutputs(embedding[0].float(), logits > config.mask_threshold, iou.float())
+
+    return run
+
+
+def eager_sam2_runner(model: Sam2, device: torch.device) -> SamRunner:
+    """SAM 2's reference: `model` run as Meta's `SAM2ImagePredictor` runs it, eagerly, one
+    photo and one prompt at a time, in the dtype it holds (fp32: the reference).
+
+    What the predictor does, step for step (tests/models/test_sam2_parity.py holds it to
+    Meta's): the photo stretched to the square on the host (`preprocess_image`), prompts
+    scaled by (S / W, S / H) (`scale_points`, `scale_boxes`; the service's clipping
+    changes nothing inside the photo), box corners before the clicks, and each prompt
+    decoded twice: without multimask, which takes SAM 2's stability fallback
+    (`select_masks`) as the predictor's single mask does and as the service's single-mask
+    column does, and with it. Masks: one bilinear resize to the photo's size.
+    """
+    config = model.config
+
+    def tensor(values: object) -> Tensor:
+        return torch.tensor([values], dtype=torch.float32, device=device)
+
+    @torch.inference_mode()
+    def run(photo: Tensor, prompts: Sequence[FidelityPrompt]) -> SamOutputs:
+        size = (int(photo.shape[0]), int(photo.shape[1]))
+        image = sam2_tf.preprocess_image(photo.cpu().numpy(), config).to(device)
+        features = model.encode(image)
+        masks, scores = [], []
+        for p in prompts:
+            points = labels = box = None
+            if p.points:
+                points = sam2_tf.scale_points(tensor(p.points), size, config)  # [1, N, 2]
+                labels = torch.tensor([p.labels], device=device)
+            if p.box is not None:
+                box = sam2_tf.scale_boxes(tensor(p.box), size, config)  # [1, 4]
+            single, multi = (
+                model.decode(features, points, labels, box, None, multimask)
+                for multimask in (False, True)
+            )
+            low_res = torch.cat([single.low_res_masks, multi.low_res_masks], dim=1)  # [1, 4, m, m]
+            masks.append(sam2_tf.postprocess_masks(low_res, size, config)[0])
+            scores.append(torch.cat([single.iou, multi.iou], dim=1).float())
+        return SamOutputs(features.image_embed[0].float(), torch.cat(masks), torch.cat(scores))
 
     return run
 

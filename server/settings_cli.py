@@ -102,8 +102,6 @@ def sam2_problems(settings: Settings) -> list[str]:
             "docs/BENCHMARKS.md) and 2:4 is not measured for it; use SERVE_QUANTIZATION=none "
             "and SERVE_SPARSITY=none"
         )
-    if settings.fidelity_check:
-        problems.append(f"{name}: SERVE_FIDELITY_CHECK does not cover SAM 2 yet")
     return problems
 
 

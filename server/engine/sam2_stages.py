@@ -16,9 +16,10 @@ The decoder replays CUDA graphs per (prompt sets, tokens) bucket as SAM's does
 (`DecoderGraphs`, with three image inputs: the embedding, s0 and s1), the stability
 fallback and the multimask columns inside the captured function.
 
-The score sort, the upscaling in slices, the RLE runs on the device and the warm-up (which
-captures the decoder's graphs) are `SamStages`' own. `SamStages.__init__` is not called: it
-builds SAM's encoder and decoder.
+The score sort, the upscaling in slices, the RLE runs on the device, the warm-up (which
+captures the decoder's graphs) and the fidelity check's served path (`fidelity_outputs`,
+through this class's encode, decoder and upscaling) are `SamStages`' own.
+`SamStages.__init__` is not called: it builds SAM's encoder and decoder.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.fidelity import FidelityPrompt, SamOutputs
 from models.images import as_pixel_tensor, nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, pack_prompts
@@ -45,7 +45,6 @@ from models.sam2.automatic import PointDecoder, compiled_call, point_decoder
 from models.sam2.mask_decoder import select_masks
 from models.sam2.measure_kernel import warm_kernels
 from models.triton_device import runs_triton
-from server.domain import PromptMasks
 from server.engine.cache import ImageEmbedding
 from server.engine.stages import (
     GRAPHED_SETS,
@@ -197,9 +196,8 @@ class Sam2Stages(SamStages):
         limit = np.array([width, height], dtype=np.float32)
         return (xy / limit * np.float32(self.sam2_config.image_size)).astype(np.float32)
 
-    @torch.inference_mode()
-    def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:
-        # one row of each feature per prompt set, as SamStages.decode stacks embeddings
+    def _decode_low_res(self, items: list[DecodeItem]) -> tuple[Tensor, Tensor]:
+        # one row of each feature per prompt set, as SamStages stacks embeddings
         rows: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
         sets: list[PromptSet] = []
         for item in items:
@@ -210,8 +208,7 @@ class Sam2Stages(SamStages):
                 sets.append(self._prompt_set(prompt, entry, item.mask_input))
                 for row, tensor in zip(rows, entry.tensors, strict=True):
                     row.append(tensor)
-        low_res, iou = self._run_sam2_decoder(*rows, sets)
-        return self._postprocess(items, low_res, iou)
+        return self._run_sam2_decoder(*rows, sets)
 
     def _run_sam2_decoder(
         self, embeds: list[Tensor], s0: list[Tensor], s1: list[Tensor], sets: list[PromptSet]
@@ -263,10 +260,3 @@ class Sam2Stages(SamStages):
         masks, kept = super()._sorted_masks(items, low_res, iou)
         clamped = [None if k is None else k.clamp(-LOW_RES_CLAMP, LOW_RES_CLAMP) for k in kept]
         return masks, clamped
-
-    def fidelity_outputs(
-        self, photo: torch.Tensor, prompts: Sequence[FidelityPrompt]
-    ) -> SamOutputs:
-        """Not measured for SAM 2 yet (`models.fidelity` compares against SAM's runner);
-        `SERVE_FIDELITY_CHECK` with a SAM 2 model is refused before start-up."""
-        raise NotImplementedError("the start-up fidelity check does not cover SAM 2 yet")

@@ -235,6 +235,12 @@ class SamStages:
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> list[list[PromptMasks]]:
+        low_res, iou = self._decode_low_res(items)
+        return self._postprocess(items, low_res, iou)
+
+    def _decode_low_res(self, items: list[DecodeItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every prompt set of `items`, in order, through one decoder call: float32 low-res
+        logits `[P, 4, 4h, 4w]` and IoU `[P, 4]` (SAM 2 overrides: its features)."""
         # One embedding row per prompt set (the decoder repeats them per set anyway), so
         # the compiled decoder sees one batch dimension whatever mix of images a batch
         # holds: warm-up's shapes are the served shapes. With a separate image dimension,
@@ -246,8 +252,7 @@ class SamStages:
             for prompt in item.prompts:
                 sets.append(self._prompt_set(prompt, entry, item.mask_input))
                 embeddings.append(entry.embedding)
-        low_res, iou = self._run_decoder(embeddings, sets)
-        return self._postprocess(items, low_res, iou)
+        return self._run_decoder(embeddings, sets)
 
     def _run_decoder(
         self, embeddings: list[torch.Tensor], sets: list[PromptSet]
@@ -317,18 +322,16 @@ class SamStages:
     def fidelity_outputs(
         self, photo: torch.Tensor, prompts: Sequence[FidelityPrompt]
     ) -> SamOutputs:
-        """One photo through the served path (its encoder bucket's graph, the compiled
-        decoder, the service's prompt clipping and scaling), for `models.fidelity`."""
+        """One photo through the served path (its encoder bucket's graph, the service's
+        prompt clipping and scaling, the decoder's graphs or compiled batch call, the
+        upscaling), for `models.fidelity`: SAM's and SAM 2's alike, each through its own
+        `encode`, `_decode_low_res` and `_full_size_masks`. Masks in the decoder's order,
+        unsorted: column 0 is what a single-mask request gets."""
         (entry,) = self.encode([EncodeItem("fidelity", photo)])
-        sets = [
-            self._prompt_set(Prompt(points=p.points, labels=p.labels, box=p.box), entry, None)
-            for p in prompts
-        ]
-        low_res, iou = self._run_decoder([entry.embedding] * len(sets), sets)
-        logits = sam_tf.postprocess_masks(
-            low_res, entry.input_size, entry.original_size, self.config
-        )
-        return SamOutputs(entry.embedding.float(), logits > self.config.mask_threshold, iou)
+        asked = tuple(Prompt(points=p.points, labels=p.labels, box=p.box) for p in prompts)
+        low_res, iou = self._decode_low_res([DecodeItem(entry, asked, multimask=True)])
+        masks = self._full_size_masks(low_res, entry.input_size, entry.original_size)
+        return SamOutputs(entry.embedding.float(), masks, iou)
 
     def _sorted_masks(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor

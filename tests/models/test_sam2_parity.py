@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from models.fidelity import FidelityPrompt, eager_sam2_runner, fidelity_prompts
 from models.sam2 import SAM2_CONFIGS, Sam2, Sam2Config, Sam2Features, load_sam2
 from models.sam2.mask_decoder import select_masks
 from models.sam2.transforms import postprocess_masks, preprocess_image, scale_boxes, scale_points
@@ -203,6 +204,45 @@ def test_masks_match_image_predictor(
     for k in range(sets):
         for m in range(masks.shape[1]):
             assert _iou(our_masks[k, m].numpy(), masks[k, m]) >= 0.98, (k, m)
+
+
+def test_the_fidelity_reference_is_the_image_predictor(
+    encoded: tuple[Any, Sam2Features],
+    models: tuple[Any, Sam2],
+    config: Sam2Config,
+    photo: np.ndarray,
+) -> None:
+    """`eager_sam2_runner`, the start-up fidelity check's reference, answers each of its
+    prompts as `predict` does: column 0 as a single-mask call (the stability fallback where
+    token 0 is unstable, which the two clicks of CASES need), columns 1-3 as a multimask
+    call."""
+    predictor = encoded[0]
+    hw = (photo.shape[0], photo.shape[1])
+    prompts = [
+        *fidelity_prompts(*hw),
+        FidelityPrompt(points=((60.0, 70.0), (150.0, 40.0)), labels=(1, 0)),
+    ]
+    out = eager_sam2_runner(models[1], torch.device("cpu"))(torch.from_numpy(photo.copy()), prompts)
+    assert tuple(out.masks.shape) == (len(prompts), 4, *hw) and out.masks.dtype == torch.bool
+    fallbacks = 0
+    for k, p in enumerate(prompts):
+        answers = [
+            predictor.predict(
+                point_coords=np.array(p.points) if p.points else None,
+                point_labels=np.array(p.labels) if p.points else None,
+                box=None if p.box is None else np.array(p.box, dtype=np.float32),
+                multimask_output=multimask,
+            )
+            for multimask in (False, True)
+        ]
+        masks = np.concatenate([a[0] for a in answers]).astype(bool)  # [4, H, W]
+        scores = np.concatenate([a[1] for a in answers])
+        assert np.allclose(out.scores[k].numpy(), scores, atol=1e-5), p
+        for m in range(4):
+            assert _iou(out.masks[k, m].numpy(), masks[m]) >= 0.98, (p, m)
+        fallbacks += bool((scores[0] == scores[1:]).any())  # the candidate's own score
+    assert fallbacks > 0, "no prompt took the stability fallback"
+    assert _rel(out.embedding, predictor._features["image_embed"][0]) < TOL
 
 
 def test_single_mask_selection_matches(models: tuple[Any, Sam2], config: Sam2Config) -> None:

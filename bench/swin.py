@@ -169,7 +169,17 @@ def main() -> None:
         help="window attention written out (the model's default) and/or through SDPA\n"
         "(WindowAttention.use_sdpa); each variant runs once per form",
     )
+    p.add_argument(
+        "--emulate-casts",
+        action="store_true",
+        help="inductor rounds fused intermediates to the dtype eager would hold\n"
+        "(emulate_precision_casts): the compiled int8 fault's suspect (docs/BENCHMARKS.md)",
+    )
     args = p.parse_args()
+    if args.emulate_casts:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
     started = time.perf_counter()
     env = environment()
     print(env, flush=True)

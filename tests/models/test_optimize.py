@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models.optimize import SharedStance
+from models.optimize import SharedStance, compile_fn
 
 
 def test_the_stance_holds_inside_and_is_put_back(recompile_probe: Callable[[], bool]) -> None:
@@ -43,3 +43,20 @@ def test_overlapping_holders_release_in_any_order(recompile_probe: Callable[[], 
     assert not recompile_probe()
     second.__exit__(None, None, None)
     assert recompile_probe()
+
+
+def test_exact_casts_round_fused_intermediates_as_eager_does() -> None:
+    """`y = x * 1.001` rounds back to x in bf16 for most x, so eager's `y - x` is zero;
+    a fused kernel that keeps y in fp32 returns x / 1000 instead. With `exact_casts` the
+    compiled function returns eager's zeros (Swin int8's 87% -> 97% top-1, issue 20)."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.001
+        return (y - x).float()
+
+    x = torch.randn(1024, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    eager = f(x)
+    fused = compile_fn(f, "default", dynamic=False)(x)
+    exact = compile_fn(f, "default", dynamic=False, exact_casts=True)(x)
+    assert not torch.equal(fused, eager)  # the difference the option exists for
+    assert torch.equal(exact, eager)

@@ -23,7 +23,9 @@ from server.engine.stages import DecodeItem, SamStages
 from tests.server.conftest import small_settings
 
 
-def eager_compile(fn: Callable[..., torch.Tensor], mode: str, *, dynamic: bool) -> object:
+def eager_compile(
+    fn: Callable[..., torch.Tensor], mode: str, *, dynamic: bool, exact_casts: bool = False
+) -> object:
     return fn if mode == "none" else torch.compile(fn, dynamic=dynamic, backend="eager")
 
 

@@ -22,8 +22,8 @@
 # machine, 0.9 ms CPU per click, 1.4 per classify, 2 per segment (these photos); the tool's
 # own client (bench/openloop/wire.py, the default since 2026-11-26) costs less. 8 client
 # processes for 3000 clicks/s; the lag column of each row says whether they kept up.
-# COMPARE_HTTPX=1 runs the first click rate once more with the earlier client (httpx, no
-# busy wait before each arrival), on the same server: the client's share of a click.
+# COMPARE_HTTPX=1 runs each kind's first rate once more with the earlier client (httpx, no
+# busy wait before each arrival), on the same server: the client's share of the latency.
 #
 # EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
 # MIX replace the targets ("" skips one); PROCS_<KIND> the client processes. Needs the wheels
@@ -87,6 +87,8 @@ echo "ready after $(($(date +%s) - started)) s" | tee "$OUT/openloop.txt"
 {
   python3 -c "import torch; print('torch', torch.__version__)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  # the host's CPUs run the frontends and the load: hosts of one GPU kind differ
+  lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz)'
 } >> "$OUT/openloop.txt" 2>&1
 
 # The engines' process ids, from the supervisor's log lines.
@@ -119,16 +121,20 @@ load() {  # name, cut-off in seconds, then the tool's own arguments
 # a step takes WARMUP + SECONDS_PER_RATE + up to the 5 s timeout + 2 s; the cut-offs leave
 # room for 3 steps plus start-up and, for clicks, embedding the photos
 per_step=$((WARMUP + SECONDS_PER_RATE + 7))
+compare_httpx() {  # kind, rates, processes
+  [ -n "$2" ] && [ -n "${COMPARE_HTTPX:-}" ] || return 0
+  load "$1_httpx" $((per_step + 30)) --kind "$1" --rates "${2%%,*}" --processes "$3" \
+    --client httpx --spin-ms 0
+}
 [ -n "$SEGMENT_RATES" ] && load segment $((3 * per_step + 20)) --kind segment \
   --rates "$SEGMENT_RATES" --processes "${PROCS_SEGMENT:-4}"
+compare_httpx segment "$SEGMENT_RATES" "${PROCS_SEGMENT:-4}"
 [ -n "$CLICK_RATES" ] && load click $((3 * per_step + 30)) --kind click \
   --rates "$CLICK_RATES" --processes "${PROCS_CLICK:-8}"
-if [ -n "$CLICK_RATES" ] && [ -n "${COMPARE_HTTPX:-}" ]; then
-  load click_httpx $((per_step + 30)) --kind click --rates "${CLICK_RATES%%,*}" \
-    --processes "${PROCS_CLICK:-8}" --client httpx --spin-ms 0
-fi
+compare_httpx click "$CLICK_RATES" "${PROCS_CLICK:-8}"
 [ -n "$CLASSIFY_RATES" ] && load classify $((3 * per_step + 20)) --kind classify \
   --rates "$CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
+compare_httpx classify "$CLASSIFY_RATES" "${PROCS_CLASSIFY:-6}"
 [ -n "$MIX" ] && load mix $((per_step + 30)) --mix "$MIX" --processes "${PROCS_MIX:-8}"
 
 python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \

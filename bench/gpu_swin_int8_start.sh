@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The served int8 Swin on the GPU, checked at start-up: `python3 -m server` with Swin alone,
+# SERVE_QUANTIZATION=int8 and SERVE_FIDELITY_CHECK=true on the photos of IMAGES; prints the
+# start-up time, the `serve_fidelity` gauges (top-1 agreement with fp32 eager on the same
+# weights), one classify answer, and the log's errors. Random weights unless
+# SERVE_SWIN_CHECKPOINT is set. Issue 20: the compiled int8 path is the one served.
+#   OUT=/tmp/out bash bench/gpu_swin_int8_start.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+IMAGES=${IMAGES:-.benchdata/images}
+PORT=${PORT:-8100}
+mkdir -p "$OUT"
+started=$(date +%s)
+SETSID=$(command -v setsid || true)
+$SETSID env SERVE_DEVICE=cuda SERVE_ENABLE_SAM=false SERVE_QUANTIZATION=int8 \
+  SERVE_FIDELITY_CHECK=true SERVE_FIDELITY_IMAGES="$IMAGES" ${EXTRA_ENV:-} \
+  SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache python3 -m server --host 127.0.0.1 --port "$PORT" \
+  > "$OUT/swin_int8_server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM -- "-$SERVER" 2> /dev/null || kill -TERM "$SERVER"; wait "$SERVER"' EXIT
+for _ in $(seq "${READY_TIMEOUT:-240}"); do
+  kill -0 "$SERVER" 2> /dev/null || { echo "the server exited"; tail -20 "$OUT/swin_int8_server.log"; exit 1; }
+  [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/readyz")" = 200 ] && break
+  sleep 1
+done
+echo "ready after $(($(date +%s) - started)) s"
+curl -s "localhost:$PORT/metrics" | grep -E '^serve_(fidelity|model_info)'
+photo=$(find "$IMAGES" -name '*.jpg' | sort | head -1)
+curl -s "localhost:$PORT/v1/classify" -F image=@"$photo" -F 'request={"top_k": 3}' | head -c 600
+echo
+grep -E '"level": "(error|critical)"|Traceback|fidelity' "$OUT/swin_int8_server.log" | head -10

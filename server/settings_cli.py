@@ -97,10 +97,10 @@ def sam2_problems(settings: Settings) -> list[str]:
         problems.append(f"{name}: SAM 2 has no AOT packages; use SERVE_COMPILE_MODE=default")
     if settings.quantization != "none" or settings.sparsity != "none":
         problems.append(
-            f"{name}: int8 and fp8 make SAM 2's encoder slower and less faithful than bf16 "
-            "(hiera_large on an H100: 107 and 106 against 142 img/s, mask IoU 0.979 and 0.855; "
-            "docs/BENCHMARKS.md) and 2:4 is not measured for it; use SERVE_QUANTIZATION=none "
-            "and SERVE_SPARSITY=none"
+            f"{name}: int8, fp8 and 2:4 make SAM 2's encoder slower and less faithful than "
+            "bf16 (hiera_large on an H100: int8 107 and fp8 106 against 142 img/s, mask IoU "
+            "0.979 and 0.855; on an H200: 2:4 110 against 150 img/s, mask IoU 0.47; "
+            "docs/BENCHMARKS.md); use SERVE_QUANTIZATION=none and SERVE_SPARSITY=none"
         )
     return problems
 

@@ -7,29 +7,18 @@
 #   OUT=/tmp/out bash bench/gpu_swin_int8_start.sh
 # A cold compile cache took 112 s for batch 1 alone with two engines compiling at once (H200):
 #   EXTRA_ENV="SERVE_ENGINES_PER_GPU=1 SERVE_BATCH_BUCKETS=[1,32]" READY_TIMEOUT=280 ...
+# (the server's log: $OUT/server.log)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 IMAGES=${IMAGES:-.benchdata/images}
 PORT=${PORT:-8100}
 mkdir -p "$OUT"
-started=$(date +%s)
-SETSID=$(command -v setsid || true)
-$SETSID env SERVE_DEVICE=cuda SERVE_ENABLE_SAM=false SERVE_QUANTIZATION=int8 \
-  SERVE_FIDELITY_CHECK=true SERVE_FIDELITY_IMAGES="$IMAGES" ${EXTRA_ENV:-} \
-  SERVE_COMPILE_CACHE_DIR=/tmp/compile-cache python3 -m server --host 127.0.0.1 --port "$PORT" \
-  > "$OUT/swin_int8_server.log" 2>&1 &
-SERVER=$!
-trap 'kill -TERM -- "-$SERVER" 2> /dev/null || kill -TERM "$SERVER"; wait "$SERVER"' EXIT
-ready=no
-for _ in $(seq "${READY_TIMEOUT:-240}"); do
-  kill -0 "$SERVER" 2> /dev/null || { echo "the server exited"; tail -20 "$OUT/swin_int8_server.log"; exit 1; }
-  [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/readyz")" = 200 ] && { ready=yes; break; }
-  sleep 1
-done
-[ $ready = yes ] && echo "ready after $(($(date +%s) - started)) s" \
-  || echo "NOT ready after $(($(date +%s) - started)) s (the log's last start-up step says where)"
+source bench/start_server.sh
+EXTRA_ENV="SERVE_DEVICE=cuda SERVE_ENABLE_SAM=false SERVE_QUANTIZATION=int8 \
+  SERVE_FIDELITY_CHECK=true SERVE_FIDELITY_IMAGES=$IMAGES ${EXTRA_ENV:-}" start_server || exit 1
+trap 'kill -TERM "$SERVER"; wait "$SERVER"' EXIT
 curl -s "localhost:$PORT/metrics" | grep -E '^serve_(fidelity|model_info)'
 photo=$(find "$IMAGES" -name '*.jpg' | sort | head -1)
 curl -s "localhost:$PORT/v1/classify" -F image=@"$photo" -F 'request={"top_k": 3}' | head -c 600
 echo
-grep -E '"level": "(error|critical)"|Traceback|fidelity' "$OUT/swin_int8_server.log" | head -10
+grep -E '"level": "(error|critical)"|Traceback|fidelity' "$OUT/server.log" | head -10

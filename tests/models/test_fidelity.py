@@ -1,8 +1,11 @@
-"""models.fidelity: the measures, the prompts and views, the photo loader and the command,
+"""models.fidelity: the measures, the prompts and views, the photo loader and the command
+(models.fidelity_cli),
 on real photos (made small, so the tiny models run them in a second on the CPU)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +20,10 @@ from models.fidelity import (
     eager_swin_runner,
     fidelity_prompts,
     load_photos,
-    main,
     mask_iou,
     swin_views,
 )
+from models.fidelity_cli import main
 from models.optimize import OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.sam import SAM_CONFIGS, load_sam
 from models.swin import SWIN_CONFIGS, load_swin
@@ -146,3 +149,29 @@ def test_the_command_refuses_an_unknown_variant(small_photo_dir: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--images", str(small_photo_dir), "--variants", "bf8"])
     assert exit_info.value.code == 2
+
+
+def test_the_command_measures_sam2_precisions_and_points_elsewhere_for_int8(
+    small_photo_dir: Path, capsys
+) -> None:
+    """SAM 2 through the same table: fp32 against itself is exact, bf16 is not; its
+    int8 is refused with the bench that measures it."""
+    code = main(["--images", str(small_photo_dir), "--sam-model", "sam2_test_tiny",
+                 "--swin-model", "none", "--variants", "fp32", "bf16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| sam2_test_tiny")]
+    assert [row[1] for row in rows] == ["fp32", "bf16"]
+    assert rows[0][3:6] == ["60", "0.0000", "1.0000"]  # masks, embedding error, mean IoU
+    assert float(rows[1][4]) > 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--images", str(small_photo_dir), "--sam-model", "sam2_test_tiny",
+              "--swin-model", "none", "--variants", "bf16-int8"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "bench.sam2_quant" in capsys.readouterr().err
+
+
+def test_python_m_models_fidelity_runs_the_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "models.fidelity", "--help"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "sam2.1_hiera_large" in done.stdout, done.stderr

@@ -9,7 +9,9 @@ omission, the failure of closed-loop tools, cannot happen).
 
     schedule.py  Poisson arrivals and the dispatcher that fires them (no HTTP)
     kinds.py     the request of each kind: segment, click, classify
-    worker.py    one client process (asyncio + httpx) and the processes of one step
+    worker.py    one client process (asyncio) and the processes of one step
+    wire.py      the lean HTTP/1.1 client it sends through (`--client httpx` to compare)
+    pools.py     httpx clients in small pools, for `--client httpx`
     report.py    exact percentiles over every process's raw latencies, the table, the JSON
     phases.py    where each 200's latency went, hop by hop, from its `timing_ms`
 """

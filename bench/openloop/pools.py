@@ -21,6 +21,17 @@ import httpx
 SHARD = 32  # connections per httpx.AsyncClient
 
 
+class HttpxPost:
+    """One request's sender on a pooled httpx client: (status, body) as `wire.WirePost`."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        response = await self.client.post(path, content=body, headers=headers)
+        return response.status_code, response.content
+
+
 class ShardedPools:
     def __init__(self, url: str, size: int, timeout_s: float, headers: dict[str, str]) -> None:
         if size < 1:
@@ -45,12 +56,13 @@ class ShardedPools:
         self._slots = asyncio.Semaphore(size)
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[httpx.AsyncClient]:
-        """A client with a connection free for this request (waits for one)."""
+    async def slot(self) -> AsyncIterator[HttpxPost]:
+        """A sender on a client with a connection free for this request (waits for one);
+        the same `post` as the wire client's (`wire.WirePool.slot`)."""
         async with self._slots:
             k = self._free.pop()
             try:
-                yield self.clients[k]
+                yield HttpxPost(self.clients[k])
             finally:
                 self._free.append(k)
 

@@ -111,13 +111,7 @@ async def run_process(spec: StepSpec, index: int) -> list[Sample]:
         try:
             async with asyncio.timeout(spec.timeout_s), pools.slot() as http:
                 sent = loop.time()
-                if isinstance(http, httpx.AsyncClient):
-                    response = await http.post(
-                        request.path, content=request.body, headers=request.headers
-                    )
-                    code, content = response.status_code, response.content
-                else:
-                    code, content = await http.post(request.path, request.body, request.headers)
+                code, content = await http.post(request.path, request.body, request.headers)
         except NO_RESPONSE as exc:
             return Outcome(classify_error(exc), 0, sent)
         status = str(code)

@@ -144,8 +144,8 @@ def test_the_pools_cap_requests_in_flight_and_spread_them_over_small_pools() -> 
         release = asyncio.Event()
 
         async def hold() -> None:
-            async with pools.slot() as client:
-                held.append(pools.clients.index(client))
+            async with pools.slot() as sender:
+                held.append(pools.clients.index(sender.client))
                 await release.wait()
 
         tasks = [asyncio.create_task(hold()) for _ in range(71)]
@@ -157,8 +157,8 @@ def test_the_pools_cap_requests_in_flight_and_spread_them_over_small_pools() -> 
         assert len(held) == 71
         one = []
         for _ in range(5):  # a light load keeps to the connection on top
-            async with pools.slot() as client:
-                one.append(client)
+            async with pools.slot() as sender:
+                one.append(sender.client)
         assert len(set(map(id, one))) == 1
         await pools.aclose()
 

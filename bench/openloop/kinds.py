@@ -35,15 +35,14 @@ class Request:
     path: str
     body: bytes
     headers: dict[str, str]  # Content-Type and X-Image-Id
-    image: bytes | None = None  # the uploaded photo (segment, classify)
-    fields: dict[str, Any] | None = None  # the JSON body, or the multipart `request` field
 
 
 def multipart(name: str, data: bytes, fields: dict[str, Any], digest: str) -> tuple[bytes, str]:
     """`image` (the file) and `request` (the fields as JSON) as multipart/form-data: the
-    body and its Content-Type. The boundary holds the photo's SHA-256 (`digest`, computed
-    once for X-Image-Id too), so the photo's bytes cannot plausibly contain it."""
-    boundary = "openloop" + digest
+    body and its Content-Type. The boundary holds half the photo's SHA-256 (`digest`,
+    computed once for X-Image-Id too), so the photo's bytes cannot plausibly contain it,
+    and stays within RFC 2046's 70 characters (the service's reader refuses longer)."""
+    boundary = "openloop" + digest[:32]
     safe = name.replace('"', "_").replace("\r", "_").replace("\n", "_")
     body = b"".join([
         f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\n\r\n'.encode(),
@@ -119,7 +118,7 @@ class RequestMaker:
             image_id = self.image_ids[k]
             body = {"image_id": image_id, "point_coords": coords, "point_labels": labels}
             headers = {"Content-Type": "application/json", "X-Image-Id": image_id}
-            return Request("/v1/segment", json.dumps(body).encode(), headers, fields=body)
+            return Request("/v1/segment", json.dumps(body).encode(), headers)
         if kind == "classify":
             return self._multipart("/v1/classify", name, data, {"top_k": 5})
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
@@ -129,4 +128,4 @@ class RequestMaker:
         digest = hashlib.sha256(data).hexdigest()
         body, content_type = multipart(name, data, fields, digest)
         headers = {"Content-Type": content_type, "X-Image-Id": digest}
-        return Request(path, body, headers, image=data, fields=fields)
+        return Request(path, body, headers)

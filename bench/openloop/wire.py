@@ -54,7 +54,17 @@ class WireConnection:
         return cls(reader, writer)
 
     async def request(self, head: bytes, body: bytes) -> tuple[int, bytes]:
-        """Send one request (`head` ends with the blank line) and read its whole response."""
+        """Send one request (`head` ends with the blank line) and read its whole response.
+        A response cut short or one this client cannot read (a number that does not parse,
+        headers past `MAX_HEADER_BYTES`) raises `WireError`, a ConnectionError, as a broken
+        connection raises OSError."""
+        try:
+            return await self._exchange(head, body)
+        except (asyncio.IncompleteReadError, ValueError, asyncio.LimitOverrunError) as exc:
+            self.reusable = False
+            raise WireError(f"unreadable response: {exc}") from exc
+
+    async def _exchange(self, head: bytes, body: bytes) -> tuple[int, bytes]:
         self.writer.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:  # no copy of a large upload just to join it to its head
             self.writer.write(body)

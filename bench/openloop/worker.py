@@ -19,6 +19,7 @@ import random
 import resource
 import time
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import httpx
 
@@ -49,7 +50,7 @@ class StepSpec:
     api_key: str | None = None
     inflight_s: float = 2.0  # pool size: this many seconds of arrivals may be in flight
     start_wall: float = 0.0  # time.time() at which every process starts its schedule
-    client: str = "wire"  # "wire" (wire.py) or "httpx"
+    client: Literal["wire", "httpx"] = "wire"  # wire.py's client, or httpx (to compare)
     spin_s: float = 0.0  # the dispatcher's busy wait before each arrival (schedule.py)
 
 
@@ -59,16 +60,8 @@ def pool_size(spec: StepSpec) -> int:
 
 
 # what ends a request without a response: a timeout, or the connection failing (httpx's
-# errors; the wire client's OSError, ConnectionError and WireError among them, a response
-# cut short, a header that does not parse or does not fit)
-NO_RESPONSE = (
-    TimeoutError,
-    httpx.TransportError,
-    OSError,
-    asyncio.IncompleteReadError,
-    asyncio.LimitOverrunError,
-    ValueError,
-)
+# errors; the wire client's OSError, its WireError for a response cut short or unreadable)
+NO_RESPONSE = (TimeoutError, httpx.TransportError, OSError)
 
 
 def classify_error(exc: BaseException) -> str:

@@ -9,11 +9,16 @@ batch of N one-point clicks, each on another photo, multimask, RLE on the device
 - `decoder`: prompts packed and the compiled decoder (synchronised after);
 - `masks`: every item's full-size masks (sorted, upscaled per group of image sizes);
 - `runs`: the device RLE (`mask_runs`, one copy back) and the host's runs per mask;
+- `low_res_runs`: the runs made straight from the low-res logits instead, one Triton launch
+  per image size (`server.engine.runs.low_res_runs`, the service's default on CUDA), and
+  how many pixels its masks differ from the full-size path's by (float rounding at the
+  threshold); `batch_full_masks` and `contended_full_masks`: the whole batch with the
+  full-size path, for comparison;
 - `contended`: the whole batch again while another thread spins in Python, as the engine's
   event loop does under load, with the engine's GIL switch interval.
 
-Then a profiler table of one batch (host ops and kernels, and the number of kernel
-launches), so the fix can be aimed.
+Then the kernel launches and aten calls of one batch of 1 and 8 clicks with each path, and
+a profiler table of the 8 (host ops and kernels), so the fix can be aimed.
 
     python -m bench.decoder_batch --images .benchdata/images --sizes 1 8 16
 
@@ -38,11 +43,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.common import DEFAULT_IMAGES, environment, print_table
 from models.optimize import EAGER_ON_RECOMPILE
 from models.sam import PromptSet
+from models.triton_device import runs_triton
 from server.domain import Prompt
 from server.engine.runs import mask_runs
 from server.engine.sam2_stages import Sam2Stages
@@ -50,12 +57,28 @@ from server.engine.services import Engine
 from server.engine.stages import DecodeItem, EncodeItem, SamStages
 from server.imaging import decode_image
 from server.metrics import Metrics
+from server.rle import MaskRuns
 from server.settings import Settings
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _differing_pixels(a: list[MaskRuns], b: list[MaskRuns]) -> int:
+    """Pixels set in one and not the other, over every mask of two lists of runs."""
+    total = 0
+    for x, y in zip(a, b, strict=True):
+        for p, q in zip(x.counts, y.counts, strict=True):
+            total += int(np.count_nonzero(_decode_counts(p) != _decode_counts(q)))
+    return total
+
+
+def _decode_counts(counts: np.ndarray) -> np.ndarray:
+    """COCO counts -> the flat mask (column-major), alternating from a run of zeros."""
+    values = np.arange(len(counts)) % 2 == 1
+    return np.repeat(values, counts)
 
 
 def _median_ms(fn: Callable[[], object], iters: int) -> float:
@@ -180,11 +203,30 @@ def main() -> None:
                 return stages._sorted_masks(items, low_res, iou)[0]
 
             mask_ms = _median_ms(masks, args.iters)
-            stacks = [m.flatten(0, 1) for m in masks()]
+            stacks = [m.flatten(0, 1) for m in masks() if m is not None]
             runs_ms = _median_ms(lambda s=stacks: mask_runs(s), args.iters)
-            total_runs = sum(len(r) for m in mask_runs(stacks) for r in m.counts)
+            plain_runs = mask_runs(stacks)
+            total_runs = sum(len(r) for m in plain_runs for r in m.counts)
+            everyone = list(range(n))
+            fused_ms: float | None = None
+            differing: int | None = None
+            if runs_triton(stages.device):  # the kernel runs here (CUDA, or the interpreter)
+                fused_ms = _median_ms(
+                    lambda i=items, lo=low_res, io=iou, e=everyone: stages._runs_from_low_res(
+                        i, lo, io, e
+                    ),
+                    args.iters,
+                )
+                fused = stages._runs_from_low_res(items, low_res, iou, everyone)
+                differing = _differing_pixels([fused[k] for k in everyone], plain_runs)
             with _Spinner():
                 contended = _median_ms(lambda items=items: stages.decode(items), args.iters)
+            # the whole batch again with the runs made from the full-size masks
+            was, stages.fused_runs = stages.fused_runs, False
+            whole_plain = _median_ms(lambda items=items: stages.decode(items), args.iters)
+            with _Spinner():
+                contended_plain = _median_ms(lambda items=items: stages.decode(items), args.iters)
+            stages.fused_runs = was
             rows.append(
                 {
                     "model": settings.sam_model,
@@ -196,26 +238,36 @@ def main() -> None:
                     "graphed": graphs is not None,
                     "masks_ms": mask_ms,
                     "runs_ms": runs_ms,
+                    "low_res_runs_ms": fused_ms,
+                    "low_res_runs": stages.fused_runs,
+                    "batch_full_masks_ms": whole_plain,
                     "contended_ms": contended,
+                    "contended_full_masks_ms": contended_plain,
+                    "pixels_differing": differing,
                     "runs_per_mask": total_runs // max(1, 3 * n),
                 }
             )
             print(rows[-1], flush=True)
         from torch.profiler import ProfilerActivity, profile
 
-        items = clicks(8)
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
-            stages.decode(items)
-            _sync()
-        averages = prof.key_averages()
-        launches = sum(
-            e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                   "cudaLaunchKernelExC", "cuLaunchKernelEx")
-        )  # fmt: skip
-        print(f"kernel launches in one batch of 8 clicks: {launches}")
+        was = stages.fused_runs
+        for clicks_n, fused_runs in ((1, False), (1, was), (8, False), (8, was)):
+            items = clicks(clicks_n)
+            stages.fused_runs = fused_runs
+            with profile(activities=activities) as prof:
+                stages.decode(items)
+                _sync()
+            averages = prof.key_averages()
+            launches = sum(
+                e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                       "cudaLaunchKernelExC", "cuLaunchKernelEx")
+            )  # fmt: skip
+            calls = sum(e.count for e in averages if e.key.startswith("aten::"))
+            print(f"one batch of {clicks_n} clicks, runs from low-res logits {fused_runs}: "
+                  f"{launches} kernel launches, {calls} aten calls")  # fmt: skip
         for key in ("self_cpu_time_total", "self_device_time_total"):
             if key == "self_device_time_total" and not torch.cuda.is_available():
                 continue

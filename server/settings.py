@@ -259,8 +259,11 @@ class Settings(BaseSettings):
     there)"""
     decode_threads: int = Field(4, ge=1)
     """threads decoding images and encoding masks off the event loop, per frontend"""
-    mask_rle: Literal["auto", "device", "host"] = "auto"  # auto: device on CUDA
-    """where masks become RLE runs: auto (device on CUDA), device, host"""
+    mask_rle: Literal["auto", "low_res", "device", "host"] = "auto"
+    """where masks become RLE runs: low_res (on the device, straight from the decoder's
+    low-res logits, one Triton kernel per image size; CUDA only), device (the full-size masks
+    made on the device, then their runs there), host (the masks copied back, pycocotools);
+    auto: low_res on CUDA, host on the CPU"""
     # One thread and CUDA stream per stage lets a click's decoder batch run beside an
     # encoder batch (the decoder's stream at a higher priority) instead of queueing behind
     # it. On the CPU the stages' ops share the same cores, so one thread serves them all.

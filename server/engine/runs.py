@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from models.images import upload
+from models.sam.runs_kernel import STATS, RunsGroup, initial_stats, run_starts
 from server.rle import MaskRuns
 
-__all__ = ["mask_runs"]
+__all__ = ["RunsGroup", "low_res_runs", "mask_runs"]
 
 
 def _boxes(masks: Tensor) -> Tensor:
@@ -95,24 +96,81 @@ def mask_runs(stacks: list[Tensor]) -> list[MaskRuns]:
     for n in order:
         row_of_stack[n] = row
         row += counts_per[n]
-    split = np.split(all_runs, np.cumsum(per)[:-1])
+    counts = _counts(all_runs, per, first_np)
     out: list[MaskRuns] = []
     k = 0
     for n, stack in enumerate(stacks):
-        runs_of_stack = []
-        for j in range(counts_per[n]):
-            runs = split[k + j]
-            if first_np[k + j]:  # COCO counts start with a (here empty) run of zeros
-                runs = np.concatenate(([0], runs))
-            runs_of_stack.append(runs.astype(np.int64))
         rows = stats_np[row_of_stack[n] : row_of_stack[n] + counts_per[n]]
         out.append(
             MaskRuns(
                 (int(stack.shape[1]), int(stack.shape[2])),
-                runs_of_stack,
+                counts[k : k + counts_per[n]],
                 rows[:, 0].astype(np.int64),
                 rows[:, 1:].astype(np.float64),
             )
         )
         k += counts_per[n]
+    return out
+
+
+def _counts(lengths: np.ndarray, per: np.ndarray, first: np.ndarray) -> list[np.ndarray]:
+    """Each mask's COCO counts from all masks' run lengths one after the other, each
+    mask's number of runs, and whether its first pixel is set (COCO counts start with a
+    run of zeros, here an empty one)."""
+    if len(per) == 0:  # stacks of no masks (np.split would still give one piece)
+        return []
+    split = np.split(lengths, np.cumsum(per)[:-1])
+    return [
+        (np.concatenate(([0], runs)) if starts_set else runs).astype(np.int64)
+        for runs, starts_set in zip(split, first, strict=True)
+    ]
+
+
+def low_res_runs(
+    low_res: Tensor,
+    order: Tensor,
+    groups: list[RunsGroup],
+    threshold: float,
+    square: int | None,
+) -> list[MaskRuns]:
+    """COCO runs of the masks a decoder call's low-res logits make at each group's image
+    size, one `MaskRuns` per group, without the full-size masks ever being made.
+
+    One kernel launch per group finds where runs begin and each mask's statistics
+    (`models.sam.runs_kernel`: where runs begin, and each mask's area, box, first pixel and
+    number of runs); then one `nonzero` (the one sync), one difference and one copy back.
+    About ten torch calls for a batch, where upscaling and `mask_runs` took some sixty.
+    `order`: `[P, C - 1]`, each row's multimask outputs by descending score; `square`:
+    SAM's input square, None for SAM 2 (see `run_starts`).
+    """
+    if not groups:
+        return []
+    device = low_res.device
+    ks = [int(order.shape[1]) if g.multimask else 1 for g in groups]
+    per_group = [len(g.rows) * k for g, k in zip(groups, ks, strict=True)]
+    total = sum(per_group)
+    sizes = [g.size for g, n in zip(groups, per_group, strict=True) for _ in range(n)]
+    pixels = np.asarray([h * w for h, w in sizes], dtype=np.int64)
+    rows = np.concatenate([np.asarray(g.rows, dtype=np.int64) for g in groups])
+    table = np.concatenate([rows, initial_stats(total, sizes).reshape(-1)])
+    on_device = upload(torch.from_numpy(table), device)  # one copy in, no sync
+    stats = on_device[rows.shape[0] :]
+    begins = torch.empty(int(pixels.sum()) + 1, dtype=torch.uint8, device=device)
+    run_starts(low_res, order, groups, threshold, square, on_device, begins, stats)
+    positions = begins.nonzero().squeeze(1)  # the one sync: how many runs there are
+    packed = torch.cat([positions.diff(), stats]).to(torch.int32)
+    host = _to_host(packed)
+    n_runs = int(positions.shape[0]) - 1
+    stats_np = host[n_runs:].reshape(total, STATS).astype(np.int64)
+    counts = _counts(host[:n_runs], stats_np[:, 6], stats_np[:, 5].astype(bool))
+    areas = stats_np[:, 0]
+    x0, y0, x1, y1 = (stats_np[:, c] for c in range(1, 5))
+    boxes = np.stack([x0, y0, x1 - x0 + 1, y1 - y0 + 1], axis=1).astype(np.float64)
+    boxes[areas == 0] = 0.0
+    out: list[MaskRuns] = []
+    start = 0
+    for group, n in zip(groups, per_group, strict=True):
+        span = slice(start, start + n)
+        out.append(MaskRuns(group.size, counts[span], areas[span], boxes[span]))
+        start += n
     return out

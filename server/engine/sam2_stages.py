@@ -74,6 +74,7 @@ class Sam2Stages(SamStages):
         rle_on_device: bool = False,
         work_bytes: int = 256 * 1024**2,
         decoder_graphs: bool = True,
+        fused_runs: bool = True,
     ) -> None:
         self.sam2 = model
         self.sam2_config = model.config
@@ -81,6 +82,7 @@ class Sam2Stages(SamStages):
         # count, threshold), which the inherited mask handling reads
         self.config = model.config.prompt_config()
         self.rle_on_device = rle_on_device
+        self.fused_runs = fused_runs and rle_on_device and runs_triton(device)  # as SamStages
         self.work_bytes = work_bytes
         self.device = device
         self.dtype = options.dtype
@@ -253,10 +255,22 @@ class Sam2Stages(SamStages):
             out[start : start + step] = masks(slice(start, start + step))
         return out
 
+    @property
+    def _mask_threshold(self) -> float:
+        return float(self.sam2_config.mask_threshold)
+
+    @property
+    def _runs_square(self) -> int | None:
+        return None  # one resize straight to the image's size, as _full_size_masks
+
     def _sorted_masks(
-        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        self,
+        items: list[DecodeItem],
+        low_res: torch.Tensor,
+        iou: torch.Tensor,
+        full: Sequence[bool] | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """`SamStages._sorted_masks`, with the kept low-res logits clamped as Meta's are."""
-        masks, kept = super()._sorted_masks(items, low_res, iou)
+        masks, kept = super()._sorted_masks(items, low_res, iou, full)
         clamped = [None if k is None else k.clamp(-LOW_RES_CLAMP, LOW_RES_CLAMP) for k in kept]
         return masks, clamped

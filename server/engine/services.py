@@ -27,6 +27,7 @@ from models.sam import SAM_CONFIGS, load_sam
 from models.sam2 import SAM2_CONFIGS, default_decoder_paths, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, load_swin
+from models.triton_device import runs_triton
 from server.domain import (
     ClassifyResult,
     EmbeddingFile,
@@ -99,9 +100,16 @@ class Engine:
         use_precision(self.options)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
-        self.rle_on_device = settings.mask_rle == "device" or (
+        self.rle_on_device = settings.mask_rle in ("low_res", "device") or (
             settings.mask_rle == "auto" and self.device.type == "cuda"
         )
+        # ... and with one kernel launch straight from the low-res logits, where it runs
+        if settings.mask_rle == "low_res" and not runs_triton(self.device):
+            raise ValueError(
+                "SERVE_MASK_RLE=low_res: its Triton kernel runs on CUDA only; "
+                "use SERVE_MASK_RLE=device or host"
+            )
+        self.rle_from_low_res = self.rle_on_device and settings.mask_rle in ("low_res", "auto")
         self.observer = observer or BatchObserver()
         self.workers = StageWorkers(self.device, settings.stage_threads)
         # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
@@ -298,7 +306,7 @@ class Engine:
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
             aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
-            decoder_graphs=s.decoder_graphs,
+            decoder_graphs=s.decoder_graphs, fused_runs=self.rle_from_low_res,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         return self._sam_parts(stages, info, sam_generators(model, info.name))
@@ -325,6 +333,7 @@ class Engine:
             model, self.device, opts, encoder_buckets,
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
             work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
+            fused_runs=self.rle_from_low_res,
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")

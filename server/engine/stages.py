@@ -32,9 +32,11 @@ from models.sam.transformer import decoder_attention
 from models.swin import SwinConfig, SwinTransformer
 from models.swin import transforms as swin_tf
 from models.swin.resize_kernel import packed_supported, preprocess_packed
+from models.triton_device import runs_triton
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.engine.runs import mask_runs
+from server.engine.runs import RunsGroup, low_res_runs, mask_runs
+from server.rle import MaskRuns
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,16 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
         if bucket >= n:
             return bucket
     return buckets[-1]
+
+
+def _spans(items: Sequence[DecodeItem]) -> list[slice]:
+    """Each item's rows of a decoder call that ran every item's prompts in order."""
+    spans: list[slice] = []
+    start = 0
+    for item in items:
+        spans.append(slice(start, start + len(item.prompts)))
+        start += len(item.prompts)
+    return spans
 
 
 def pad_batch(batch: torch.Tensor, size: int) -> torch.Tensor:
@@ -148,9 +160,12 @@ class SamStages:
         work_bytes: int = 256 * 1024**2,
         aot: AotStore | None = None,
         decoder_graphs: bool = True,
+        fused_runs: bool = True,
     ) -> None:
         self.model = model
         self.rle_on_device = rle_on_device
+        # RLE runs straight from the low-res logits (`low_res_runs`) where the kernel runs
+        self.fused_runs = fused_runs and rle_on_device and runs_triton(device)
         self.work_bytes = work_bytes  # float logits upscaled at once (see _full_size_masks)
         self.config = config
         self.device = device
@@ -335,9 +350,14 @@ class SamStages:
         return SamOutputs(entry.embedding.float(), masks, iou)
 
     def _sorted_masks(
-        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Each item's bool masks `[prompts, K, H, W]`, best score first, and its low-res
+        self,
+        items: list[DecodeItem],
+        low_res: torch.Tensor,
+        iou: torch.Tensor,
+        full: Sequence[bool] | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each item's bool masks `[prompts, K, H, W]`, best score first (None for an item
+        whose `full` is False, whose runs are made from the low-res logits), and its low-res
         logits in that order when it asked for them.
 
         Items whose images share a size (and multimask choice) are upscaled together: one
@@ -345,15 +365,13 @@ class SamStages:
         still low-res, a gather over `[P, K, m, m]` rather than over the full-size masks;
         upscaling works per mask, so the result is the same.
         """
-        spans: list[slice] = []
-        start = 0
-        for item in items:
-            spans.append(slice(start, start + len(item.prompts)))
-            start += len(item.prompts)
+        wanted = [True] * len(items) if full is None else list(full)
+        spans = _spans(items)
         groups: dict[tuple[bool, tuple[int, int], tuple[int, int]], list[int]] = {}
         for n, item in enumerate(items):
-            key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
-            groups.setdefault(key, []).append(n)
+            if wanted[n] or item.return_low_res:
+                key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
+                groups.setdefault(key, []).append(n)
         masks: list[torch.Tensor | None] = [None] * len(items)
         kept: list[torch.Tensor | None] = [None] * len(items)
         for (multimask, input_size, size), members in groups.items():
@@ -364,15 +382,60 @@ class SamStages:
             # stable on both sides, so the host's score order is the same permutation
             order = scores.sort(dim=1, descending=True, stable=True).indices
             ranked = torch.take_along_dim(low, order[:, :, None, None], dim=1)
-            full = self._full_size_masks(ranked, input_size, size)
+            made = None
+            if any(wanted[n] for n in members):
+                made = self._full_size_masks(ranked, input_size, size)
             offset = 0
             for n, r in zip(members, rows, strict=True):
                 count = r.stop - r.start
-                masks[n] = full[offset : offset + count]
+                if wanted[n] and made is not None:
+                    masks[n] = made[offset : offset + count]
                 if items[n].return_low_res:  # the LowResStore copies each mask it keeps
                     kept[n] = ranked[offset : offset + count]
                 offset += count
-        return [m for m in masks if m is not None], kept
+        return masks, kept
+
+    def _runs_from_low_res(
+        self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor, which: list[int]
+    ) -> dict[int, MaskRuns]:
+        """The runs of items `which`, straight from the low-res logits (`low_res_runs`):
+        items of one image size and multimask choice share a kernel launch."""
+        spans = _spans(items)
+        keyed: dict[tuple[bool, tuple[int, int], tuple[int, int]], list[int]] = {}
+        for n in which:
+            item = items[n]
+            key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
+            keyed.setdefault(key, []).append(n)
+        groups = [
+            RunsGroup(
+                rows=[p for n in members for p in range(spans[n].start, spans[n].stop)],
+                multimask=multimask,
+                input_size=input_size,
+                size=size,
+            )
+            for (multimask, input_size, size), members in keyed.items()
+        ]
+        # stable, as the host's ranking in _postprocess: the same permutation
+        order = iou[:, 1:].sort(dim=1, descending=True, stable=True).indices
+        found = low_res_runs(low_res, order, groups, self._mask_threshold, self._runs_square)
+        out: dict[int, MaskRuns] = {}
+        for members, group_runs in zip(keyed.values(), found, strict=True):
+            start = 0
+            for n in members:
+                count = len(items[n].prompts) * (int(order.shape[1]) if items[n].multimask else 1)
+                out[n] = group_runs.select(start, start + count)
+                start += count
+        return out
+
+    @property
+    def _mask_threshold(self) -> float:
+        return float(self.config.mask_threshold)
+
+    @property
+    def _runs_square(self) -> int | None:
+        """The square SAM's logits are resized to before the crop (`postprocess_masks`);
+        SAM 2, with one resize, overrides it with None."""
+        return int(self.config.image_size)
 
     def _postprocess(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor
@@ -380,14 +443,20 @@ class SamStages:
         """Masks at each image's size, sorted by score, handed back in one transfer.
 
         With `rle_on_device`, masks wanted as RLE never cross in full: their runs are found
-        on the device (`server.engine.runs`); other outputs (png, polygons) copy the masks
-        back.
+        on the device, straight from the low-res logits where the kernel runs
+        (`fused_runs`), else from the full-size masks (`server.engine.runs`); other outputs
+        (png, polygons) copy the masks back.
         """
-        all_masks, low_res_kept = self._sorted_masks(items, low_res, iou)
+        on_device_rle = [self.rle_on_device and item.output == "rle" for item in items]
+        fused = [n for n, rle in enumerate(on_device_rle) if rle and self.fused_runs]
+        full = [n not in fused for n in range(len(items))]
+        all_masks, low_res_kept = self._sorted_masks(items, low_res, iou, full)
         on_device: list[torch.Tensor] = []  # [prompts * K, H, W] per item that gets runs
         flat_masks: list[torch.Tensor] = []  # flattened masks of the other items
-        for item, masks in zip(items, all_masks, strict=True):
-            if self.rle_on_device and item.output == "rle":
+        for n, masks in enumerate(all_masks):
+            if masks is None:
+                continue
+            if on_device_rle[n]:
                 on_device.append(masks.flatten(0, 1))
             else:
                 flat_masks.append(masks.reshape(-1))
@@ -395,14 +464,15 @@ class SamStages:
         # masks go one way or the other), so it is complete after them without a sync of
         # its own.
         iou_on_host = iou.to("cpu", non_blocking=True)
+        fused_runs = self._runs_from_low_res(items, low_res, iou, fused) if fused else {}
         runs = iter(mask_runs(on_device))
         host_masks = torch.cat(flat_masks).cpu().numpy() if flat_masks else None
         host_iou = iou_on_host.numpy()
         results: list[list[PromptMasks]] = []
         offset = start = 0
-        for item, masks, kept in zip(items, all_masks, low_res_kept, strict=True):
-            shape = tuple(masks.shape)
-            prompts, k = shape[0], shape[1]
+        for n, (item, masks, kept) in enumerate(zip(items, all_masks, low_res_kept, strict=True)):
+            prompts = len(item.prompts)
+            k = int(low_res.shape[1]) - 1 if item.multimask else 1
             chosen = slice(1, None) if item.multimask else slice(0, 1)
             scores = host_iou[start : start + prompts, chosen]
             start += prompts
@@ -410,10 +480,13 @@ class SamStages:
             sorted_scores = np.take_along_axis(scores, ranking, axis=1)
             item_runs = None
             item_masks = None
-            if self.rle_on_device and item.output == "rle":
+            if n in fused_runs:
+                item_runs = fused_runs[n]
+            elif on_device_rle[n]:
                 item_runs = next(runs)
             else:
-                assert host_masks is not None
+                assert host_masks is not None and masks is not None
+                shape = tuple(masks.shape)
                 size = int(np.prod(shape))
                 item_masks = host_masks[offset : offset + size].reshape(shape)
                 offset += size
@@ -472,6 +545,11 @@ class SamStages:
         for prompt in prompts:
             # compiled, a refinement click (mask_input) runs the same graph: see decode
             self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
+        if bucket == self.decoder_buckets[0] and self.fused_runs:
+            # the runs kernel compiles once per mask count: a single-mask request (a box's
+            # segment) would otherwise compile it, a second on the decoder's thread
+            one = Prompt(points=((w / 2, h / 2),), labels=(1,))
+            self.decode([DecodeItem(entry, (one,), multimask=False)])
         if self._graphs is not None and bucket in self._graphs.set_buckets:
             try:
                 with torch.inference_mode():

@@ -1,0 +1,152 @@
+"""The runs kernel (`models/sam/runs_kernel.py`) against the full-size path, on one device.
+
+For each photo size of `--images` (default: ../shared/data/images' photos) and SAM's
+two-step resize and SAM 2's single one, random low-res logits (smooth shapes from a few
+random 8x8 planes upscaled, so masks have edges rather than noise; `--noise` for random
+weights' noise) go both ways: `low_res_runs` (one launch per image size, one sync) and the
+path it replaced (`F.interpolate` twice, threshold, `mask_runs`). Prints, per size, the
+pixels whose mask differs between the two (float rounding at the threshold), the runs per
+mask, and the median milliseconds of each, host and device together.
+
+    python -m bench.runs_check --images .benchdata/images --iters 50
+    SERVE_DEVICE=cpu TRITON_INTERPRET=1 python -m bench.runs_check --iters 1 --max-side 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from bench.common import DEFAULT_IMAGES, environment, print_table
+from models.sam import SAM_CONFIGS
+from models.sam import transforms as sam_tf
+from models.sam.runs_kernel import RunsGroup, compiled_variants
+from server.engine.runs import low_res_runs, mask_runs
+from server.rle import MaskRuns
+
+
+def _ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def _full_size(
+    low: torch.Tensor, order: torch.Tensor, group: RunsGroup, square: int | None
+) -> list[MaskRuns]:
+    """The path the kernel replaced: sort, gather, upscale, threshold, `mask_runs`."""
+    rows = list(group.rows)
+    ranked = torch.take_along_dim(low[rows, 1:], order[rows][:, :, None, None], dim=1)
+    if square is None:
+        up = F.interpolate(ranked, group.size, mode="bilinear", align_corners=False)
+    else:
+        up = F.interpolate(ranked, (square, square), mode="bilinear", align_corners=False)
+        up = up[..., : group.input_size[0], : group.input_size[1]]
+        up = F.interpolate(up, group.size, mode="bilinear", align_corners=False)
+    return mask_runs([up.gt(0.0).flatten(0, 1)])
+
+
+def _differing(a: MaskRuns, b: MaskRuns) -> int:
+    def flat(counts: np.ndarray) -> np.ndarray:
+        return np.repeat(np.arange(len(counts)) % 2 == 1, counts)
+
+    return sum(
+        int(np.count_nonzero(flat(p) != flat(q))) for p, q in zip(a.counts, b.counts, strict=True)
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--prompts", type=int, default=1, help="prompts per image (3 masks each)")
+    p.add_argument("--noise", action="store_true", help="random weights' noise masks")
+    p.add_argument("--max-side", type=int, default=0, help="shrink the sizes (interpreter)")
+    args = p.parse_args()
+    env = environment()
+    print(env, flush=True)
+    device = torch.device(os.environ.get("SERVE_DEVICE", "cuda"))
+    config = SAM_CONFIGS["vit_b"]
+    S, m = config.image_size, 4 * config.embedding_size
+    sizes = []
+    for path in sorted(args.images.glob("*.jpg")):
+        w, h = Image.open(path).size
+        if args.max_side:
+            scale = min(1.0, args.max_side / max(h, w))
+            h, w = max(1, int(h * scale)), max(1, int(w * scale))
+        sizes.append((h, w))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for h, w in sizes:
+        P = args.prompts
+        if args.noise:
+            low = torch.randn(P, 4, m, m, generator=g) * 4
+        else:  # smooth blobs: an 8x8 random field upscaled, so masks have a few edges
+            coarse = torch.randn(P * 4, 1, 8, 8, generator=g) * 8
+            low = F.interpolate(coarse, (m, m), mode="bicubic").reshape(P, 4, m, m)
+        low = low.to(device)
+        iou = torch.rand(P, 4, generator=g).to(device)
+        order = iou[:, 1:].sort(dim=1, descending=True, stable=True).indices
+        input_size = sam_tf.resize_longest_side_size(h, w, S)
+        for name, square in (("sam", S), ("sam2", None)):
+            group = RunsGroup(list(range(P)), True, input_size, (h, w))
+
+            def fused(
+                grp: RunsGroup = group, sq: int | None = square, lo: torch.Tensor = low,
+                od: torch.Tensor = order,
+            ) -> list[MaskRuns]:  # fmt: skip
+                return low_res_runs(lo, od, [grp], 0.0, sq)
+
+            def plain(
+                grp: RunsGroup = group, sq: int | None = square, lo: torch.Tensor = low,
+                od: torch.Tensor = order,
+            ) -> list[MaskRuns]:  # fmt: skip
+                return _full_size(lo, od, grp, sq)
+
+            (a,), (b,) = fused(), plain()
+            rows.append(
+                {
+                    "model": name,
+                    "size": f"{h}x{w}",
+                    "masks": len(a),
+                    "runs_per_mask": sum(len(c) for c in a.counts) // len(a),
+                    "pixels_differing": _differing(a, b),
+                    "areas_equal": bool(np.array_equal(a.areas, b.areas)),
+                    "low_res_runs_ms": _ms(fused, args.iters, device),
+                    "full_size_ms": _ms(plain, args.iters, device),
+                }
+            )
+            print(rows[-1], flush=True)
+    # batches of 1 to 4 prompts on sides that are multiples of 16 and not, single-mask too:
+    # the kernel must not compile again for any of them (one per mask count and resize)
+    for P in (1, 2, 3, 4):
+        low = torch.randn(P, 4, m, m, generator=g).to(device)
+        order = torch.zeros(P, 3, dtype=torch.int64).to(device)
+        for h, w in ((64, 48), (65, 47)):
+            for multimask in (True, False):
+                group = RunsGroup(list(range(P)), multimask, (S, S), (h, w))
+                for square in (S, None):
+                    low_res_runs(low, order, [group], 0.0, square)
+    print(f"compiled runs kernels: {compiled_variants()} (4 intended: 1 or 3 masks x 2 resizes)")
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
+    print_table(rows, list(rows[0]))
+
+
+if __name__ == "__main__":
+    main()

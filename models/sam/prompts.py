@@ -25,7 +25,7 @@ from torch import Tensor
 from models.images import upload
 from models.sam.prompt_encoder import LABEL_BOX_BR, LABEL_BOX_TL, LABEL_NOT_A_POINT, LABEL_PAD
 
-__all__ = ["PromptBatch", "PromptSet", "pack_prompts"]
+__all__ = ["PromptBatch", "PromptSet", "pack_masks", "pack_prompts", "prompt_tokens"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,11 @@ class PromptBatch:
 
 def canonical_tokens(prompt: PromptSet) -> tuple[Tensor, Tensor]:
     """One set's tokens as Meta's prompt encoder builds them: (`[T, 2]` float32, `[T]` int64)."""
-    points, labels = _tokens(prompt)
+    points, labels = prompt_tokens(prompt)
     return torch.from_numpy(points), torch.from_numpy(labels)
 
 
-def _tokens(prompt: PromptSet) -> tuple[np.ndarray, np.ndarray]:
+def prompt_tokens(prompt: PromptSet) -> tuple[np.ndarray, np.ndarray]:
     """`canonical_tokens` in numpy: the GPU worker packs every prompt of a batch while
     holding the GIL, and the small torch ops this took per prompt were about 8% of the GIL's
     busy time under load (py-spy, H100 host); numpy does the same in about a quarter of
@@ -134,7 +134,7 @@ def pack_prompts(
         raise ValueError("pack_prompts needs at least one prompt set")
     if image_index is not None and len(image_index) != len(sets):
         raise ValueError(f"{len(sets)} prompt sets but {len(image_index)} image indexes")
-    tokens = [_tokens(s) for s in sets]
+    tokens = [prompt_tokens(s) for s in sets]
     P, T = len(sets), max(t[0].shape[0] for t in tokens)
     points_np = np.zeros((P, T, 2), dtype=np.float32)
     labels_np = np.full((P, T), LABEL_PAD, dtype=np.int64)
@@ -142,7 +142,7 @@ def pack_prompts(
         points_np[p, : coords.shape[0]] = coords
         labels_np[p, : kinds.shape[0]] = kinds
     points, labels = torch.from_numpy(points_np), torch.from_numpy(labels_np)
-    mask_input, has_mask = _pack_masks(sets)
+    mask_input, has_mask = pack_masks(sets)
     if mask_input is None and mask_size is not None:
         # A compiled decoder gets a mask input always (zeros, flagged absent): one graph for
         # every prompt form, refinement included, instead of one more per form to warm up.
@@ -161,7 +161,7 @@ def pack_prompts(
     return batch.to(device)
 
 
-def _pack_masks(sets: Sequence[PromptSet]) -> tuple[Tensor | None, Tensor | None]:
+def pack_masks(sets: Sequence[PromptSet]) -> tuple[Tensor | None, Tensor | None]:
     """Stack the sets' mask inputs (`[P, 1, m, m]`, zeros where absent) and their presence."""
     given = [s.mask_input for s in sets if s.mask_input is not None]
     if not given:

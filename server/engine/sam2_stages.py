@@ -216,12 +216,12 @@ class Sam2Stages(SamStages):
         self, embeds: list[Tensor], s0: list[Tensor], s1: list[Tensor], sets: list[PromptSet]
     ) -> tuple[Tensor, Tensor]:
         """float32 low-res logits `[P, 4, 4h, 4w]` and IoU `[P, 4]` of set p on row p."""
-        mask_size = self.sam2_config.mask_input_size if self.compiled else None
-        prompts = pack_prompts(sets, None, self.device, mask_size)
-        if self._graphs is not None:
-            graphed = self._graphs.run_inputs((embeds, s0, s1), prompts)
+        if self._graphs is not None:  # the prompts padded and sent in one copy
+            graphed = self._graphs.run_sets((embeds, s0, s1), sets)
             if graphed is not None:
                 return graphed
+        mask_size = self.sam2_config.mask_input_size if self.compiled else None
+        prompts = pack_prompts(sets, None, self.device, mask_size)
         low_res, iou = self._decode_features(
             torch.stack(embeds), torch.stack(s0), torch.stack(s1), prompts
         )

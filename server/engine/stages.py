@@ -274,15 +274,15 @@ class SamStages:
         self, embeddings: list[torch.Tensor], sets: list[PromptSet]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Set p against embedding p: float32 low-res logits `[P, 4, 4h, 4w]`, IoU `[P, 4]`."""
-        # compiled code and graphs see one shape: the mask input always present, padded
+        if self._graphs is not None:  # the prompts padded and sent in one copy
+            graphed = self._graphs.run_sets((embeddings,), sets)
+            if graphed is not None:
+                return graphed
+        # compiled code sees one shape: the mask input always present, padded
         fixed = self.compiled or self._graphs is not None
         mask_size = 4 * self.config.embedding_size if fixed else None
         # no image_index: row p of the stack is set p's embedding, not gathered again
         prompts = pack_prompts(sets, None, self.device, mask_size)
-        if self._graphs is not None:
-            graphed = self._graphs.run(embeddings, prompts)
-            if graphed is not None:
-                return graphed
         low_res, iou = self._decode_unpadded_tokens(torch.stack(embeddings), prompts)
         return low_res.float(), iou.float()
 

@@ -171,3 +171,42 @@ def test_decoder_attention_nests_and_restores_the_flags():
         torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(),
     ]
+
+
+def _check_sets(tiny_sam: Sam, graphs: DecoderGraphs, embeddings: Tensor, sets: list[PromptSet]):
+    """`run_sets` (the tokens sent in one copy, as the stages serve) against the decoder
+    on the batch as it is."""
+    rows = [embeddings[k % 2] for k in range(len(sets))]
+    with torch.inference_mode():
+        out = graphs.run_sets((rows,), sets)
+        assert out is not None
+        want = tiny_sam.decode(torch.stack(rows), pack_prompts(sets, None, "cpu", mask_size=64))
+    for got, expected in zip(out, want, strict=True):
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert torch.allclose(got, expected, atol=TOL, rtol=TOL), (got - expected).abs().max()
+    return out
+
+
+def test_sets_sent_in_one_copy_decode_as_the_batch_alone(tiny_sam, graphs, embeddings) -> None:
+    _check_sets(tiny_sam, graphs, embeddings, _sets(3, 11))
+    _check_sets(tiny_sam, graphs, embeddings, _sets(1, 12, points=6))  # 7 tokens of 8
+    _check_sets(tiny_sam, graphs, embeddings, _sets(8, 13, points=2))
+
+
+def test_mask_inputs_of_one_batch_never_reach_the_next(tiny_sam, graphs, embeddings) -> None:
+    """A refinement batch sets mask rows; the next batch without masks must decode as if
+    none had been given (its rows' flags cleared), and the padding of fewer tokens after
+    more must not leak either; the old path and the new one share the buffers."""
+    _check_sets(tiny_sam, graphs, embeddings, _sets(5, 14, points=3, mask=True))
+    plain = _check_sets(tiny_sam, graphs, embeddings, _sets(4, 15))
+    _check(tiny_sam, graphs, embeddings, _sets(4, 16, points=2, mask=True))  # run_inputs
+    again = _check_sets(tiny_sam, graphs, embeddings, _sets(4, 15))
+    assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
+
+
+def test_sets_no_bucket_holds_are_left_to_the_caller(graphs, embeddings) -> None:
+    with torch.inference_mode():
+        assert graphs.run_sets(([embeddings[0]] * 9,), _sets(9, 17)) is None
+        assert graphs.run_sets(([embeddings[0]],), _sets(1, 18, points=8)) is None
+        with pytest.raises(ValueError, match="3 rows of an image input for 2 prompt sets"):
+            graphs.run_sets(([embeddings[0]] * 3,), _sets(2, 19))

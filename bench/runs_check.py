@@ -47,19 +47,28 @@ def _ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _full_size(
-    low: torch.Tensor, order: torch.Tensor, group: RunsGroup, square: int | None
+def full_size_runs(
+    low: torch.Tensor,
+    order: torch.Tensor,
+    group: RunsGroup,
+    square: int | None,
+    threshold: float = 0.0,
 ) -> list[MaskRuns]:
-    """The path the kernel replaced: sort, gather, upscale, threshold, `mask_runs`."""
+    """The path the kernel replaced, as the stages run it without the kernel: sort and
+    gather (or output 0 of a single-mask group), upscale, threshold, `mask_runs`.
+    tests/models/test_runs_kernel.py holds the kernel to it."""
     rows = list(group.rows)
-    ranked = torch.take_along_dim(low[rows, 1:], order[rows][:, :, None, None], dim=1)
+    if group.multimask:
+        ranked = torch.take_along_dim(low[rows, 1:], order[rows][:, :, None, None], dim=1)
+    else:
+        ranked = low[rows, 0:1]
     if square is None:
         up = F.interpolate(ranked, group.size, mode="bilinear", align_corners=False)
     else:
         up = F.interpolate(ranked, (square, square), mode="bilinear", align_corners=False)
         up = up[..., : group.input_size[0], : group.input_size[1]]
         up = F.interpolate(up, group.size, mode="bilinear", align_corners=False)
-    return mask_runs([up.gt(0.0).flatten(0, 1)])
+    return mask_runs([up.gt(threshold).flatten(0, 1)])
 
 
 def _differing(a: MaskRuns, b: MaskRuns) -> int:
@@ -117,7 +126,7 @@ def main() -> None:
                 grp: RunsGroup = group, sq: int | None = square, lo: torch.Tensor = low,
                 od: torch.Tensor = order,
             ) -> list[MaskRuns]:  # fmt: skip
-                return _full_size(lo, od, grp, sq)
+                return full_size_runs(lo, od, grp, sq)
 
             (a,), (b,) = fused(), plain()
             rows.append(

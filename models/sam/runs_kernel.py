@@ -7,10 +7,12 @@ transposed to COCO's column-major order, compared pixel to pixel, then areas and
 dozen reductions (`server.engine.runs.mask_runs`). The GPU work was tens of microseconds;
 the host's was dozens of torch calls, each releasing and taking back the GIL the engine's
 event loop also wants (docs/BENCHMARKS.md, issue 19). Here one program takes a block of a
-mask's pixels in column-major order and, for each pixel and the one before it, computes the
-upscaled logit straight from the low-res plane (SAM: the bilinear resize to the square,
-then the crop's bilinear resize to the image, 16 low-res taps; SAM 2: one resize, 4 taps),
-thresholds both, and stores whether a run begins there. The block's set pixels are summed
+mask's pixels in column-major order, computes each one's upscaled logit straight from the
+low-res plane (SAM: the bilinear resize to the square, then the crop's bilinear resize to
+the image, 16 low-res taps; SAM 2: one resize, 4 taps), thresholds it, and stores whether a
+run begins there: where it differs from the pixel before, which is the block's own but for
+its first (computed alone; the first version computed every logit twice, and lost to the
+full-size path on a batch of 32 noise clicks). The block's set pixels are summed
 and bounded, and added to the mask's statistics with one atomic each.
 
 The arithmetic is `F.interpolate(..., mode="bilinear", align_corners=False)`'s, in float32,
@@ -80,35 +82,29 @@ if triton is not None:
         return i0, i1, 1.0 - l1, l1
 
     @triton.jit
-    def _low_res(PLANE, y, x, s_y, m, scale):
-        """The low-res `m x m` plane resized by `scale` (source per output pixel), at
-        output pixel (y, x)."""
-        y0, y1, wy0, wy1 = _source(y, scale, m)
-        x0, x1, wx0, wx1 = _source(x, scale, m)
-        a = tl.load(PLANE + y0 * s_y + x0)
-        b = tl.load(PLANE + y0 * s_y + x1)
-        c = tl.load(PLANE + y1 * s_y + x0)
-        d = tl.load(PLANE + y1 * s_y + x1)
+    def _bilinear(PLANE, y, x, s_y, m, scale_y, scale_x, live):
+        """The low-res `m x m` plane (row stride `s_y`) resized by `scale_y` and `scale_x`
+        (source pixels per output pixel), at output pixels (y, x); loads only where `live`."""
+        y0, y1, wy0, wy1 = _source(y, scale_y, m)
+        x0, x1, wx0, wx1 = _source(x, scale_x, m)
+        a = tl.load(PLANE + y0 * s_y + x0, mask=live, other=0.0)
+        b = tl.load(PLANE + y0 * s_y + x1, mask=live, other=0.0)
+        c = tl.load(PLANE + y1 * s_y + x0, mask=live, other=0.0)
+        d = tl.load(PLANE + y1 * s_y + x1, mask=live, other=0.0)
         return wy0 * (wx0 * a + wx1 * b) + wy1 * (wx0 * c + wx1 * d)
 
     @triton.jit
-    def _logit(PLANE, y, x, s_y, m, low_scale, in_h, in_w, sy, sx, TWO: tl.constexpr):
+    def _logit(PLANE, y, x, s_y, m, low_scale, in_h, in_w, sy, sx, live, TWO: tl.constexpr):
         if TWO:  # SAM: m -> the square (low_scale = m / S), cropped to in_h x in_w -> image
             y0, y1, wy0, wy1 = _source(y, sy, in_h)
             x0, x1, wx0, wx1 = _source(x, sx, in_w)
-            a = _low_res(PLANE, y0, x0, s_y, m, low_scale)
-            b = _low_res(PLANE, y0, x1, s_y, m, low_scale)
-            c = _low_res(PLANE, y1, x0, s_y, m, low_scale)
-            d = _low_res(PLANE, y1, x1, s_y, m, low_scale)
+            a = _bilinear(PLANE, y0, x0, s_y, m, low_scale, low_scale, live)
+            b = _bilinear(PLANE, y0, x1, s_y, m, low_scale, low_scale, live)
+            c = _bilinear(PLANE, y1, x0, s_y, m, low_scale, low_scale, live)
+            d = _bilinear(PLANE, y1, x1, s_y, m, low_scale, low_scale, live)
             return wy0 * (wx0 * a + wx1 * b) + wy1 * (wx0 * c + wx1 * d)
         else:  # SAM 2: m -> the image (sy = m / H, sx = m / W)
-            y0, y1, wy0, wy1 = _source(y, sy, m)
-            x0, x1, wx0, wx1 = _source(x, sx, m)
-            a = tl.load(PLANE + y0 * s_y + x0)
-            b = tl.load(PLANE + y0 * s_y + x1)
-            c = tl.load(PLANE + y1 * s_y + x0)
-            d = tl.load(PLANE + y1 * s_y + x1)
-            return wy0 * (wx0 * a + wx1 * b) + wy1 * (wx0 * c + wx1 * d)
+            return _bilinear(PLANE, y, x, s_y, m, sy, sx, live)
 
     @triton.jit(**_JIT_OPTIONS)
     def _starts(
@@ -129,14 +125,25 @@ if triton is not None:
         jj = tl.minimum(j, n - 1)
         x = jj // H
         y = jj - x * H
-        on = _logit(PLANE, y, x, s_y, m, low_scale, in_h, in_w, sy, sx, TWO) > threshold
-        jp = tl.maximum(jj - 1, 0)  # the pixel before: above, or the previous column's last
+        on = _logit(PLANE, y, x, s_y, m, low_scale, in_h, in_w, sy, sx, ok, TWO) > threshold
+        # The pixel before each (above, or the previous column's last) is the block's own
+        # but for its first pixel, whose logit is computed alone (loads for that lane only):
+        # the block's values go through its slice of BEGINS, read back shifted by one after
+        # a barrier, rather than every logit being computed twice.
+        lead = j == tl.program_id(0) * BLOCK
+        jp = tl.maximum(jj - 1, 0)
         xp = jp // H
         yp = jp - xp * H
-        before = _logit(PLANE, yp, xp, s_y, m, low_scale, in_h, in_w, sy, sx, TWO) > threshold
+        head = _logit(PLANE, yp, xp, s_y, m, low_scale, in_h, in_w, sy, sx, lead, TWO)
+        out = BEGINS + pix0 + g.to(tl.int64) * n + j
+        tl.store(out, on.to(tl.uint8), mask=ok)
+        tl.debug_barrier()  # the block's stores are seen by all its threads
+        stored = tl.load(out - 1, mask=ok & ~lead, other=0)
+        before = tl.where(lead, head > threshold, stored != 0)
         begins = (on != before) | (j == 0)
+        tl.debug_barrier()  # every thread has read its neighbour before it is overwritten
+        tl.store(out, begins.to(tl.uint8), mask=ok)
         mask = (mask0 + g).to(tl.int64)
-        tl.store(BEGINS + pix0 + g.to(tl.int64) * n + j, begins.to(tl.uint8), mask=ok)
         hit = on & ok
         area = tl.sum(hit.to(tl.int64), axis=0)
         any_hit = area > 0

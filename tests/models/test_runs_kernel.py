@@ -18,23 +18,9 @@ SCRIPT = r"""
 import json, sys
 import numpy as np
 import torch
-import torch.nn.functional as F
+from bench.runs_check import full_size_runs
 from models.sam.runs_kernel import RunsGroup
-from server.engine.runs import low_res_runs, mask_runs
-
-def reference(low, order, group, threshold, square):
-    rows = list(group.rows)
-    if group.multimask:
-        ranked = torch.take_along_dim(low[rows, 1:], order[rows][:, :, None, None], dim=1)
-    else:
-        ranked = low[rows, 0:1]
-    if square is None:
-        up = F.interpolate(ranked, group.size, mode="bilinear", align_corners=False)
-    else:
-        up = F.interpolate(ranked, (square, square), mode="bilinear", align_corners=False)
-        up = up[..., : group.input_size[0], : group.input_size[1]]
-        up = F.interpolate(up, group.size, mode="bilinear", align_corners=False)
-    return mask_runs([up.gt(threshold).flatten(0, 1)])[0]
+from server.engine.runs import low_res_runs
 
 results = []
 for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
@@ -49,7 +35,7 @@ for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
     got = low_res_runs(low, order, made, threshold, square)
     case = []
     for group, runs in zip(made, got):
-        want = reference(low, order, group, threshold, square)
+        (want,) = full_size_runs(low, order, group, square, threshold)
         case.append({
             "size": list(runs.size) == list(group.size),
             "masks": [len(runs), len(want)],

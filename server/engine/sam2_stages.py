@@ -263,14 +263,5 @@ class Sam2Stages(SamStages):
     def _runs_square(self) -> int | None:
         return None  # one resize straight to the image's size, as _full_size_masks
 
-    def _sorted_masks(
-        self,
-        items: list[DecodeItem],
-        low_res: torch.Tensor,
-        iou: torch.Tensor,
-        full: Sequence[bool] | None = None,
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """`SamStages._sorted_masks`, with the kept low-res logits clamped as Meta's are."""
-        masks, kept = super()._sorted_masks(items, low_res, iou, full)
-        clamped = [None if k is None else k.clamp(-LOW_RES_CLAMP, LOW_RES_CLAMP) for k in kept]
-        return masks, clamped
+    def _kept_low_res(self, ranked: Tensor) -> Tensor:
+        return ranked.clamp(-LOW_RES_CLAMP, LOW_RES_CLAMP)  # as Meta's predictor hands them back

@@ -51,6 +51,11 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     return buckets[-1]
 
 
+def _size_key(item: DecodeItem) -> tuple[bool, tuple[int, int], tuple[int, int]]:
+    """Items of one key make masks of one size and count: one upscaling, one kernel launch."""
+    return item.multimask, item.embedding.input_size, item.embedding.original_size
+
+
 def _spans(items: Sequence[DecodeItem]) -> list[slice]:
     """Each item's rows of a decoder call that ran every item's prompts in order."""
     spans: list[slice] = []
@@ -370,8 +375,7 @@ class SamStages:
         groups: dict[tuple[bool, tuple[int, int], tuple[int, int]], list[int]] = {}
         for n, item in enumerate(items):
             if wanted[n] or item.return_low_res:
-                key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
-                groups.setdefault(key, []).append(n)
+                groups.setdefault(_size_key(item), []).append(n)
         masks: list[torch.Tensor | None] = [None] * len(items)
         kept: list[torch.Tensor | None] = [None] * len(items)
         for (multimask, input_size, size), members in groups.items():
@@ -391,9 +395,14 @@ class SamStages:
                 if wanted[n] and made is not None:
                     masks[n] = made[offset : offset + count]
                 if items[n].return_low_res:  # the LowResStore copies each mask it keeps
-                    kept[n] = ranked[offset : offset + count]
+                    kept[n] = self._kept_low_res(ranked[offset : offset + count])
                 offset += count
         return masks, kept
+
+    def _kept_low_res(self, ranked: torch.Tensor) -> torch.Tensor:
+        """The low-res logits a refinement handle keeps, as the model's predictor hands them
+        back (SAM's as they are; SAM 2 overrides: Meta's predictor clamps them)."""
+        return ranked
 
     def _runs_from_low_res(
         self, items: list[DecodeItem], low_res: torch.Tensor, iou: torch.Tensor, which: list[int]
@@ -403,9 +412,7 @@ class SamStages:
         spans = _spans(items)
         keyed: dict[tuple[bool, tuple[int, int], tuple[int, int]], list[int]] = {}
         for n in which:
-            item = items[n]
-            key = (item.multimask, item.embedding.input_size, item.embedding.original_size)
-            keyed.setdefault(key, []).append(n)
+            keyed.setdefault(_size_key(items[n]), []).append(n)
         groups = [
             RunsGroup(
                 rows=[p for n in members for p in range(spans[n].start, spans[n].stop)],

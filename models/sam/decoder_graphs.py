@@ -155,55 +155,19 @@ class DecoderGraphs:
             self._captured[(sets, tokens)] = _Captured(graph, low_res, iou)
         return time.perf_counter() - started
 
-    def run(
-        self, embeddings: Sequence[Tensor], prompts: PromptBatch
-    ) -> tuple[Tensor, Tensor] | None:
-        """Decode set p against `embeddings[p]` (a decoder of one image input: SAM's); see
-        `run_inputs`."""
-        return self.run_inputs((embeddings,), prompts)
-
-    def run_inputs(
-        self, inputs: Sequence[Sequence[Tensor]], prompts: PromptBatch
-    ) -> tuple[Tensor, Tensor] | None:
-        """Decode set p against row p of every image input (`inputs[i][p]`, one sequence
-        per input in `decode`'s order) through a graph: low-res logits `[P, 4, m, m]` and
-        IoU `[P, 4]` (fresh tensors, not the graph's), or None when none fits."""
-        if len(inputs) != len(self._images):
-            raise ValueError(f"{len(inputs)} image inputs for a decoder of {len(self._images)}")
-        sets, tokens = prompts.points.shape[:2]
-        key = self.bucket(sets, tokens)
-        if key is None or key not in self._captured or prompts.image_index is not None:
-            return None
-        if prompts.mask_input is None or prompts.has_mask_input is None:
-            raise ValueError("a graphed decoder needs the mask input always present")
-        for rows, buffer in zip(inputs, self._images, strict=True):
-            if len(rows) != sets:
-                raise ValueError(f"{len(rows)} rows of an image input for {sets} prompt sets")
-            torch.stack(list(rows), out=buffer[:sets])
-        points, labels, valid = self._tokens[key[1]]
-        points[:sets, :tokens].copy_(prompts.points)
-        labels[:sets, :tokens].copy_(prompts.point_labels)
-        valid[:sets, :tokens].copy_(prompts.token_valid)
-        if tokens < key[1]:
-            points[:sets, tokens:].zero_()
-            labels[:sets, tokens:].fill_(LABEL_PAD)
-            valid[:sets, tokens:].fill_(False)
-        self._mask[:sets].copy_(prompts.mask_input)
-        self._has_mask[:sets].copy_(prompts.has_mask_input)
-        self._mask_rows_clean = False
-        return self._replay(key, sets)
-
     def run_sets(
         self, inputs: Sequence[Sequence[Tensor]], sets: Sequence[PromptSet]
     ) -> tuple[Tensor, Tensor] | None:
-        """`run_inputs` from the prompt sets themselves, the way a served batch comes: the
-        tokens are padded into a page-locked copy of the bucket's buffers on the host and
-        sent in one copy (points, labels and their validity together), where a
-        `PromptBatch` took some thirty torch calls to build, upload and copy in, each one a
+        """Decode set p against row p of every image input (`inputs[i][p]`, one sequence
+        per input in `decode`'s order) through a graph: low-res logits `[P, 4, m, m]` and
+        IoU `[P, 4]` (fresh tensors, not the graph's), or None when none fits.
+
+        The tokens are padded into a page-locked copy of the bucket's buffers on the host
+        and sent in one copy (points, labels and their validity together), where building a
+        `PromptBatch` on the device and copying it in took some thirty torch calls, each a
         release and retake of the GIL the engine's event loop also wants. A batch without
         mask inputs leaves the mask buffer alone (the decoder reads it only where
-        `has_mask_input` is set); one with them copies them in as `run_inputs` does.
-        None when no graph fits."""
+        `has_mask_input` is set) and clears flags an earlier batch left set."""
         if len(inputs) != len(self._images):
             raise ValueError(f"{len(inputs)} image inputs for a decoder of {len(self._images)}")
         tokens = [prompt_tokens(s) for s in sets]

@@ -54,12 +54,13 @@ def _sets(n: int, seed: int, *, points: int = 1, mask: bool = False) -> list[Pro
 
 
 def _check(tiny_sam: Sam, graphs: DecoderGraphs, embeddings: Tensor, sets: list[PromptSet]):
+    """`run_sets` (the tokens padded and sent in one copy, as the stages serve) against the
+    decoder on the batch as it is."""
     rows = [embeddings[k % 2] for k in range(len(sets))]
-    prompts = pack_prompts(sets, None, "cpu", mask_size=64)
     with torch.inference_mode():
-        out = graphs.run(rows, prompts)
+        out = graphs.run_sets((rows,), sets)
         assert out is not None
-        want = tiny_sam.decode(torch.stack(rows), prompts)
+        want = tiny_sam.decode(torch.stack(rows), pack_prompts(sets, None, "cpu", mask_size=64))
     for got, expected in zip(out, want, strict=True):
         assert got.shape == expected.shape and got.dtype == torch.float32
         assert torch.allclose(got, expected, atol=TOL, rtol=TOL), (got - expected).abs().max()
@@ -86,43 +87,6 @@ def test_a_smaller_batch_after_a_larger_one_is_not_mixed_with_it(
     first = _check(tiny_sam, graphs, embeddings, _sets(5, 5, points=1))
     again = _check(tiny_sam, graphs, embeddings, _sets(5, 5, points=1))
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-
-
-def test_a_batch_no_bucket_holds_is_left_to_the_caller(graphs, embeddings) -> None:
-    too_many = pack_prompts(_sets(9, 6), None, "cpu", mask_size=64)
-    too_long = pack_prompts(_sets(1, 7, points=8), None, "cpu", mask_size=64)
-    with torch.inference_mode():
-        assert graphs.run([embeddings[0]] * 9, too_many) is None
-        assert graphs.run([embeddings[0]], too_long) is None
-
-
-def test_the_graphs_need_the_mask_input_always_present(graphs, embeddings) -> None:
-    bare = pack_prompts(_sets(2, 8), None, "cpu")
-    with torch.inference_mode(), pytest.raises(ValueError, match="mask input"):
-        graphs.run([embeddings[0]] * 2, bare)
-
-
-def test_one_image_input_is_the_embedding_alone(tiny_sam, graphs, embeddings) -> None:
-    # SAM's `run(embeddings)` is `run_inputs((embeddings,))`; SAM 2's three inputs are
-    # tests/server/test_sam2_decoder_graphs.py's
-    sets = _sets(3, 9, points=2)
-    prompts = pack_prompts(sets, None, "cpu", mask_size=64)
-    rows = [embeddings[k % 2] for k in range(3)]
-    with torch.inference_mode():
-        one = graphs.run(rows, prompts)
-        inputs = graphs.run_inputs((rows,), prompts)
-    assert one is not None and inputs is not None
-    assert all(torch.equal(a, b) for a, b in zip(one, inputs, strict=True))
-
-
-def test_inputs_that_do_not_match_the_buffers_are_refused(graphs, embeddings) -> None:
-    prompts = pack_prompts(_sets(2, 10), None, "cpu", mask_size=64)
-    rows = [embeddings[0]] * 2
-    with torch.inference_mode():
-        with pytest.raises(ValueError, match="2 image inputs for a decoder of 1"):
-            graphs.run_inputs((rows, rows), prompts)
-        with pytest.raises(ValueError, match="3 rows of an image input for 2 prompt sets"):
-            graphs.run([embeddings[0]] * 3, prompts)
 
 
 def test_the_image_inputs_are_named_one_way(tiny_sam: Sam) -> None:
@@ -173,39 +137,27 @@ def test_decoder_attention_nests_and_restores_the_flags():
     ]
 
 
-def _check_sets(tiny_sam: Sam, graphs: DecoderGraphs, embeddings: Tensor, sets: list[PromptSet]):
-    """`run_sets` (the tokens sent in one copy, as the stages serve) against the decoder
-    on the batch as it is."""
-    rows = [embeddings[k % 2] for k in range(len(sets))]
-    with torch.inference_mode():
-        out = graphs.run_sets((rows,), sets)
-        assert out is not None
-        want = tiny_sam.decode(torch.stack(rows), pack_prompts(sets, None, "cpu", mask_size=64))
-    for got, expected in zip(out, want, strict=True):
-        assert got.shape == expected.shape and got.dtype == torch.float32
-        assert torch.allclose(got, expected, atol=TOL, rtol=TOL), (got - expected).abs().max()
-    return out
-
-
 def test_sets_sent_in_one_copy_decode_as_the_batch_alone(tiny_sam, graphs, embeddings) -> None:
-    _check_sets(tiny_sam, graphs, embeddings, _sets(3, 11))
-    _check_sets(tiny_sam, graphs, embeddings, _sets(1, 12, points=6))  # 7 tokens of 8
-    _check_sets(tiny_sam, graphs, embeddings, _sets(8, 13, points=2))
+    _check(tiny_sam, graphs, embeddings, _sets(3, 11))
+    _check(tiny_sam, graphs, embeddings, _sets(1, 12, points=6))  # 7 tokens of 8
+    _check(tiny_sam, graphs, embeddings, _sets(8, 13, points=2))
 
 
 def test_mask_inputs_of_one_batch_never_reach_the_next(tiny_sam, graphs, embeddings) -> None:
     """A refinement batch sets mask rows; the next batch without masks must decode as if
     none had been given (its rows' flags cleared), and the padding of fewer tokens after
-    more must not leak either; the old path and the new one share the buffers."""
-    _check_sets(tiny_sam, graphs, embeddings, _sets(5, 14, points=3, mask=True))
-    plain = _check_sets(tiny_sam, graphs, embeddings, _sets(4, 15))
-    _check(tiny_sam, graphs, embeddings, _sets(4, 16, points=2, mask=True))  # run_inputs
-    again = _check_sets(tiny_sam, graphs, embeddings, _sets(4, 15))
+    more must not leak either."""
+    _check(tiny_sam, graphs, embeddings, _sets(5, 14, points=3, mask=True))
+    plain = _check(tiny_sam, graphs, embeddings, _sets(4, 15))
+    _check(tiny_sam, graphs, embeddings, _sets(4, 16, points=2, mask=True))
+    again = _check(tiny_sam, graphs, embeddings, _sets(4, 15))
     assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
 
 
 def test_sets_no_bucket_holds_are_left_to_the_caller(graphs, embeddings) -> None:
     with torch.inference_mode():
+        with pytest.raises(ValueError, match="2 image inputs for a decoder of 1"):
+            graphs.run_sets(([embeddings[0]] * 2, [embeddings[0]] * 2), _sets(2, 20))
         assert graphs.run_sets(([embeddings[0]] * 9,), _sets(9, 17)) is None
         assert graphs.run_sets(([embeddings[0]],), _sets(1, 18, points=8)) is None
         with pytest.raises(ValueError, match="3 rows of an image input for 2 prompt sets"):

@@ -109,7 +109,7 @@ def _check(
     rows = _rows(features, len(sets))
     prompts = pack_prompts(sets, None, "cpu", mask_size=MASK)
     with torch.inference_mode():
-        out = graphs.run_inputs(rows, prompts)
+        out = graphs.run_sets(rows, sets)
         assert out is not None
         want = stages._decode_tensors(*(torch.stack(r) for r in rows), prompts)
     for got, expected in zip(out, want, strict=True):
@@ -145,13 +145,13 @@ def test_stale_rows_of_a_larger_batch_never_leak(stages, graphs, features) -> No
 
 
 def test_what_no_bucket_holds_is_left_to_the_compiled_decoder(graphs, features) -> None:
-    too_many = pack_prompts(_sets(["1 point"] * 9, 31), None, "cpu", mask_size=MASK)
-    too_long = pack_prompts(_sets(["8 points"], 32), None, "cpu", mask_size=MASK)
+    too_many = _sets(["1 point"] * 9, 31)
+    too_long = _sets(["8 points"], 32)
     with torch.inference_mode():
-        assert graphs.run_inputs(_rows(features, 9), too_many) is None
-        assert graphs.run_inputs(_rows(features, 1), too_long) is None
+        assert graphs.run_sets(_rows(features, 9), too_many) is None
+        assert graphs.run_sets(_rows(features, 1), too_long) is None
         with pytest.raises(ValueError, match="image inputs"):
-            graphs.run(_rows(features, 1)[0], too_long)  # SAM's one-input call
+            graphs.run_sets(_rows(features, 1)[:1], too_long)  # SAM's one-input call
 
 
 def test_the_stages_decode_through_the_padded_buffers(photos) -> None:

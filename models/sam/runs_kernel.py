@@ -35,7 +35,7 @@ try:  # importing this module never needs Triton: callers ask `models.triton_dev
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["STATS", "RunsGroup", "compiled_variants", "run_starts"]
+__all__ = ["STATS", "RunsGroup", "compiled_variants", "initial_stats", "run_starts"]
 
 BLOCK = 1024  # pixels per program
 # per mask: area, x0, y0, x1, y1 (the set pixels' bounds), first pixel set, runs

@@ -3,7 +3,7 @@
 SAM's encoder adds `q(y, x) . Rh[y - y'] + q(y, x) . Rw[x - x']` to every attention score
 (MViTv2's decomposed relative positions). Written out, that bias is a `[B, heads, N, N]`
 tensor: for the global blocks of ViT-B at 1024 px, N = 4096, i.e. 400 MB per image in bf16,
-read once more than the attention itself. Both forms here start from the two small factors
+read once more than the attention itself. The forms here start from the two small factors
 `rel_h [B, heads, N, h]` and `rel_w [B, heads, N, w]`:
 
 - `sdpa`: expands them into the dense bias and calls `scaled_dot_product_attention` (the
@@ -11,11 +11,12 @@ read once more than the attention itself. Both forms here start from the two sma
 - `flex`: FlexAttention with a score modification that adds `rel_h[.., kv // w]` and
   `rel_w[.., kv % w]` per tile inside the fused kernel, so the dense bias never exists.
   It is fused only under `torch.compile` (eagerly it falls back to an unfused reference);
-- `triton`: our flash-attention kernel (`fused_attention.py`) that adds `rel_h` per key row
-  and keeps the `rel_w` tile in registers; CUDA only, rows of keys up to `MAX_GRID_W`. It
-  is reached only through one custom op, `fused_rel_pos_attention`, opaque to the compiler
-  and captured by CUDA graphs: the encoder calls it by `fused_qkv_attention`, straight on
-  its qkv projection, and `rel_pos_attention(..., "triton")` on q, k and v stacked so.
+- `triton`: our flash-attention kernel (`fused_attention.py`) that computes both factors
+  from the tables itself, adds `rel_h` per key row and keeps the `rel_w` tile in
+  registers; CUDA only, rows of keys up to `MAX_GRID_W`. It is reached only through one
+  custom op, `fused_rel_pos_attention`, opaque to the compiler and captured by CUDA
+  graphs: the encoder calls it by `fused_qkv_attention`, straight on its qkv projection,
+  and `rel_pos_attention(..., "triton")` on q, k and v stacked so.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def relative_index(size: int, device: torch.device) -> Tensor:
     return pos[:, None] - pos[None, :] + (size - 1)
 
 
+def _check_tables(rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int) -> None:
+    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
+        raise ValueError(
+            f"rel-pos tables {tuple(rel_pos_h.shape)}/{tuple(rel_pos_w.shape)} do not fit a "
+            f"{h}x{w} grid; the input must be the config's image size"
+        )
+
+
 def rel_pos_terms(
     q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int
 ) -> tuple[Tensor, Tensor]:
@@ -53,11 +62,7 @@ def rel_pos_terms(
     q: `[B, heads, h*w, C]` (unscaled queries); rel_pos_h `[2h-1, C]`, rel_pos_w `[2w-1, C]`.
     Queries and keys share one grid (self-attention), so no table interpolation is needed.
     """
-    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
-        raise ValueError(
-            f"rel-pos tables {tuple(rel_pos_h.shape)}/{tuple(rel_pos_w.shape)} do not fit a "
-            f"{h}x{w} grid; the input must be the config's image size"
-        )
+    _check_tables(rel_pos_h, rel_pos_w, h, w)
     B, heads, _, C = q.shape
     Rh = rel_pos_h[relative_index(h, q.device)].to(q.dtype)  # [h, h', C]
     Rw = rel_pos_w[relative_index(w, q.device)].to(q.dtype)  # [w, w', C]
@@ -87,18 +92,18 @@ def rel_pos_attention(
 ) -> Tensor:
     """softmax(q k^T / sqrt(C) + bias) v for `[B, heads, h*w, C]` q, k, v on an h x w grid."""
     h, w = grid
-    rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
-    if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_bias(rel_h, rel_w))
     if impl == "triton":
         from models.sam.fused_attention import fused_rel_pos_attention
 
+        _check_tables(rel_pos_h, rel_pos_w, h, w)
         B, heads, N, C = q.shape
         # the op's layout, [B, N, 3, heads, C] (one copy the encoder's qkv projection spares)
         qkv = torch.stack((q, k, v), dim=2).permute(0, 3, 2, 1, 4)
-        out = fused_rel_pos_attention(qkv, rel_h, rel_w)  # [B, N, heads * C]
+        out = fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)  # [B, N, heads * C]
         return out.view(B, N, heads, C).transpose(1, 2)
-
+    rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_bias(rel_h, rel_w))
     return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
 
 
@@ -106,13 +111,12 @@ def fused_qkv_attention(
     qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, grid: tuple[int, int]
 ) -> Tensor:
     """The Triton kernel straight on the qkv projection: `[B, N, 3, heads, C]` ->
-    `[B, N, heads * C]`, ready for the output projection (no permute or copy either side)."""
+    `[B, N, heads * C]`, ready for the output projection (no permute or copy either side;
+    the kernel computes the rel-pos terms from the tables itself)."""
     from models.sam.fused_attention import fused_rel_pos_attention
 
-    h, w = grid
-    q = qkv[:, :, 0].transpose(1, 2)  # [B, heads, N, C], a view
-    rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
-    return fused_rel_pos_attention(qkv, rel_h, rel_w)
+    _check_tables(rel_pos_h, rel_pos_w, *grid)
+    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

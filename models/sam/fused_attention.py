@@ -11,6 +11,9 @@ block of `w` consecutive keys is exactly one grid row y'. For a block of queries
 `rel_w` term is then the same `[BLOCK_M, w]` tile for every key block (loaded once, kept in
 registers), and the `rel_h` term is one column `rel_h[:, y']` per key block. The kernel is
 an online-softmax loop over the `h` key rows, each iteration one `q @ k^T` and one `p @ v`.
+Both terms come from the tables inside the kernel: one product of the block's queries with
+every row of each table before the loop (an einsum outside, with the copies of q it needed,
+took 11% of the encoder's time on an H100: docs/BENCHMARKS.md).
 
 Any grid: a key row of width w is loaded as a block of the next power of two (at least 16,
 what `tl.dot` needs) with the extra keys masked out, so the 14x14 windows run as 14x16 and
@@ -21,7 +24,7 @@ Forward only: this is an inference service.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -47,13 +50,18 @@ MAX_GRID_W = 128
 
 
 class KernelConfig:
-    """Launch shape. On an H100 (torch 2.11, triton 3.6; bench/sam_encoder.py --flex-kernel)
-    a ViT-B global layer at batch 8 took 1.31 ms with 64/4/3, 1.44 with 64/4/2, 1.56 with
-    128/4/2, 1.71 with 128/8/3 and 2.14 with 128/8/2 (docs/BENCHMARKS.md)."""
+    """Launch shape (bench/sam_encoder.py --flex-kernel sweeps it). A ViT-B global layer at
+    batch 8 (H200, torch 2.11, triton 3.6, rel-pos terms in the kernel, two rows a block)
+    took 1.51 ms with BLOCK_M 64, 4 warps, 3 stages; 1.57 with 2 stages; 1.75 with
+    128/8/3, 1.92 with 128/8/2 and 2.25 with 128/4/3 (docs/BENCHMARKS.md)."""
 
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # keys per block by the width of a row's slots (w keys take the next power of two, at
+    # least 16): two rows of the global 64x64 grid (1.51 ms against 1.60 for one, batch
+    # 8, H200); one row of a 14x14 window (0.29 ms; four rows 0.30, eight 0.36)
+    block_n: ClassVar[dict[int, int]] = {64: 128}
 
 
 @functools.cache
@@ -64,16 +72,16 @@ def _kernel() -> Any:
 
     @triton.jit
     def rel_pos_flash_fwd(
-        Q, K, V, RH, RW, O,
+        Q, K, V, RPH, RPW, S, O,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
-        stride_hb, stride_hh, stride_hn,
-        stride_wb, stride_wh, stride_wn,
+        stride_rph, stride_rpw, stride_sbh, stride_sn,
         stride_ob, stride_oh, stride_on,
-        heads, n_ctx, head_dim, grid_w, qk_scale,
-        GRID_H: tl.constexpr, BLOCK_W: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        heads, n_ctx, head_dim, grid_w,
+        GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+        QK_SCALE: tl.constexpr,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
         pid_m = tl.program_id(0)
@@ -82,48 +90,91 @@ def _kernel() -> Any:
         h = pid_bh % heads
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_w = tl.arange(0, BLOCK_W)
         mask_m = offs_m < n_ctx
         mask_d = offs_d < head_dim
-        mask_w = offs_w < grid_w  # keys past the row's width: -inf, so they weigh nothing
+        qy = offs_m // grid_w
+        qx = offs_m % grid_w
 
         q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        # rel_w[q, x'] for x' = 0..w-1: the same for every key row, so loaded once.
-        rw_ptrs = RW + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wn + offs_w[None, :]
-        rw = tl.load(rw_ptrs, mask=mask_m[:, None] & mask_w[None, :], other=0.0)
-        rw = tl.where(mask_w[None, :], rw.to(tl.float32) * LOG2E, float("-inf"))
-        rh_ptrs = RH + b * stride_hb + h * stride_hh + offs_m * stride_hn
+        # The bias's two factors, q . Rh[qy - y' + h - 1] and q . Rw[qx - x' + w - 1]: one
+        # product of the block's queries with every row of each table (2h-1 and 2w-1
+        # relative offsets), kept in this program's slice of S, then read back shifted
+        # per query. The einsum that built them outside (batched 64x64 products) and the
+        # copies of q it needed cost more than this block's attention loop gains.
+        offs_ph = tl.arange(0, PH)
+        offs_pw = tl.arange(0, PW)
+        rph = tl.load(
+            RPH + offs_ph[:, None] * stride_rph + offs_d[None, :],
+            mask=(offs_ph < 2 * GRID_H - 1)[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        rpw = tl.load(
+            RPW + offs_pw[:, None] * stride_rpw + offs_d[None, :],
+            mask=(offs_pw < 2 * grid_w - 1)[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        uh = tl.dot(q, tl.trans(rph.to(q.dtype)))  # [BLOCK_M, PH]
+        uw = tl.dot(q, tl.trans(rpw.to(q.dtype)))  # [BLOCK_M, PW]
+        s_rows = S + pid_bh * stride_sbh + offs_m * stride_sn
+        s_type = S.dtype.element_ty
+        tl.store(s_rows[:, None] + offs_ph[None, :], uh.to(s_type), mask=mask_m[:, None])
+        tl.store(s_rows[:, None] + PH + offs_pw[None, :], uw.to(s_type), mask=mask_m[:, None])
+        tl.debug_barrier()  # what other threads of this program stored is read back below
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
+        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+        # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
+        # masked): two rows of 64 for the global grid, eight rows of 14 for a window, so
+        # each product is large enough for the tensor cores.
+        offs_j = tl.arange(0, ROWS * BLOCK_W)
+        col = offs_j % BLOCK_W
+        sub = offs_j // BLOCK_W  # which of the block's rows
+        mask_col = col < grid_w
+        # rel_w[q, x'] for x' = 0..w-1: the same for every key row, so loaded once (-inf
+        # where a slot holds no key, so it weighs nothing).
+        rw = tl.load(
+            s_rows[:, None] + PH + (qx[:, None] + grid_w - 1 - col[None, :]),
+            mask=mask_m[:, None] & mask_col[None, :],
+            other=0.0,
+        )
+        rw = tl.where(mask_col[None, :], rw.to(tl.float32) * LOG2E, float("-inf"))
+        rh_ptrs = s_rows + qy + GRID_H - 1  # rel_h[q, y'] sits at this minus y'
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for row in range(GRID_H):  # key block = grid row y' = row
-            offs_n = row * grid_w + offs_w
+        for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
+            key_row = row + sub
+            mask_n = mask_col & (key_row < GRID_H)
+            offs_n = key_row * grid_w + col
+            kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(
-                k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=mask_w[:, None] & mask_d[None, :],
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE  # log2 units: scale * log2(e) folded in
+            # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
+            block_rows = row + tl.arange(0, ROWS)
+            rh = tl.load(
+                rh_ptrs[:, None] - block_rows[None, :],
+                mask=mask_m[:, None] & (block_rows < GRID_H)[None, :],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: scale * log2(e) folded in
-            rh = tl.load(rh_ptrs + row, mask=mask_m, other=0.0).to(tl.float32) * LOG2E
-            s = s + rh[:, None] + rw
+            rh = tl.broadcast_to(rh.to(tl.float32)[:, :, None], (BLOCK_M, ROWS, BLOCK_W))
+            s = s + tl.reshape(rh, (BLOCK_M, ROWS * BLOCK_W)) * LOG2E + rw
+            if GRID_H % ROWS != 0:  # the last block's rows past the grid
+                s = tl.where((key_row < GRID_H)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
-                mask=mask_w[:, None] & mask_d[None, :],
-                other=0.0,
+                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
             )
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         acc = acc / l_i[:, None]
-        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
     return rel_pos_flash_fwd
@@ -133,12 +184,22 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def grid_of(rel_pos_h: Tensor, rel_pos_w: Tensor) -> tuple[int, int]:
+    """The `h x w` grid a pair of SAM rel-pos tables (`[2h-1, C]`, `[2w-1, C]`) belongs to."""
+    return (rel_pos_h.shape[0] + 1) // 2, (rel_pos_w.shape[0] + 1) // 2
+
+
 def launch(
-    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, out: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Run the kernel: q, k, v `[B, heads, h*w, C]` (any strides with a contiguous last
-    dim), rel_h `[B, heads, h*w, h]`, rel_w `[B, heads, h*w, w]` -> `[B, heads, h*w, C]`,
-    written into `out` (which may be a strided view) when given.
+    dim), the encoder's rel-pos tables rel_pos_h `[2h-1, C]` and rel_pos_w `[2w-1, C]` ->
+    `[B, heads, h*w, C]`, written into `out` (which may be a strided view) when given.
 
     The bare launch under the op below, which is how model code reaches the kernel (an
     opaque op is what torch.compile and CUDA graphs need). Not exported: called directly
@@ -146,34 +207,47 @@ def launch(
     """
     import triton
 
-    q, k, v, rel_h, rel_w = (_last_dim_contiguous(t) for t in (q, k, v, rel_h, rel_w))
+    q, k, v, rel_pos_h, rel_pos_w = (
+        _last_dim_contiguous(t) for t in (q, k, v, rel_pos_h, rel_pos_w)
+    )
     B, heads, n_ctx, head_dim = q.shape
-    grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
+    grid_h, grid_w = grid_of(rel_pos_h, rel_pos_w)
     if grid_h * grid_w != n_ctx:
         raise ValueError(f"{n_ctx} tokens do not make a {grid_h}x{grid_w} grid")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_m = KernelConfig.block_m
+    ph = max(16, triton.next_power_of_2(2 * grid_h - 1))
+    pw = max(16, triton.next_power_of_2(2 * grid_w - 1))
+    # each query's products with both tables, written and read back by its own program
+    scratch = torch.empty(B * heads, n_ctx, ph + pw, dtype=q.dtype, device=q.device)
+    cfg = KernelConfig
+    block_m = cfg.block_m
+    block_w = max(16, triton.next_power_of_2(grid_w))
+    block_n = cfg.block_n.get(block_w, block_w)
+    rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
     launch_grid = (triton.cdiv(n_ctx, block_m), B * heads)
     _kernel()[launch_grid](
-        q, k, v, rel_h, rel_w, out,
+        q, k, v, rel_pos_h, rel_pos_w, scratch, out,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        rel_h.stride(0), rel_h.stride(1), rel_h.stride(2),
-        rel_w.stride(0), rel_w.stride(1), rel_w.stride(2),
+        rel_pos_h.stride(0), rel_pos_w.stride(0), scratch.stride(0), scratch.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        heads, n_ctx, head_dim, grid_w, head_dim**-0.5 * 1.4426950408889634,
-        GRID_H=grid_h, BLOCK_W=max(16, triton.next_power_of_2(grid_w)),
+        heads, n_ctx, head_dim, grid_w,
+        GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw, ROWS=rows,
         HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
-        num_warps=KernelConfig.num_warps, num_stages=KernelConfig.num_stages,
+        # a constant, not an argument: a Python float argument is fp64 to inductor, whose
+        # copy of this kernel (torch.compile of `launch`) would then compute in fp64
+        QK_SCALE=head_dim**-0.5 * 1.4426950408889634,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash", mutates_args=())
-def fused_rel_pos_attention(qkv: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias.
+def fused_rel_pos_attention(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias,
+    rel_h and rel_w computed inside the kernel from the tables `[2h-1, C]`, `[2w-1, C]`.
 
     qkv `[B, N, 3, heads, C]` (the qkv projection, reshaped) -> `[B, N, heads * C]`: q, k
     and v are read in place and the output is written token-major, ready for the output
@@ -183,11 +257,11 @@ def fused_rel_pos_attention(qkv: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor
     B, N, _, heads, C = qkv.shape
     out = torch.empty(B, N, heads, C, dtype=qkv.dtype, device=qkv.device)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
-    launch(q, k, v, rel_h, rel_w, out=out.transpose(1, 2))
+    launch(q, k, v, rel_pos_h, rel_pos_w, out=out.transpose(1, 2))
     return out.reshape(B, N, heads * C)
 
 
 @fused_rel_pos_attention.register_fake
-def _(qkv: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+def _(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
     B, N, _, heads, C = qkv.shape
     return qkv.new_empty(B, N, heads * C)

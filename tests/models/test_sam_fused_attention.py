@@ -1,5 +1,8 @@
 """The Triton rel-pos flash-attention kernel against the plain dense-bias attention.
 
+The kernel computes the rel-pos terms itself from the tables; the reference builds them
+with `rel_pos_terms` and the dense bias.
+
 Model code reaches the kernel only through its custom op, both ways checked here (the
 encoder's `fused_qkv_attention`, and `rel_pos_attention(..., "triton")`); the bare `launch`
 is checked too, as bench/sam_encoder.py sweeps its launch shapes with it.
@@ -20,12 +23,13 @@ from tests.models.interpreter import run_interpreted
 SCRIPT = r"""
 import json, sys
 import torch
-from models.sam.attention import fused_qkv_attention, rel_pos_attention, rel_pos_terms
+from models.sam.attention import fused_qkv_attention, rel_pos_attention
 from models.sam.fused_attention import KernelConfig, launch
 
 results = []
-for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
+for seed, (B, heads, gh, gw, C, block_m, block_n) in enumerate(json.loads(sys.argv[1])):
     KernelConfig.block_m = block_m
+    KernelConfig.block_n = {max(16, 1 << (gw - 1).bit_length()): block_n}  # by row slots
     g = torch.Generator().manual_seed(seed)
     # q, k, v as views of one qkv tensor, as the encoder makes them (non-contiguous)
     qkv = torch.randn(B, gh * gw, 3, heads, C, generator=g).permute(2, 0, 3, 1, 4)
@@ -33,8 +37,7 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     rph = torch.randn(2 * gh - 1, C, generator=g)
     rpw = torch.randn(2 * gw - 1, C, generator=g)
     ref = rel_pos_attention(q, k, v, rph, rpw, (gh, gw), "sdpa")
-    rel_h, rel_w = rel_pos_terms(q, rph, rpw, gh, gw)
-    out = launch(q, k, v, rel_h, rel_w)
+    out = launch(q, k, v, rph, rpw)
     err = float((out - ref).norm() / ref.norm())
     # the op the encoder calls: q, k, v read out of the qkv projection, output token-major
     fused = fused_qkv_attention(qkv.permute(1, 3, 0, 2, 4).contiguous(), rph, rpw, (gh, gw))
@@ -43,18 +46,21 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     via_op = rel_pos_attention(q, k, v, rph, rpw, (gh, gw), "triton")
     assert via_op.shape == ref.shape
     err = max(err, float((via_op - ref).norm() / ref.norm()))
-    results.append({"shape": [B, heads, gh, gw, C, block_m], "rel_err": err,
+    results.append({"shape": [B, heads, gh, gw, C, block_m, block_n], "rel_err": err,
                     "finite": bool(torch.isfinite(out).all())})
 print(json.dumps(results))
 """
 
 CASES = [
-    # B, heads, grid h, grid w, head dim, BLOCK_M
-    (2, 3, 16, 16, 32, 64),  # 4 query blocks, 16 key rows
-    (1, 2, 12, 16, 16, 128),  # 192 tokens: the second query block is half masked
-    (1, 2, 8, 32, 24, 64),  # head dim 24 runs padded to 32 (ViT-H's 80 -> 128 the same way)
-    (3, 2, 14, 14, 16, 64),  # SAM's 14x14 windows: rows of 14 keys in blocks of 16
-    (1, 1, 5, 20, 16, 64),  # a row wider than 16 and narrower than 32
+    # B, heads, grid h, grid w, head dim, BLOCK_M, keys per block (whole rows of the grid)
+    (2, 3, 16, 16, 32, 64, 128),  # 4 query blocks, 16 key rows taken 8 at a time
+    (2, 3, 16, 16, 32, 64, 16),  # ... one row at a time
+    (1, 2, 12, 16, 16, 128, 128),  # 192 tokens: the second query block is half masked;
+    # 12 rows in blocks of 8: the last block's second half lies past the grid
+    (1, 2, 8, 32, 24, 64, 64),  # head dim 24 runs padded to 32 (ViT-H's 80 -> 128 the same way)
+    (3, 2, 14, 14, 16, 64, 128),  # SAM's 14x14 windows: rows of 14 keys in slots of 16
+    (3, 2, 14, 14, 16, 64, 16),  # ... one row at a time
+    (1, 1, 5, 20, 16, 64, 128),  # a row wider than 16 and narrower than 32
 ]
 
 

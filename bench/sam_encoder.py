@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -40,12 +41,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
     the LayerNorm writing qkv's and lin1's input quantised (models.ln_quant), `-hop` lin1's
-    output handed to lin2 quantised (models.mlp_hop)."""
+    output handed to lin2 quantised (models.mlp_hop), `-gelu` GELU in lin1's cuBLASLt
+    epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
@@ -61,6 +63,7 @@ def _variant(name: str) -> OptimizeOptions:
         cuda_graphs=compile_mode != "none",
         norm_quant="lnq" in parts,
         mlp_hop="hop" in parts,
+        gelu_epilogue="gelu" in parts,
     )
 
 
@@ -77,6 +80,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         ),
         "bf16-eager-triton",
         "bf16-compile-triton-win",
+        "bf16-gelu-compile-triton-win",  # GELU in lin1's cuBLASLt epilogue
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
@@ -212,7 +216,7 @@ def run_variant(
 
 def profile_variant(name: str, base: Sam, batch: int, out: Path | None) -> None:
     """Where the time goes: the variant compiled without CUDA graphs (so each kernel shows),
-    five calls under the profiler, the 25 costliest kernels printed."""
+    five calls under the profiler, the 40 costliest kernels printed."""
     from torch.profiler import ProfilerActivity, profile
 
     opts = VARIANTS[name]
@@ -230,38 +234,64 @@ def profile_variant(name: str, base: Sam, batch: int, out: Path | None) -> None:
                 fn(x)
             torch.cuda.synchronize()
     table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=90
     )
     print(f"profile of {name} at batch {batch} (5 calls):\n{table}", flush=True)
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table)
     torch._dynamo.reset()
     empty_cache()
 
 
 def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
-    """One global-attention layer of ViT-B (64x64 grid, 12 heads of 64) in every form."""
+    """One attention layer of ViT-B (12 heads of 64) in every form: a global one (64x64
+    grid) and a windowed one (the 25 14x14 windows of each image)."""
+    rows = []
+    for layer, n_batch, side in (("global", batch, 64), ("window", batch * 25, 14)):
+        rows += _attention_layer(layer, n_batch, side, iters)
+    return rows
+
+
+def _attention_layer(layer: str, batch: int, side: int, iters: int) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from models.sam.attention import flex_rel_pos_attention, rel_pos_attention, rel_pos_terms
     from models.sam.fused_attention import KernelConfig, launch
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    shape = (batch, 12, 4096, 64)
+    n = side * side
+    shape = (batch, 12, n, 64)
     q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in "qkv")
-    rph = torch.randn(127, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
-    rpw = torch.randn(127, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
-    rel_h, rel_w = rel_pos_terms(q, rph, rpw, 64, 64)
-    flops = 4 * batch * 12 * 4096 * 4096 * 64
+    rph = torch.randn(2 * side - 1, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
+    rpw = torch.randn(2 * side - 1, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.1
+    grid = (side, side)
+    rel_h, rel_w = rel_pos_terms(q, rph, rpw, side, side)
+    flops = 4 * batch * 12 * n * n * 64
     forms = {
         "sdpa-no-bias (floor)": lambda: F.scaled_dot_product_attention(q, k, v),
-        "sdpa-dense-bias": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa"),
-        "flex-factors-as-inputs": lambda: flex_rel_pos_attention(q, k, v, rel_h, rel_w),
-        "flex-factors-in-graph": lambda: rel_pos_attention(q, k, v, rph, rpw, (64, 64), "flex"),
-        "triton-fused": lambda: launch(q, k, v, rel_h, rel_w),
+        "sdpa-dense-bias": lambda: rel_pos_attention(q, k, v, rph, rpw, grid, "sdpa"),
+        "triton-fused": lambda: launch(q, k, v, rph, rpw),
     }
+    if layer == "global" and os.environ.get("BENCH_FLEX", "1") == "1":
+        forms["flex-factors-as-inputs"] = lambda: flex_rel_pos_attention(q, k, v, rel_h, rel_w)
+        forms["flex-factors-in-graph"] = lambda: rel_pos_attention(q, k, v, rph, rpw, grid, "flex")
     rows = []
-    ref = rel_pos_attention(q, k, v, rph, rpw, (64, 64), "sdpa").float()
+    ref = rel_pos_attention(q, k, v, rph, rpw, grid, "sdpa").float()
+
+    def row(name: str, ms: float, out: torch.Tensor | None) -> None:
+        err = relative_error(out.float(), ref) if out is not None else float("nan")
+        rows.append(
+            {
+                "variant": f"attn {layer} {name}",
+                "batch": batch,
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "rel_err": err,
+            }
+        )
+        print(rows[-1], flush=True)
+
     for name, fn in forms.items():
         for dynamic in (False, True) if "in-graph" in name else (False,):
             torch._dynamo.reset()
@@ -269,43 +299,25 @@ def attention_kernels(batch: int, iters: int) -> list[dict[str, Any]]:
             with torch.inference_mode():
                 out = compiled()
                 ms = cuda_time_ms(compiled, iters)
-            err = relative_error(out.float(), ref) if "floor" not in name else float("nan")
-            rows.append(
-                {
-                    "variant": f"attn {name} dyn={dynamic}",
-                    "batch": batch,
-                    "ms": ms,
-                    "tflops": flops / ms / 1e9,
-                    "rel_err": err,
-                }
-            )
-            print(rows[-1], flush=True)
+            row(f"{name} dyn={dynamic}", ms, None if "floor" in name else out)
     # the kernel's launch shape, swept: the best one goes into KernelConfig's defaults
     cfg = KernelConfig
-    default = (cfg.block_m, cfg.num_warps, cfg.num_stages)
-    for block_m, warps, stages in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
-        KernelConfig.block_m, KernelConfig.num_warps, KernelConfig.num_stages = (
-            block_m,
-            warps,
-            stages,
-        )
+    default = (cfg.block_m, cfg.num_warps, cfg.num_stages, dict(cfg.block_n))
+    shapes = [(64, 4, 3, 16), (64, 4, 3, 64), (64, 4, 2, 128), (64, 4, 3, 128)]
+    shapes += [(128, 4, 3, 128), (128, 8, 2, 128), (128, 8, 3, 128)]
+    if side < 32:
+        shapes += [(32, 4, 3, 128), (32, 2, 3, 128), (64, 4, 3, 256)]
+    for shape_ in shapes:
+        cfg.block_m, cfg.num_warps, cfg.num_stages, block_n = shape_
+        cfg.block_n = {max(16, 1 << (side - 1).bit_length()): block_n}
         try:
-            out = launch(q, k, v, rel_h, rel_w)
-            ms = cuda_time_ms(lambda: launch(q, k, v, rel_h, rel_w), iters)
+            out = launch(q, k, v, rph, rpw)
+            ms = cuda_time_ms(lambda: launch(q, k, v, rph, rpw), iters)
         except Exception as exc:  # a launch shape that does not fit (registers, shared memory)
-            print(f"triton {block_m}/{warps}/{stages} failed: {exc}", flush=True)
+            print(f"triton {shape_} failed: {exc}", flush=True)
             continue
-        rows.append(
-            {
-                "variant": f"attn triton bm={block_m} w={warps} s={stages}",
-                "batch": batch,
-                "ms": ms,
-                "tflops": flops / ms / 1e9,
-                "rel_err": relative_error(out.float(), ref),
-            }
-        )
-        print(rows[-1], flush=True)
-    cfg.block_m, cfg.num_warps, cfg.num_stages = default
+        row("triton bm={} w={} s={} n={}".format(*shape_), ms, out)
+    cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n = default
     return rows
 
 
@@ -323,8 +335,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--static", action="store_true", help="compile per batch size, not dynamic")
     p.add_argument("--flex-kernel", action="store_true", help="time the attention kernels alone")
-    p.add_argument("--profile", default=None, choices=list(VARIANTS), help="profile a variant")
-    p.add_argument("--profile-out", type=Path, default=None)
+    p.add_argument(
+        "--profile", nargs="*", default=[], choices=list(VARIANTS), help="profile these variants"
+    )
+    p.add_argument("--profile-out", type=Path, default=None, help="a folder for the tables")
     args = p.parse_args()
     started = time.perf_counter()
     env = environment()
@@ -339,8 +353,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     if args.flex_kernel:
         rows += attention_kernels(8, args.iters)
-    if args.profile:
-        profile_variant(args.profile, base, 8, args.profile_out)
+    for name in args.profile:
+        out = args.profile_out / f"profile_{name}.txt" if args.profile_out else None
+        profile_variant(name, base, 8, out)
     if args.official:
         rows += official_baseline([1, 8], args.iters)
         print(rows[-2:], flush=True)

@@ -63,6 +63,10 @@ VARIANTS: dict[str, OptimizeOptions] = {
     "bf16-eager": OptimizeOptions(precision="bf16"),
     "bf16-compile": OptimizeOptions(precision="bf16", compile_mode="default", cuda_graphs=True),
     "fp16-compile": OptimizeOptions(precision="fp16", compile_mode="default", cuda_graphs=True),
+    # GELU in fc1's cuBLASLt epilogue (models.quantize.GeluLinear)
+    "bf16-gelu-compile": OptimizeOptions(
+        precision="bf16", compile_mode="default", cuda_graphs=True, gelu_epilogue=True
+    ),
     # int8, every block Linear, through torch._int_mm then the epilogue (the earlier path)
     "bf16-int8-compile": OptimizeOptions(
         precision="bf16",

@@ -25,6 +25,7 @@ from models.int8_select import calibration_run
 from models.quantize import (
     QuantBackend,
     Quantization,
+    gelu_epilogue,
     quantize_linears,
     quantize_linears_torchao,
     semi_structured_2to4,
@@ -76,6 +77,9 @@ class OptimizeOptions:
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
     compile_mode: CompileMode = "none"
     cuda_graphs: bool = False
+    # float MLPs of SAM's ViT encoder and Swin: GELU (tanh form) in the first GEMM's
+    # cuBLASLt epilogue (models.quantize.GeluLinear); SAM 2's Hiera keeps its exact GELU
+    gelu_epilogue: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,6 +96,8 @@ class OptimizeOptions:
                 parts.append(self.quantization_backend)
             # other graphs, other rounding: named (AOT packages are keyed by the variant)
             parts += [name for name, on in (("lnq", self.norm_quant), ("hop", self.mlp_hop)) if on]
+        if self.gelu_epilogue:
+            parts.append("tanh_gelu")  # other numbers, another AOT package
         if self.sparsity != "none":
             parts.append(self.sparsity)
         return "+".join(parts)
@@ -121,6 +127,8 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
         )
+    if options.gelu_epilogue:
+        gelu_epilogue(encoder)
     for block in getattr(encoder, "blocks", []):
         # global blocks: the dense bias would be 4096^2 per head; windows: 196^2
         impl = options.attention if block.window == 0 else options.window_attention
@@ -140,6 +148,8 @@ def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:
 
     config = getattr(model, "config", None)
     _quantize(model, options, include, int(getattr(config, "img_size", 0)))
+    if options.gelu_epilogue:
+        gelu_epilogue(model)
 
 
 def _quantize(

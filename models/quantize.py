@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.int8_gemm import triton_gemm_available
@@ -50,12 +51,14 @@ __all__ = [
     "DynamicQuantLinear",
     "Fp8DynamicLinear",
     "Fp8RowwiseLinear",
+    "GeluLinear",
     "Int8DynamicLinear",
     "Int8Kernel",
     "QuantBackend",
     "Quantization",
     "Sparse24Linear",
     "fuse_gelu",
+    "gelu_epilogue",
     "int8_mm",
     "linear_reference",
     "prune_2to4",
@@ -222,6 +225,53 @@ def fuse_gelu(module: nn.Module) -> list[str]:
             layer.gelu = True
             child.act = nn.Identity()
             fused.append(f"{name}.{attr}" if name else attr)
+    return fused
+
+
+class GeluLinear(nn.Linear):
+    """`gelu(linear(x))` (tanh form) in one cuBLASLt call on CUDA: GELU in the GEMM's epilogue.
+
+    Why: compiled, the bf16 MLP is a cuBLAS GEMM and then a Triton kernel that reads and
+    writes the hidden activation (4x the block's width) once more only for GELU: 3.5 of a
+    SAM batch's 46 ms on an H100 (docs/BENCHMARKS.md). `torch._addmm_activation` with
+    `use_gelu` asks cuBLASLt for its GELU_BIAS epilogue, and inductor keeps it as one
+    extern call. cuBLASLt's GELU is the tanh approximation, not the erf of the models'
+    `nn.GELU()` (at most about 3e-4 apart, below bf16's rounding); the CPU path computes
+    the same tanh form, so both devices serve one function.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.bias is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch._addmm_activation(self.bias, flat, self.weight.t(), use_gelu=True)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+
+
+def gelu_epilogue(module: nn.Module) -> list[str]:
+    """Swap each float MLP's first Linear and its exact GELU for a `GeluLinear`, in place.
+
+    The same MLPs as `fuse_gelu` (Swin's `Mlp`, SAM's `MLPBlock`), when the first layer is
+    still a plain `nn.Linear` (quantised layers fuse GELU themselves). Returns the names.
+    """
+    from models.sam.common import MLPBlock
+    from models.swin.model import Mlp
+
+    first_of = {Mlp: "fc1", MLPBlock: "lin1"}
+    fused = []
+    for name, child in module.named_modules():
+        attr = first_of.get(type(child))
+        act = getattr(child, "act", None)
+        if attr is None or type(act) is not nn.GELU or act.approximate != "none":
+            continue
+        layer = getattr(child, attr)
+        if type(layer) is not nn.Linear or layer.bias is None:
+            continue
+        swapped = GeluLinear(layer.in_features, layer.out_features, device="meta")
+        swapped.weight, swapped.bias = layer.weight, layer.bias
+        setattr(child, attr, swapped)
+        child.act = nn.Identity()
+        fused.append(f"{name}.{attr}" if name else attr)
     return fused
 
 

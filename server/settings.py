@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     """core: our int8/fp8 layers; torchao: torchao's quantize_ where it can, else core"""
     sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
     """2:4 prunes the SAM encoder MLPs (cuSPARSELt on CUDA; changes the outputs)"""
+    # auto: GELU in the GEMM's epilogue for bf16/fp16 on CUDA (7-9% more img/s, SAM's
+    # encoder and Swin on an H100; docs/BENCHMARKS.md, issue 20), the exact erf elsewhere
+    mlp_gelu: Literal["auto", "exact", "epilogue"] = "auto"
+    """the MLPs' GELU in SAM's ViT encoder and Swin: auto (epilogue for bf16/fp16 on CUDA,
+    else exact), exact (erf, as trained), epilogue (tanh form inside the first GEMM)"""
     # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
     """SAM global attention: auto (triton on CUDA, sdpa on the CPU), sdpa, flex, triton"""

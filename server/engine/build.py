@@ -48,6 +48,12 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         precision = "bf16" if cuda else "fp32"
     if precision == "tf32":
         check_tf32(device)
+    gelu_epilogue = settings.mlp_gelu == "epilogue"
+    if settings.mlp_gelu == "auto":
+        # cuBLASLt's GELU epilogue: SAM's ViT-B encoder 353 -> 377 img/s, Swin-T 10,789 ->
+        # 11,770 on an H100 at the same fidelity (docs/BENCHMARKS.md, issue 20); fp32 keeps
+        # the exact erf (it exists for fidelity), and the CPU gains nothing from it
+        gelu_epilogue = cuda and precision in ("bf16", "fp16")
     backend = settings.quantization_backend
     if backend == "torchao" and settings.quantization != "none":
         why_not = torchao_unsupported(settings.quantization, device)
@@ -70,6 +76,7 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # an H100: 10,700 img/s at 99.41% top-1 agreement, where quantising in each GEMM
         # measured 10,570 at 89.3% (docs/BENCHMARKS.md, issue 20)
         norm_quant=cuda and settings.quantization == "int8" and backend == "core",
+        gelu_epilogue=gelu_epilogue,
     )
 
 

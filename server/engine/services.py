@@ -336,7 +336,11 @@ class Engine:
             fused_runs=self.rle_from_low_res,
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
-        info = replace(self._info(s.sam_model, s.sam_checkpoint, encoder_buckets), attention="sdpa")
+        info = replace(
+            self._info(s.sam_model, s.sam_checkpoint, encoder_buckets),
+            attention="sdpa",
+            precision=replace(opts, gelu_epilogue=False).variant,  # Hiera's GELU stays exact
+        )
         generators = sam2_generators(model, info.name, stages.everything_decode)
         return self._sam_parts(stages, info, generators, sam2=True)
 

@@ -81,6 +81,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-eager-triton",
         "bf16-compile-triton-win",
         "bf16-gelu-compile-triton-win",  # GELU in lin1's cuBLASLt epilogue
+        "bf16-gelu-int8-lnq-compile-triton-win",  # SERVE_QUANTIZATION=int8 on CUDA now
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)

@@ -111,6 +111,19 @@ VARIANTS: dict[str, OptimizeOptions] = {
         for lnq in ("", "-lnq", "-lnq-hop")
         if (kind == "fp8" or lnq) and not (kind == "fp8" and how == "-gptq")
     },
+    # what SERVE_QUANTIZATION=int8 / fp8 serve on CUDA now: the layers the choice keeps in
+    # float take GELU in their epilogue too (SERVE_MLP_GELU=auto)
+    **{
+        f"bf16-{kind}fused-select-lnq-gelu-compile": OptimizeOptions(
+            precision="bf16",
+            quantization=kind,  # type: ignore[arg-type]
+            compile_mode="default",
+            cuda_graphs=True,
+            norm_quant=True,
+            gelu_epilogue=True,
+        )
+        for kind in ("int8", "fp8")
+    },
     "bf16-autotune": OptimizeOptions(
         precision="bf16", compile_mode="max-autotune-no-cudagraphs", cuda_graphs=True
     ),

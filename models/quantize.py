@@ -77,9 +77,12 @@ QuantBackend = Literal["core", "int_mm", "torchao"]
 
 
 def _quantizable(name: str, layer: nn.Module, include: Callable[[str, nn.Linear], bool]) -> bool:
-    """An accepted Linear whose dimensions the int8/fp8 kernels take (multiples of 16)."""
+    """An accepted Linear whose dimensions the int8/fp8 kernels take (multiples of 16); not
+    a `GeluLinear`, whose GELU a quantised layer would drop (the epilogue is applied after
+    quantisation, to the layers left in float)."""
     return (
         isinstance(layer, nn.Linear)
+        and not isinstance(layer, GeluLinear)
         and include(name, layer)
         and not (layer.in_features % 16 or layer.out_features % 16)
     )

@@ -106,3 +106,13 @@ def test_auto_resolves_per_device_and_precision(
     assert options.gelu_epilogue is expected
     # responses name it: the numbers differ from the exact model's
     assert options.variant.endswith("+tanh_gelu") is expected, options.variant
+
+
+def test_a_layer_with_the_epilogue_is_never_quantised(tiny_sam: Sam) -> None:
+    """Quantising after the swap would drop GELU (the quantised layer is built from the
+    weights alone): the epilogue's layers are not candidates."""
+    encoder = copy.deepcopy(tiny_sam.image_encoder)
+    gelu_epilogue(encoder)
+    swapped = quantize_linears(encoder, "int8", lambda name, layer: ".mlp." in name)
+    assert swapped and not any(name.endswith("lin1") for name in swapped)
+    assert all(type(b.mlp.lin1) is GeluLinear for b in encoder.blocks)

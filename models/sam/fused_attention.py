@@ -36,6 +36,7 @@ __all__ = [
     "KernelConfig",
     "fused_rel_pos_attention",
     "fused_supported",
+    "fused_window_attention",
     "triton_available",
 ]
 
@@ -72,30 +73,41 @@ def _kernel() -> Any:
 
     @triton.jit
     def rel_pos_flash_fwd(
-        Q, K, V, RPH, RPW, S, O,
+        Q, K, V, RPH, RPW, S, O, BIAS_K, BIAS_V,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
-        stride_rph, stride_rpw, stride_sbh, stride_sn,
+        stride_rph, stride_rpw, stride_sbh, stride_sw, stride_sn,
         stride_ob, stride_oh, stride_on,
-        heads, n_ctx, head_dim, grid_w,
+        heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-        QK_SCALE: tl.constexpr,
+        QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
+        # The attention grid (GRID_H x grid_w) is one window of an img_h x img_w grid of
+        # tokens, windows laid out row-major over it (a global block: one window, the
+        # whole grid). Tokens are read and written where they lie in the image's grid, so
+        # there are no partition or unpartition copies; a window's tokens past the
+        # image's edge stand for the zero padding Meta's encoder adds before qkv: their
+        # keys and values are the qkv projection's bias, their queries are not computed.
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        win = pid_m // q_blocks
         b = pid_bh // heads
         h = pid_bh % heads
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        windows_w = (img_w + grid_w - 1) // grid_w
+        y0 = (win // windows_w) * GRID_H  # the window's first image row and column
+        x0 = (win % windows_w) * grid_w
+        offs_m = (pid_m % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        mask_m = offs_m < n_ctx
-        mask_d = offs_d < head_dim
         qy = offs_m // grid_w
         qx = offs_m % grid_w
+        mask_m = (offs_m < n_ctx) & (y0 + qy < img_h) & (x0 + qx < img_w)
+        mask_d = offs_d < head_dim
+        token_m = (y0 + qy) * img_w + x0 + qx
 
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+        q_ptrs = Q + b * stride_qb + h * stride_qh + token_m[:, None] * stride_qn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         # The bias's two factors, q . Rh[qy - y' + h - 1] and q . Rw[qx - x' + w - 1]: one
         # product of the block's queries with every row of each table (2h-1 and 2w-1
@@ -116,14 +128,17 @@ def _kernel() -> Any:
         )
         uh = tl.dot(q, tl.trans(rph.to(q.dtype)))  # [BLOCK_M, PH]
         uw = tl.dot(q, tl.trans(rpw.to(q.dtype)))  # [BLOCK_M, PW]
-        s_rows = S + pid_bh * stride_sbh + offs_m * stride_sn
+        s_rows = S + pid_bh * stride_sbh + win * stride_sw + offs_m * stride_sn
         s_type = S.dtype.element_ty
         tl.store(s_rows[:, None] + offs_ph[None, :], uh.to(s_type), mask=mask_m[:, None])
         tl.store(s_rows[:, None] + PH + offs_pw[None, :], uw.to(s_type), mask=mask_m[:, None])
         tl.debug_barrier()  # what other threads of this program stored is read back below
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
-        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+        o_ptrs = O + b * stride_ob + h * stride_oh + token_m[:, None] * stride_on + offs_d[None, :]
+        if HAS_BIAS:  # a padded token's key and value: this head's slice of qkv's bias
+            bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
+            bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
         # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
         # masked): two rows of 64 for the global grid, eight rows of 14 for a window, so
         # each product is large enough for the tensor cores.
@@ -147,11 +162,15 @@ def _kernel() -> Any:
         for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
             key_row = row + sub
             mask_n = mask_col & (key_row < GRID_H)
-            offs_n = key_row * grid_w + col
-            kv_mask = mask_n[:, None] & mask_d[None, :]
+            inside = mask_n & (y0 + key_row < img_h) & (x0 + col < img_w)
+            offs_n = (y0 + key_row) * img_w + x0 + col
+            kv_mask = inside[:, None] & mask_d[None, :]
             k = tl.load(
                 k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
             )
+            if HAS_BIAS:
+                padded = (mask_n & ~inside)[:, None]
+                k = tl.where(padded, bias_k[None, :].to(k.dtype), k)
             s = tl.dot(q, tl.trans(k)) * QK_SCALE  # log2 units: scale * log2(e) folded in
             # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
             block_rows = row + tl.arange(0, ROWS)
@@ -171,6 +190,8 @@ def _kernel() -> Any:
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
             )
+            if HAS_BIAS:
+                v = tl.where(padded, bias_v[None, :].to(v.dtype), v)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -196,12 +217,21 @@ def launch(
     rel_pos_h: Tensor,
     rel_pos_w: Tensor,
     out: Tensor | None = None,
+    *,
+    image: tuple[int, int] | None = None,
+    qkv_bias: Tensor | None = None,
 ) -> Tensor:
-    """Run the kernel: q, k, v `[B, heads, h*w, C]` (any strides with a contiguous last
-    dim), the encoder's rel-pos tables rel_pos_h `[2h-1, C]` and rel_pos_w `[2w-1, C]` ->
-    `[B, heads, h*w, C]`, written into `out` (which may be a strided view) when given.
+    """Run the kernel: q, k, v `[B, heads, N, C]` (any strides with a contiguous last dim),
+    the encoder's rel-pos tables rel_pos_h `[2h-1, C]` and rel_pos_w `[2w-1, C]` ->
+    `[B, heads, N, C]`, written into `out` (which may be a strided view) when given.
 
-    The bare launch under the op below, which is how model code reaches the kernel (an
+    Without `image`, the N tokens are the h x w grid (a global block). With `image` =
+    (H, W), they are an H x W grid attended in h x w windows (SAM's windowed blocks), the
+    windows past the grid's edge padded as Meta's encoder pads them: `qkv_bias` (`[3 *
+    heads * C]`, the qkv projection's) gives the padded tokens' keys and values (zeros
+    without it).
+
+    The bare launch under the ops below, which is how model code reaches the kernel (an
     opaque op is what torch.compile and CUDA graphs need). Not exported: called directly
     only by the kernel's test and bench/sam_encoder.py, to sweep `KernelConfig`.
     """
@@ -210,35 +240,42 @@ def launch(
     q, k, v, rel_pos_h, rel_pos_w = (
         _last_dim_contiguous(t) for t in (q, k, v, rel_pos_h, rel_pos_w)
     )
-    B, heads, n_ctx, head_dim = q.shape
+    B, heads, n_tokens, head_dim = q.shape
     grid_h, grid_w = grid_of(rel_pos_h, rel_pos_w)
-    if grid_h * grid_w != n_ctx:
-        raise ValueError(f"{n_ctx} tokens do not make a {grid_h}x{grid_w} grid")
+    img_h, img_w = image if image is not None else (grid_h, grid_w)
+    if img_h * img_w != n_tokens:
+        raise ValueError(f"{n_tokens} tokens do not make a {img_h}x{img_w} grid")
+    n_ctx = grid_h * grid_w  # tokens per window
+    windows = triton.cdiv(img_h, grid_h) * triton.cdiv(img_w, grid_w)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     ph = max(16, triton.next_power_of_2(2 * grid_h - 1))
     pw = max(16, triton.next_power_of_2(2 * grid_w - 1))
     # each query's products with both tables, written and read back by its own program
-    scratch = torch.empty(B * heads, n_ctx, ph + pw, dtype=q.dtype, device=q.device)
+    scratch = torch.empty(B * heads, windows, n_ctx, ph + pw, dtype=q.dtype, device=q.device)
+    # the k and v thirds of the bias; without one, any pointer (HAS_BIAS off: never read)
+    _, bias_k, bias_v = qkv_bias.view(3, -1) if qkv_bias is not None else (scratch,) * 3
     cfg = KernelConfig
     block_m = cfg.block_m
     block_w = max(16, triton.next_power_of_2(grid_w))
     block_n = cfg.block_n.get(block_w, block_w)
     rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
-    launch_grid = (triton.cdiv(n_ctx, block_m), B * heads)
+    q_blocks = triton.cdiv(n_ctx, block_m)
+    launch_grid = (windows * q_blocks, B * heads)
     _kernel()[launch_grid](
-        q, k, v, rel_pos_h, rel_pos_w, scratch, out,
+        q, k, v, rel_pos_h, rel_pos_w, scratch, out, bias_k, bias_v,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        rel_pos_h.stride(0), rel_pos_w.stride(0), scratch.stride(0), scratch.stride(1),
+        rel_pos_h.stride(0), rel_pos_w.stride(0),
+        scratch.stride(0), scratch.stride(1), scratch.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        heads, n_ctx, head_dim, grid_w,
+        heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw, ROWS=rows,
         HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
-        QK_SCALE=head_dim**-0.5 * 1.4426950408889634,
+        QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -263,5 +300,46 @@ def fused_rel_pos_attention(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -
 
 @fused_rel_pos_attention.register_fake
 def _(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+    B, N, _, heads, C = qkv.shape
+    return qkv.new_empty(B, N, heads * C)
+
+
+@torch.library.custom_op("sam_serve::rel_pos_flash_windows", mutates_args=())
+def fused_window_attention(
+    qkv: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    qkv_bias: Tensor | None,
+    height: int,
+    width: int,
+) -> Tensor:
+    """SAM's windowed attention straight on the qkv projection of the whole grid: qkv
+    `[B, height * width, 3, heads, C]` -> `[B, height * width, heads * C]`, each token
+    attending within its window (the tables' `h x w`), the windows past the grid's edge
+    padded as Meta's encoder pads them (keys and values of `qkv_bias`).
+
+    Meta's encoder partitions the normed grid into padded windows, projects 25 windows'
+    4,900 tokens to qkv and back (for ViT-B at 1024 px: 64x64 tokens), then crops: here
+    the projections see the 4,096 real tokens and no partition or crop copies exist.
+    """
+    B, N, _, heads, C = qkv.shape
+    out = torch.empty(B, N, heads, C, dtype=qkv.dtype, device=qkv.device)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
+    launch(
+        q, k, v, rel_pos_h, rel_pos_w, out=out.transpose(1, 2),
+        image=(height, width), qkv_bias=qkv_bias,
+    )  # fmt: skip
+    return out.reshape(B, N, heads * C)
+
+
+@fused_window_attention.register_fake
+def _(
+    qkv: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    qkv_bias: Tensor | None,
+    height: int,
+    width: int,
+) -> Tensor:
     B, N, _, heads, C = qkv.shape
     return qkv.new_empty(B, N, heads * C)

@@ -76,6 +76,20 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, h, w, D)
         return self.proj(out)
 
+    def windowed(self, x: Tensor) -> Tensor:
+        """x: the whole `[B, H, W, D]` grid -> `[B, H, W, D]`, attending in this module's
+        windows (the Triton kernel; `forward` on `window_partition`'s windows is the same
+        function): qkv and the output projection run on the grid's tokens only, and the
+        kernel reads each window where it lies."""
+        from models.sam.fused_attention import fused_window_attention
+
+        B, H, W = x.shape[:3]
+        D = self.proj.out_features
+        qkv = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1)
+        bias = getattr(self.qkv, "bias", None)
+        out = fused_window_attention(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W)
+        return self.proj(out.reshape(B, H, W, D))
+
 
 class Block(nn.Module):
     """Pre-norm transformer block; `window == 0` means global attention."""
@@ -94,7 +108,9 @@ class Block(nn.Module):
         """x: `[B, H, W, D]` -> `[B, H, W, D]`."""
         shortcut = x
         x = self.norm1(x)
-        if self.window > 0:
+        if self.window > 0 and self.attn.impl == "triton":
+            x = self.attn.windowed(x)  # no partition copies, no padded tokens projected
+        elif self.window > 0:
             size = (x.shape[1], x.shape[2])
             windows, padded = window_partition(x, self.window)
             x = window_unpartition(self.attn(windows), self.window, padded, size)

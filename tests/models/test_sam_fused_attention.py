@@ -76,3 +76,50 @@ def test_supported_on_cuda_for_rows_that_fit_a_block() -> None:
     assert not fused_supported((64, 64), torch.device("cpu"))
     assert not fused_supported((4, MAX_GRID_W + 1), cuda)
     assert fused_supported((64, 64), cuda) == fused_supported((14, 14), cuda) == triton_available()
+
+
+WINDOW_SCRIPT = r"""
+import json, sys
+import torch
+from models.sam.image_encoder import Attention, window_partition, window_unpartition
+
+results = []
+for seed, (B, H, W, window, dim, heads, bias) in enumerate(json.loads(sys.argv[1])):
+    torch.manual_seed(seed)
+    attn = Attention(dim, heads, (window, window)).eval()
+    if not bias:
+        attn.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+    with torch.no_grad():
+        for p in (attn.rel_pos_h, attn.rel_pos_w):
+            p.normal_(0, 0.5)
+        if bias:
+            attn.qkv.bias.normal_(0, 1.0)  # padded tokens' keys and values: the bias
+    x = torch.randn(B, H, W, dim)
+    with torch.inference_mode():
+        # Meta's way: zero-padded windows projected, attended, projected, cropped
+        windows, padded = window_partition(x, window)
+        ref = window_unpartition(attn(windows), window, padded, (H, W))
+        attn.impl = "triton"
+        got = attn.windowed(x)  # the grid read in place, in the interpreter
+    err = float((got - ref).norm() / ref.norm())
+    results.append({"case": [B, H, W, window, dim, heads, bias], "rel_err": err,
+                    "finite": bool(torch.isfinite(got).all())})
+print(json.dumps(results))
+"""
+
+WINDOW_CASES = [
+    # B, grid H, grid W, window, width, heads, qkv bias
+    (2, 20, 23, 7, 32, 2, True),  # 3x4 windows, the last row and column padded
+    (1, 14, 14, 7, 32, 2, True),  # windows that tile the grid exactly
+    (1, 9, 5, 7, 48, 3, False),  # one window wider than the grid, no bias: zero padding
+]
+
+
+def test_windows_read_in_place_match_meta_partitioned_windows() -> None:
+    """`Attention.windowed` (what the encoder's windowed blocks run on CUDA) against
+    `window_partition` -> the same module on the windows -> `window_unpartition`: the same
+    function, the padded tokens' keys and values included (qkv's bias, or zeros)."""
+    results = run_interpreted(WINDOW_SCRIPT, WINDOW_CASES)
+    for r in results:
+        assert r["finite"], r
+        assert r["rel_err"] < 1e-5, r

@@ -25,7 +25,7 @@ pinned to one torch release, and every one of them runs on the CPU for tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -205,29 +205,35 @@ def quantize_linears(
     return swapped
 
 
-def fuse_gelu(module: nn.Module) -> list[str]:
-    """Move exact GELU into the int8/fp8 product before it, where the structure is known.
-
-    Swin's `Mlp` is `fc2(act(fc1(x)))` and SAM's `MLPBlock` `lin2(act(lin1(x)))`: when the
-    first Linear is a `DynamicQuantLinear` and `act` is `nn.GELU()` (erf), the layer
-    applies GELU in its epilogue and `act` becomes `nn.Identity()`: one pass over the
-    hidden activation (4x the block's width) fewer. Returns the fused layers' names.
-    """
+def _exact_gelu_mlps(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """(full name of the first layer, the MLP, its attribute, the layer) for each of Swin's
+    `Mlp` (`fc2(act(fc1(x)))`) and SAM's `MLPBlock` (`lin2(act(lin1(x)))`) whose `act` is
+    still the exact `nn.GELU()`: where GELU may move into the first product."""
     from models.sam.common import MLPBlock
     from models.swin.model import Mlp
 
     first_of = {Mlp: "fc1", MLPBlock: "lin1"}
-    fused = []
-    for name, child in module.named_modules():
+    for name, child in list(module.named_modules()):
         attr = first_of.get(type(child))
         act = getattr(child, "act", None)
         if attr is None or type(act) is not nn.GELU or act.approximate != "none":
             continue
-        layer = getattr(child, attr)
+        yield (f"{name}.{attr}" if name else attr), child, attr, getattr(child, attr)
+
+
+def fuse_gelu(module: nn.Module) -> list[str]:
+    """Move exact GELU into the int8/fp8 product before it, where the structure is known.
+
+    When an MLP's first Linear is a `DynamicQuantLinear` and its `act` the exact GELU, the
+    layer applies GELU in its epilogue and `act` becomes `nn.Identity()`: one pass over the
+    hidden activation (4x the block's width) fewer. Returns the fused layers' names.
+    """
+    fused = []
+    for full, mlp, _, layer in _exact_gelu_mlps(module):
         if isinstance(layer, DynamicQuantLinear) and not layer.gelu:
             layer.gelu = True
-            child.act = nn.Identity()
-            fused.append(f"{name}.{attr}" if name else attr)
+            mlp.act = nn.Identity()
+            fused.append(full)
     return fused
 
 
@@ -254,27 +260,18 @@ class GeluLinear(nn.Linear):
 def gelu_epilogue(module: nn.Module) -> list[str]:
     """Swap each float MLP's first Linear and its exact GELU for a `GeluLinear`, in place.
 
-    The same MLPs as `fuse_gelu` (Swin's `Mlp`, SAM's `MLPBlock`), when the first layer is
-    still a plain `nn.Linear` (quantised layers fuse GELU themselves). Returns the names.
+    The same MLPs as `fuse_gelu`, when the first layer is still a plain `nn.Linear` with a
+    bias (quantised layers fuse the exact GELU themselves). Returns the swapped names.
     """
-    from models.sam.common import MLPBlock
-    from models.swin.model import Mlp
-
-    first_of = {Mlp: "fc1", MLPBlock: "lin1"}
     fused = []
-    for name, child in module.named_modules():
-        attr = first_of.get(type(child))
-        act = getattr(child, "act", None)
-        if attr is None or type(act) is not nn.GELU or act.approximate != "none":
-            continue
-        layer = getattr(child, attr)
+    for full, mlp, attr, layer in _exact_gelu_mlps(module):
         if type(layer) is not nn.Linear or layer.bias is None:
             continue
         swapped = GeluLinear(layer.in_features, layer.out_features, device="meta")
         swapped.weight, swapped.bias = layer.weight, layer.bias
-        setattr(child, attr, swapped)
-        child.act = nn.Identity()
-        fused.append(f"{name}.{attr}" if name else attr)
+        setattr(mlp, attr, swapped)
+        mlp.act = nn.Identity()
+        fused.append(full)
     return fused
 
 

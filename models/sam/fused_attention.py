@@ -112,8 +112,8 @@ def _kernel() -> Any:
         # The bias's two factors, q . Rh[qy - y' + h - 1] and q . Rw[qx - x' + w - 1]: one
         # product of the block's queries with every row of each table (2h-1 and 2w-1
         # relative offsets), kept in this program's slice of S, then read back shifted
-        # per query. The einsum that built them outside (batched 64x64 products) and the
-        # copies of q it needed cost more than this block's attention loop gains.
+        # per query. Built outside by an einsum (batched 64x64 products, and copies of q)
+        # they cost more than these two products do here.
         offs_ph = tl.arange(0, PH)
         offs_pw = tl.arange(0, PW)
         rph = tl.load(
@@ -140,8 +140,8 @@ def _kernel() -> Any:
             bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
             bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
         # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
-        # masked): two rows of 64 for the global grid, eight rows of 14 for a window, so
-        # each product is large enough for the tensor cores.
+        # masked): KernelConfig.block_n says how many rows (two of the global grid, one
+        # of a window by default).
         offs_j = tl.arange(0, ROWS * BLOCK_W)
         col = offs_j % BLOCK_W
         sub = offs_j // BLOCK_W  # which of the block's rows

@@ -138,6 +138,12 @@ def prepare_sam_encoder(encoder: nn.Module, options: OptimizeOptions, device: to
             log.warning("SAM encoder: fused attention cannot run a %s grid here; SDPA", grid)
             impl = "sdpa"
         attn.impl = impl
+        # the windows read in place: measured on an H100 with float qkv layers (409.8 img/s
+        # against 401.4 partitioned, docs/BENCHMARKS.md); int8/fp8 keep the partitioned
+        # windows they were measured with
+        block.windows_in_place = (
+            block.window > 0 and impl == "triton" and options.quantization == "none"
+        )
 
 
 def prepare_swin(model: nn.Module, options: OptimizeOptions) -> None:

@@ -94,6 +94,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; `window == 0` means global attention."""
 
+    # A windowed block on the Triton kernel reads its windows where they lie in the grid
+    # (`Attention.windowed`) instead of partitioning; set by `prepare_sam_encoder`, which
+    # keeps quantised qkv layers on the partitioned path measured on the GPU with them.
+    windows_in_place: bool = False
+
     def __init__(
         self, dim: int, num_heads: int, mlp_ratio: float, window: int, grid: tuple[int, int]
     ) -> None:
@@ -108,7 +113,7 @@ class Block(nn.Module):
         """x: `[B, H, W, D]` -> `[B, H, W, D]`."""
         shortcut = x
         x = self.norm1(x)
-        if self.window > 0 and self.attn.impl == "triton":
+        if self.window > 0 and self.windows_in_place:
             x = self.attn.windowed(x)  # no partition copies, no padded tokens projected
         elif self.window > 0:
             size = (x.shape[1], x.shape[2])

@@ -123,3 +123,27 @@ def test_windows_read_in_place_match_meta_partitioned_windows() -> None:
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r
+
+
+def test_windows_are_read_in_place_only_for_float_qkv_on_the_kernel(tiny_sam) -> None:
+    """`prepare_sam_encoder` decides per block: the Triton kernel and float qkv layers read
+    the windows in place; int8 keeps the partitioned windows it was measured with on the
+    GPU; the CPU (no kernel) partitions."""
+    import copy
+
+    from models.optimize import OptimizeOptions, prepare_sam_encoder
+
+    cuda = torch.device("cuda")  # the options only: nothing runs here
+    triton_opts = OptimizeOptions(attention="triton", window_attention="triton")
+
+    def in_place(options: OptimizeOptions, device: torch.device) -> list[bool]:
+        encoder = copy.deepcopy(tiny_sam.image_encoder)
+        prepare_sam_encoder(encoder, options, device)
+        return [b.windows_in_place for b in encoder.blocks if b.window > 0]
+
+    windowed = len([b for b in tiny_sam.image_encoder.blocks if b.window > 0])
+    assert windowed > 0
+    assert in_place(triton_opts, cuda) == [triton_available()] * windowed
+    int8 = OptimizeOptions(attention="triton", window_attention="triton", quantization="int8")
+    assert in_place(int8, cuda) == [False] * windowed
+    assert in_place(triton_opts, torch.device("cpu")) == [False] * windowed

@@ -241,12 +241,13 @@ class GeluLinear(nn.Linear):
     """`gelu(linear(x))` (tanh form) in one cuBLASLt call on CUDA: GELU in the GEMM's epilogue.
 
     Why: compiled, the bf16 MLP is a cuBLAS GEMM and then a Triton kernel that reads and
-    writes the hidden activation (4x the block's width) once more only for GELU: 3.5 of a
-    SAM batch's 46 ms on an H100 (docs/BENCHMARKS.md). `torch._addmm_activation` with
-    `use_gelu` asks cuBLASLt for its GELU_BIAS epilogue, and inductor keeps it as one
-    extern call. cuBLASLt's GELU is the tanh approximation, not the erf of the models'
-    `nn.GELU()` (at most about 3e-4 apart, below bf16's rounding); the CPU path computes
-    the same tanh form, so both devices serve one function.
+    writes the hidden activation (4x the block's width) once more only for GELU: 1.8 of
+    the 20.7 ms of a SAM encoder batch of 8 on an H100 (docs/BENCHMARKS.md, issue 20).
+    `torch._addmm_activation` with `use_gelu` asks cuBLASLt for its GELU_BIAS epilogue,
+    and inductor keeps it as one extern call. cuBLASLt's GELU is the tanh approximation,
+    not the erf of the models' `nn.GELU()` (at most about 3e-4 apart, below bf16's
+    rounding); the CPU path computes the same tanh form, so both devices serve one
+    function.
     """
 
     def forward(self, x: Tensor) -> Tensor:

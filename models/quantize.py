@@ -245,9 +245,9 @@ class GeluLinear(nn.Linear):
     the 20.7 ms of a SAM encoder batch of 8 on an H100 (docs/BENCHMARKS.md, issue 20).
     `torch._addmm_activation` with `use_gelu` asks cuBLASLt for its GELU_BIAS epilogue,
     and inductor keeps it as one extern call. cuBLASLt's GELU is the tanh approximation,
-    not the erf of the models' `nn.GELU()` (at most 4.7e-4 apart: bf16 rounds a value of
-    0.12 or more by as much); the CPU path computes the same tanh form, so both devices
-    serve one function.
+    not the erf of the models' `nn.GELU()` (at most 4.7e-4 apart: bf16 rounds values of
+    0.125 and more by up to as much); the CPU path computes the same tanh form, so both
+    devices serve one function.
     """
 
     def forward(self, x: Tensor) -> Tensor:

@@ -291,17 +291,36 @@ def fused_rel_pos_attention(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -
     projection. An opaque op to torch.compile (the kernel is already fused), captured by
     CUDA graphs.
     """
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w)
+
+
+def _on_qkv(
+    qkv: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    image: tuple[int, int] | None = None,
+    qkv_bias: Tensor | None = None,
+) -> Tensor:
+    """Both ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
+    written token-major as `[B, N, heads * C]`, ready for the output projection."""
+    out = _output(qkv)
     B, N, _, heads, C = qkv.shape
-    out = torch.empty(B, N, heads, C, dtype=qkv.dtype, device=qkv.device)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
-    launch(q, k, v, rel_pos_h, rel_pos_w, out=out.transpose(1, 2))
-    return out.reshape(B, N, heads * C)
+    launch(
+        q, k, v, rel_pos_h, rel_pos_w, out=out.view(B, N, heads, C).transpose(1, 2),
+        image=image, qkv_bias=qkv_bias,
+    )  # fmt: skip
+    return out
+
+
+def _output(qkv: Tensor) -> Tensor:
+    B, N, _, heads, C = qkv.shape
+    return qkv.new_empty(B, N, heads * C)
 
 
 @fused_rel_pos_attention.register_fake
 def _(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
-    B, N, _, heads, C = qkv.shape
-    return qkv.new_empty(B, N, heads * C)
+    return _output(qkv)
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash_windows", mutates_args=())
@@ -322,14 +341,7 @@ def fused_window_attention(
     4,900 tokens to qkv and back (for ViT-B at 1024 px: 64x64 tokens), then crops: here
     the projections see the 4,096 real tokens and no partition or crop copies exist.
     """
-    B, N, _, heads, C = qkv.shape
-    out = torch.empty(B, N, heads, C, dtype=qkv.dtype, device=qkv.device)
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
-    launch(
-        q, k, v, rel_pos_h, rel_pos_w, out=out.transpose(1, 2),
-        image=(height, width), qkv_bias=qkv_bias,
-    )  # fmt: skip
-    return out.reshape(B, N, heads * C)
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias)
 
 
 @fused_window_attention.register_fake
@@ -341,5 +353,4 @@ def _(
     height: int,
     width: int,
 ) -> Tensor:
-    B, N, _, heads, C = qkv.shape
-    return qkv.new_empty(B, N, heads * C)
+    return _output(qkv)

@@ -42,7 +42,10 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
 # hadolint ignore=DL3006
 FROM base-${BASE} AS runtime
 
+# NVIDIA_DRIVER_CAPABILITIES: the container toolkit mounts the driver's compute libraries
+# and nvidia-cuda-mps-control, with which two engines share a GPU side by side (SERVE_MPS)
 ENV PYTHONDONTWRITEBYTECODE=1 \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp \

@@ -242,6 +242,13 @@ class Settings(BaseSettings):
     engines_per_gpu: Annotated[int, Field(ge=1, le=8)] | Literal["auto"] = "auto"
     """engines on each GPU with SERVE_ENGINES=auto: auto (2 per whole GPU, 1 per MIG
     instance) or a number"""
+    # Engines sharing a GPU are separate CUDA contexts, which the GPU time-slices: a click
+    # waited for the other engine's encoder batch and the README's mix collapsed; as
+    # clients of one MPS server their kernels run side by side (server/mps.py).
+    mps: Literal["auto", "on", "off"] = "auto"
+    """an MPS server for engines sharing a GPU: auto (start a private one when a GPU hosts
+    two or more engines and nvidia-cuda-mps-control is there), on (refuse to start
+    without), off"""
     # Each frontend decodes into a file of this size in /dev/shm that the engine maps (and
     # page-locks on CUDA): pixels reach the GPU without a copy or a pickle. An image that
     # does not fit travels inline with its call instead (one copy more); none is refused.

@@ -45,6 +45,7 @@ from server.engine.entry import run_engine
 from server.gpus import EnginePlan, plan_engines
 from server.http.pixels import PIXELS_PREFIX, SHM_FOLDER
 from server.metrics_multiprocess import forget_process
+from server.mps import MpsError, MpsServer, start_mps
 from server.settings import Settings
 
 log = logging.getLogger("server.supervisor")
@@ -86,6 +87,7 @@ class Supervisor:
         self.addresses = tuple(f"ipc://{self.folder}/{p.role}.sock" for p in self.plans)
         self.context = multiprocessing.get_context("spawn")
         self.engines: list[BaseProcess] = []
+        self.mps: MpsServer | None = None
         self.frontends: dict[int, tuple[BaseProcess, float]] = {}
         self.quick_deaths = 0
         self.stopping = False  # SIGTERM: drain, then stop
@@ -103,9 +105,10 @@ class Supervisor:
         engine = self.context.Process(
             target=run_engine, args=(self.settings, address, plan.role), name=plan.role
         )
-        if plan.env:
-            log.info("%s gets %s", plan.role, " ".join(f"{k}={v}" for k, v in plan.env.items()))
-        with _environment(plan.env):  # a spawned child starts with our environment
+        env = {**plan.env, **(self.mps.env if self.mps else {})}
+        if env:
+            log.info("%s gets %s", plan.role, " ".join(f"{k}={v}" for k, v in env.items()))
+        with _environment(env):  # a spawned child starts with our environment
             engine.start()
         self.engines.append(engine)
         log.info("%s process %d started", plan.role, engine.pid)
@@ -165,6 +168,11 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
+            try:
+                self.mps = start_mps(self.settings.mps, self.plans, os.environ, self.folder)
+            except MpsError as error:
+                log.error("SERVE_MPS=on: %s", error)
+                return EXIT_START_FAILED
             for plan, address in zip(self.plans, self.addresses, strict=True):
                 self._start_engine(plan, address)
             for index in range(self.settings.frontends()):
@@ -172,6 +180,8 @@ class Supervisor:
             return self._watch()
         finally:
             self._stop_all()
+            if self.mps is not None:
+                self.mps.stop()
             self.sock.close()
             shutil.rmtree(self.folder, ignore_errors=True)
             signal.set_wakeup_fd(previous_fd)

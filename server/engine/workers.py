@@ -5,7 +5,8 @@ on the host and again on the GPU (one stream runs in order): under a mix of segm
 click load, the decoder's 5 ms batches took 38 to 41 ms (H100, docs/BENCHMARKS.md). With a
 thread and a stream per stage the GPU interleaves them; the decoder's and the classifier's
 streams have a higher priority than the encoder's, so their short kernels are scheduled
-first whenever the encoder's leave room.
+first whenever the encoder's leave room; the decoder's is the highest, since a click is what
+a user waits on and its batches are the shortest (a classify batch of 64 photos is not).
 
 What crosses between stages (an image's embedding, encoded on one stream and decoded on
 another) is handed over only once complete: every batch function waits for its own
@@ -29,7 +30,8 @@ __all__ = ["STAGES", "StageWorkers"]
 T = TypeVar("T")
 
 # every kind of GPU work the engine does, with its stream's priority (lower runs first)
-STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -1, "swin": -1, "everything": 0}
+# (PyTorch's streams take priorities 0 to -3 and clamp the rest)
+STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -2, "swin": -1, "everything": 0}
 
 
 def _bind(stream: torch.cuda.Stream | None) -> None:

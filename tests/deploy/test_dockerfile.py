@@ -173,6 +173,7 @@ def test_runtime_runs_the_server_unprivileged():
     assert "TORCHINDUCTOR_CACHE_DIR=/cache/inductor" in env
     assert "TRITON_CACHE_DIR=/cache/triton" in env
     assert "HOME=/tmp" in env, "a read-only root filesystem leaves only /tmp writable"
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env, "MPS's control program"
     entry = json.loads(dict(runtime)["ENTRYPOINT"]) + json.loads(dict(runtime)["CMD"])
     assert entry == ["python", "-m", "server", "--host", "0.0.0.0", "--port", "8000"]
     assert dict(runtime)["EXPOSE"] == "8000"

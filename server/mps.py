@@ -50,9 +50,12 @@ CONTROL_TIMEOUT_S = 30.0
 # the first client of a daemon starts its MPS server: a second or two on an H200
 PROBE_TIMEOUT_S = 60.0
 # A primary context on device 0, through the driver API: what an engine's first CUDA call
-# makes. Its exit code names the step that failed (805 is CUDA_ERROR_MPS_CONNECTION_FAILED).
+# makes (its exit code names the step that failed; 805 is CUDA_ERROR_MPS_CONNECTION_FAILED).
+# A client that cannot reach the daemon runs without MPS and says nothing, so while it
+# holds the context it asks the daemon (argv[1]) for its servers: none, and it was not
+# served through MPS.
 PROBE = r"""
-import ctypes, sys
+import ctypes, subprocess, sys
 try:
     cuda = ctypes.CDLL("libcuda.so.1")
 except OSError as error:
@@ -67,6 +70,10 @@ for step, call in (
     code = call()
     if code:
         sys.exit(f"{step} failed with CUDA error {code}")
+listed = subprocess.run([sys.argv[1]], input="get_server_list\n", capture_output=True,
+                        text=True, timeout=30)
+if not listed.stdout.split():
+    sys.exit("a context was made, but not through the MPS server (it lists no server)")
 """
 
 
@@ -168,7 +175,7 @@ def _start_daemon(
     first = next(p for p in plans if p.env.get("CUDA_VISIBLE_DEVICES") in gpus)
     try:
         checked = subprocess.run(
-            list(probe), env={**daemon_env, **first.env}, capture_output=True, text=True,
+            [*probe, path], env={**daemon_env, **first.env}, capture_output=True, text=True,
             timeout=PROBE_TIMEOUT_S, check=False,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError) as error:

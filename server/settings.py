@@ -229,6 +229,13 @@ class Settings(BaseSettings):
     # the encoder's speed and a tenth of the decoder's (issue 19, docs/BENCHMARKS.md).
     http_workers: int | None = Field(None, ge=1, le=64)
     """frontend (HTTP) processes (unset: the cores available minus one, 1 to 8)"""
+    # A proxy in front (ingress-nginx, a cloud load balancer) keeps idle connections to the
+    # pods for 60 s and reuses them; uvicorn closed them after 5 s, and a POST sent on one
+    # just as it closed came back as the proxy's 502 (seen through nginx in
+    # tests/deploy/test_affinity.py). The service must be the last to close an idle one.
+    keep_alive_s: int = Field(75, ge=1, le=3600)
+    """seconds an idle HTTP connection stays open (above the 60 s that ingress-nginx and
+    cloud load balancers keep idle upstream connections)"""
     # One engine process per GPU, each seeing only its GPU (CUDA_VISIBLE_DEVICES): a
     # process drives one device, and each keeps its own embedding cache, so the frontends
     # send every call about an image to the engine that image hashes to (its `image_id`).

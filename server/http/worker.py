@@ -106,8 +106,9 @@ def frontend_main(
     app = build_app(settings, Metrics(role), engine_address=engine_addresses, role=role)
     state = serve_state(app.state)
     config = uvicorn.Config(
-        app, log_config=None, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, backlog=2048
-    )
+        app, log_config=None, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, backlog=2048,
+        timeout_keep_alive=settings.keep_alive_s,
+    )  # fmt: skip
     server = DrainingServer(config, state)
     # After a second signal uvicorn restores the handler it found and raises the signal
     # again once it has shut down; with this no-op handler found, that ends in status 0.

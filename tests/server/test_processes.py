@@ -104,6 +104,23 @@ def test_a_click_through_one_frontend_finds_the_image_sent_through_another(servi
     assert seen == {"frontend-0", "frontend-1"}, seen
 
 
+def test_an_idle_connection_outlives_a_proxys_idle_pool(service):
+    """A proxy reuses its idle connection to a pod for up to 60 s (ingress-nginx): the
+    service must not close it first (uvicorn's own default, 5 s, did: a POST on it got the
+    proxy's 502). One connection, a request, 6 s idle, a request on the same socket."""
+    photo = (PHOTOS / "dog.jpg").read_bytes()
+    keep = httpx.Limits(keepalive_expiry=60)  # the client's own default drops it after 5 s
+    with httpx.Client(base_url=service.url, timeout=60, limits=keep) as c:
+        first = c.post("/v1/classify", files={"image": ("dog.jpg", photo, "image/jpeg")})
+        assert first.status_code == 200, first.text
+        time.sleep(6)
+        events: list[str] = []
+        second = c.post("/v1/classify", files={"image": ("dog.jpg", photo, "image/jpeg")},
+                        extensions={"trace": lambda name, info: events.append(name)})  # fmt: skip
+    assert second.status_code == 200, second.text
+    assert "connection.connect_tcp.started" not in events, "the idle connection was closed"
+
+
 def test_only_the_engine_process_loads_torch(service):
     """The supervisor once imported torch to name the engine's entry point: seconds of
     every start before the engine existed. Only the engine may map libtorch."""

@@ -29,29 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.path.insert(0, str(STUBS))
 
 
-# Modules of a minute or more, their fixtures included (`--durations`, CI's 2 cores): run
-# first. The README's line spreads modules over two workers (`-n 2 --dist loadscope`) in
-# collection order, and a long module handed out last kept one worker busy alone for
-# minutes at the end; longest first, the two finish together.
-SLOW_MODULES = (
-    "tests/server/test_soak.py",
-    "tests/server/test_aot_start.py",
-    "tests/models/test_sam2_synthesize.py",
-    "tests/models/test_synthesize.py",
-    "tests/models/test_aot.py",
-    "tests/server/test_synthetic_weights.py",
-    "tests/models/test_sam2_automatic.py",
-    "tests/models/test_swin_resize_kernel.py",
-    "tests/models/test_decoder_attention_kernel.py",
-    "tests/server/test_sam2_stages_compile.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {module: i for i, module in enumerate(SLOW_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
-
-
 @pytest.fixture
 def recompile_probe() -> Iterator[Callable[[], bool]]:
     """Call it: whether a never-seen shape made dynamo compile again, which tells the

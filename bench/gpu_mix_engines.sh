@@ -4,10 +4,12 @@
 # kernels at a time, so a click's few-ms decoder batch waits for the other engine's encoder
 # batch), while inside one process the decoder's stream priority lets its kernels in first.
 # One server per configuration, each with bench/gpu_openloop.sh's click @100 and mix:
-#   two  the README's defaults (two engines, time-sliced)
+#   two  two engines time-sliced (SERVE_MPS=off; the README's defaults before MPS)
 #   one  SERVE_ENGINES_PER_GPU=1 (one process: stream priorities apply to every kernel)
 #   mps  two engines as clients of an MPS server started here (kernels of both processes
-#        share the GPU's SMs at once); skipped when nvidia-cuda-mps-control is missing
+#        share the GPU's SMs at once); skipped when nvidia-cuda-mps-control is missing.
+#        The supervisor uses a daemon it finds set up (CUDA_MPS_PIPE_DIRECTORY); the
+#        README's defaults now start one of their own instead (SERVE_MPS=auto, server/mps.py)
 #
 #   [CONFIGS="two one mps"] [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_mix_engines.sh
 #
@@ -20,7 +22,7 @@ python3 -c "import torch; print('stream priorities', torch.cuda.Stream.priority_
 for config in ${CONFIGS:-two one mps}; do
   extra=""
   case $config in
-    two) ;;
+    two) extra="SERVE_MPS=off" ;;
     one) extra="SERVE_ENGINES_PER_GPU=1" ;;
     mps)
       command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: no nvidia-cuda-mps-control"; continue; }

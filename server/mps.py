@@ -119,7 +119,6 @@ def start_mps(
     environ: Mapping[str, str],
     folder: Path,
     *,
-    control: str = CONTROL,
     probe: Sequence[str] = (sys.executable, "-c", PROBE),
 ) -> MpsServer | None:
     """The MPS server the engines should use, started here when SERVE_MPS asks for one;
@@ -136,7 +135,7 @@ def start_mps(
     # SERVE_MPS=on with one engine per GPU: those GPUs, as asked
     gpus = shared or sorted({g for p in plans if (g := p.env.get("CUDA_VISIBLE_DEVICES"))})
     try:
-        return _start_daemon(plans, environ, folder, control, probe, gpus)
+        return _start_daemon(plans, environ, folder, probe, gpus)
     except MpsError as error:
         if mode == "on":
             raise
@@ -149,15 +148,14 @@ def _start_daemon(
     plans: Sequence[EnginePlan],
     environ: Mapping[str, str],
     folder: Path,
-    control: str,
     probe: Sequence[str],
     gpus: list[str],
 ) -> MpsServer:
     if not gpus:
         raise MpsError("no engine has a GPU")
-    path = shutil.which(control, path=environ.get("PATH"))
+    path = shutil.which(CONTROL, path=environ.get("PATH"))
     if path is None:
-        raise MpsError(f"{control} is not on the PATH")
+        raise MpsError(f"{CONTROL} is not on the PATH")
     pipes, logs = folder / "mps", folder / "mps-log"
     pipes.mkdir(exist_ok=True)
     logs.mkdir(exist_ok=True)
@@ -168,9 +166,9 @@ def _start_daemon(
     try:
         started = _control(path, daemon_env, args=("-d",))
     except (OSError, subprocess.SubprocessError) as error:
-        raise MpsError(f"{control} -d failed: {error}") from error
+        raise MpsError(f"{CONTROL} -d failed: {error}") from error
     if started.returncode != 0:
-        raise MpsError(f"{control} -d failed: {_said(started)}")
+        raise MpsError(f"{CONTROL} -d failed: {_said(started)}")
     server = MpsServer(env=env, owned=True, control=path, daemon_env=daemon_env)
     first = next(p for p in plans if p.env.get("CUDA_VISIBLE_DEVICES") in gpus)
     try:

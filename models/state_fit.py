@@ -7,7 +7,9 @@ a user is best served by one error that lists every kind of problem at once, not
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -23,30 +25,65 @@ SHOWN = 5  # keys quoted per kind of problem
 M = TypeVar("M", bound=nn.Module)
 
 
-def _keep(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return tensor
+class _Skipping(threading.local):
+    depth = 0
+
+
+_skipping = _Skipping()
+_install_lock = threading.Lock()
+_installed: dict[str, Callable[..., Tensor]] = {}
+_users = 0
+
+
+def _unless_unfilled(initialiser: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    @functools.wraps(initialiser)
+    def maybe(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if _skipping.depth:
+            return tensor
+        return initialiser(tensor, *args, **kwargs)
+
+    return maybe
 
 
 @contextmanager
 def unfilled() -> Iterator[None]:
-    """Modules built here get uninitialised memory: no initialiser runs.
+    """Modules built here, on this thread, get uninitialised memory: no initialiser runs.
 
     Every loader fills them next (a checkpoint, or seeded random weights), so the
     constructors' initialisers are work thrown away. On the CPU rather than the meta
     device: memory that is never written costs nothing, while computing on meta tensors
     (an initialiser's `normal_`, a buffer's index arithmetic) runs torch's Python
     references, which import torch._dynamo: 7 s on the H100 machine, a third of a warm
-    AOT start (issue 21). Construction happens on one thread at start-up; the initialisers
-    are restored on the way out.
+    AOT start (issue 21).
+
+    `torch.nn.init` is one module for the whole process, and engines build their models on
+    threads of their own (the in-process server's engine thread). So the initialisers are
+    replaced by ones that skip only on a thread inside this block, installed by the first
+    thread in and restored by the last one out. Swapping them in and out per thread, two
+    overlapping threads left the skipping ones installed for good (the second had saved
+    the first's as the originals), and every module built later in the process held
+    whatever memory it was given: a CI run's Swin test found the freed fp8 weights of an
+    earlier test in its new model, and NaNs in its calibration.
     """
-    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    global _users
+    with _install_lock:
+        if _users == 0:
+            for name in _INITIALISERS:
+                original = getattr(nn.init, name)
+                _installed[name] = original
+                setattr(nn.init, name, _unless_unfilled(original))
+        _users += 1
+    _skipping.depth += 1
     try:
-        for name in saved:
-            setattr(nn.init, name, _keep)
         yield
     finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
+        _skipping.depth -= 1
+        with _install_lock:
+            _users -= 1
+            if _users == 0:
+                for name, original in _installed.items():
+                    setattr(nn.init, name, original)
+                _installed.clear()
 
 
 def non_tensor_entries(state: dict[Any, Any]) -> list[str]:

@@ -93,8 +93,6 @@ def sam2_problems(settings: Settings) -> list[str]:
     """What the SAM 2 service does not do yet, refused before anything loads."""
     name = f"SERVE_SAM_MODEL={settings.sam_model!r}"
     problems = []
-    if settings.compile_mode == "aot":
-        problems.append(f"{name}: SAM 2 has no AOT packages; use SERVE_COMPILE_MODE=default")
     if settings.quantization != "none" or settings.sparsity != "none":
         problems.append(
             f"{name}: int8, fp8 and 2:4 make SAM 2's encoder slower and less faithful than "

@@ -10,13 +10,20 @@ from models.sam2.config import SAM2_CONFIGS, Sam2Config
 
 if TYPE_CHECKING:
     from models.sam2.checkpoint import Sam2CheckpointError, load_sam2
-    from models.sam2.model import Sam2, Sam2Features, Sam2Prediction, default_decoder_paths
+    from models.sam2.model import (
+        Sam2,
+        Sam2Encoder,
+        Sam2Features,
+        Sam2Prediction,
+        default_decoder_paths,
+    )
 
 __all__ = [
     "SAM2_CONFIGS",
     "Sam2",
     "Sam2CheckpointError",
     "Sam2Config",
+    "Sam2Encoder",
     "Sam2Features",
     "Sam2Prediction",
     "default_decoder_paths",
@@ -29,6 +36,7 @@ _LAZY = {
     "Sam2CheckpointError": "models.sam2.checkpoint",
     "load_sam2": "models.sam2.checkpoint",
     "Sam2": "models.sam2.model",
+    "Sam2Encoder": "models.sam2.model",
     "Sam2Features": "models.sam2.model",
     "Sam2Prediction": "models.sam2.model",
     "default_decoder_paths": "models.sam2.model",

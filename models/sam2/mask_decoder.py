@@ -6,7 +6,7 @@ What SAM 2 changes in SAM's decoder:
 - the IoU head ends in a sigmoid (scores are probabilities, not raw regressions);
 - the upscaling adds the backbone's stride-8 and stride-4 features after each transposed
   convolution; `conv_s1`/`conv_s0` project them to the upscaling widths. They are applied
-  once per image at encode time (`project_high_res`), not on every click;
+  once per image at encode time (`models.sam2.model.Sam2Encoder`), not on every click;
 - a single-mask answer whose logits are unstable under a +/-delta threshold shift is
   replaced by the multimask candidate with the best predicted IoU.
 The transformer is `models.sam`'s (identical layers), so padding masks work the same way.
@@ -61,11 +61,6 @@ class Sam2MaskDecoder(nn.Module):
         # the upscaling, skips and hypernetwork product as one Triton kernel
         # (models/sam2/upscale_kernel.py): off unless asked (`default_decoder_paths`)
         self.fused_upscale = False
-
-    def project_high_res(self, feat_s0: Tensor, feat_s1: Tensor) -> tuple[Tensor, Tensor]:
-        """Neck levels at strides 4 and 8 (`[B, D, 4h, 4w]`, `[B, D, 2h, 2w]`) -> the
-        upscaling's skip inputs `[B, D/8, 4h, 4w]`, `[B, D/4, 2h, 2w]` (once per image)."""
-        return self.conv_s0(feat_s0), self.conv_s1(feat_s1)
 
     def forward(
         self,

@@ -31,7 +31,7 @@ from models.sam2.image_encoder import ImageEncoder
 from models.sam2.mask_decoder import Sam2MaskDecoder, select_masks
 from models.triton_device import runs_triton
 
-__all__ = ["Sam2", "Sam2Features", "Sam2Prediction", "default_decoder_paths"]
+__all__ = ["Sam2", "Sam2Encoder", "Sam2Features", "Sam2Prediction", "default_decoder_paths"]
 
 
 def default_decoder_paths(device: torch.device) -> dict[str, bool]:
@@ -108,9 +108,11 @@ class Sam2(nn.Module):
         size = self.config.image_size
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, size, size):
             raise ValueError(f"encode expects [B, 3, {size}, {size}], got {tuple(images.shape)}")
-        fpn = self.image_encoder(images.to(self.dtype)).features  # strides 4, 8, 16
-        s0, s1 = self.sam_mask_decoder.project_high_res(fpn[0], fpn[1])
-        embed = fpn[-1] + self.no_mem_embed.reshape(1, -1, 1, 1)
+        decoder = self.sam_mask_decoder
+        embed, s0, s1 = _encode(
+            self.image_encoder, decoder.conv_s0, decoder.conv_s1, self.no_mem_embed,
+            images.to(self.dtype),
+        )  # fmt: skip
         return Sam2Features(image_embed=embed, high_res=(s0, s1))
 
     def decode(
@@ -229,3 +231,37 @@ class Sam2(nn.Module):
         xy = torch.cat([xy, xy.new_zeros(xy.shape[0], 1, 2)], dim=1)
         lab = torch.cat([lab, lab.new_full((lab.shape[0], 1), LABEL_NOT_A_POINT)], dim=1)
         return self.sam_prompt_encoder.embed_tokens(xy, lab)
+
+
+class Sam2Encoder(nn.Module):
+    """`Sam2.encode` as a module of tensors: `[B, 3, S, S]` -> the embedding
+    `[B, D, h, w]`, s0 `[B, D/8, 4h, 4w]` and s1 `[B, D/4, 2h, 2w]`.
+
+    Why: torch.export and an AOT package (`SERVE_COMPILE_MODE=aot`, `models.aot`) take a
+    module with tensors out, and this one holds only what encoding reads (Hiera and its
+    neck, the decoder's two high-res projections, `no_mem_embed`): a package carries none
+    of the decoder's weights, and its key's weights hash is the encoder's. The submodules
+    are the model's own, not copies; `Sam2.encode` computes the same `_encode`.
+    """
+
+    def __init__(self, model: Sam2) -> None:
+        super().__init__()
+        self.image_encoder = model.image_encoder
+        self.conv_s0 = model.sam_mask_decoder.conv_s0
+        self.conv_s1 = model.sam_mask_decoder.conv_s1
+        self.no_mem_embed = model.no_mem_embed
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return _encode(self.image_encoder, self.conv_s0, self.conv_s1, self.no_mem_embed, images)
+
+
+def _encode(
+    image_encoder: nn.Module, conv_s0: nn.Module, conv_s1: nn.Module, no_mem_embed: Tensor,
+    images: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The embedding, s0 and s1 (`Sam2Encoder`): the stride-16 level plus `no_mem_embed`,
+    and the stride-4 and stride-8 levels projected to the decoder's upscaling widths, once
+    per image rather than on every click."""
+    fpn = image_encoder(images).features  # strides 4, 8, 16
+    embed = fpn[-1] + no_mem_embed.reshape(1, -1, 1, 1)
+    return embed, conv_s0(fpn[0]), conv_s1(fpn[1])

@@ -33,13 +33,14 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.aot import AotStore
 from models.images import as_pixel_tensor, nested_pixels
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn
 from models.sam import PromptSet, pack_prompts
 from models.sam.decoder_graphs import DecoderGraphs
 from models.sam.prompts import PromptBatch
 from models.sam.transformer import decoder_attention
-from models.sam2 import Sam2, Sam2Features
+from models.sam2 import Sam2, Sam2Encoder, Sam2Features
 from models.sam2 import transforms as sam2_tf
 from models.sam2.automatic import PointDecoder, compiled_call, point_decoder
 from models.sam2.mask_decoder import select_masks
@@ -53,6 +54,7 @@ from server.engine.stages import (
     SamStages,
     bucket_for,
     pad_batch,
+    stage_fn,
 )
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class Sam2Stages(SamStages):
         work_bytes: int = 256 * 1024**2,
         decoder_graphs: bool = True,
         fused_runs: bool = True,
+        aot: AotStore | None = None,
     ) -> None:
         self.sam2 = model
         self.sam2_config = model.config
@@ -88,22 +91,26 @@ class Sam2Stages(SamStages):
         self.dtype = options.dtype
         self.encoder_buckets = list(encoder_buckets)
         self.decoder_buckets = list(decoder_buckets)
-        if options.compile_mode == "aot":  # settings_cli refuses it first; a clear stop here
-            raise ValueError("SAM 2 has no AOT packages: use SERVE_COMPILE_MODE=default or none")
-        # One compiled graph for every bucket (dynamic batch), one CUDA graph per bucket;
-        # the outputs of a graph replay are overwritten by the next: `encode` copies them.
+        # One compiled graph for every bucket (dynamic batch), or one AOT package (dynamic
+        # batch too) of `Sam2Encoder`; one CUDA graph per bucket. The outputs of a graph
+        # replay are overwritten by the next: `encode` copies them.
         self._encode = GraphedBuckets(
-            compile_fn(self._encode_tensors, options.compile_mode, dynamic=True),  # type: ignore[arg-type]
+            stage_fn(self._encode_tensors, Sam2Encoder(model), options, aot, "sam2_encoder"),  # type: ignore[arg-type]
             enabled=options.cuda_graphs,
         )
         self.encoder_compiled = options.compile_mode != "none"
-        self.compiled = options.compile_mode != "none"  # the decoder
+        # As SamStages: with AOT packages the decoder is eager (prompt sets vary in number
+        # and length; no one static package fits), replayed from CUDA graphs on a GPU, and
+        # so is segment everything's decoder call: torch.compile would bring back the
+        # minutes of compiling that packages are for.
+        decoder_mode = "none" if options.compile_mode == "aot" else options.compile_mode
+        self.compiled = decoder_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None
-        self._decode_sets = compile_fn(self._decode_tensors, options.compile_mode, dynamic=True)
-        # as SamStages: graphs of the compiled decoder on CUDA (SamStages.warm_decoder
-        # captures them); larger batches and other devices run the compiled decoder
+        self._decode_sets = compile_fn(self._decode_tensors, decoder_mode, dynamic=True)
+        # graphs of the decoder on CUDA (SamStages.warm_decoder captures them); larger
+        # batches and other devices run the decoder function itself
         self._graphs: DecoderGraphs | None = None
-        if decoder_graphs and options.cuda_graphs and self.compiled and device.type == "cuda":
+        if decoder_graphs and options.cuda_graphs and device.type == "cuda":
             self._graphs = self.decoder_graphs()
         # segment everything's decoder call, compiled once and shared by every request's
         # generator: on hiera-large its 16 calls per photo took 303 ms eager and 227 compiled

@@ -24,7 +24,7 @@ from models.aot import AotStore, PackageKey, device_name, weights_hash
 from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
-from models.sam2 import SAM2_CONFIGS, default_decoder_paths, load_sam2
+from models.sam2 import SAM2_CONFIGS, Sam2Encoder, default_decoder_paths, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, load_swin
 from models.triton_device import runs_triton
@@ -202,9 +202,12 @@ class Engine:
                 steps.append((f"{decoder_doing} the SAM decoder, {b} prompts",
                               partial(self._warm, "sam_decoder", b)))  # fmt: skip
             if s.sam_model in SAM2_CONFIGS and mode != "none":
+                # with AOT packages that decoder call stays eager: its Triton kernels only
                 points = Sam2AutomaticMaskSettings().points_per_batch
-                steps.append((f"compiling SAM 2's segment-everything decoder, {points} points",
-                              partial(self._warm, "sam2_everything", points)))  # fmt: skip
+                what = f"compiling SAM 2's segment-everything decoder, {points} points"
+                if mode == "aot":
+                    what = "warming SAM 2's segment-everything kernels"
+                steps.append((what, partial(self._warm, "sam2_everything", points)))
         if s.enable_swin:
             for b in warmed(s.buckets_up_to(s.classify_max_batch_size)):
                 steps.append((f"{doing} Swin, batch {b}", partial(self._warm, "swin", b)))
@@ -333,7 +336,7 @@ class Engine:
             model, self.device, opts, encoder_buckets,
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
             work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
-            fused_runs=self.rle_from_low_res,
+            fused_runs=self.rle_from_low_res, aot=self._aot_store(s.sam_model, Sam2Encoder(model)),
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(

@@ -113,7 +113,7 @@ class TopK:
     indices: list[int]
 
 
-def _stage_fn(
+def stage_fn(
     fn: Callable[[torch.Tensor], torch.Tensor],
     module: torch.nn.Module,
     options: OptimizeOptions,
@@ -180,7 +180,7 @@ class SamStages:
         # One compiled graph for every bucket (dynamic batch), or one AOT package per bucket;
         # one CUDA graph per bucket.
         self._encode = GraphedBuckets(
-            _stage_fn(model.encode, model.image_encoder, options, aot, "sam_encoder"),
+            stage_fn(model.encode, model.image_encoder, options, aot, "sam_encoder"),
             enabled=options.cuda_graphs,
         )
         self.encoder_compiled = options.compile_mode != "none"
@@ -592,7 +592,7 @@ class SwinStage:
         self.buckets = list(buckets)
         self.compiled = options.compile_mode != "none"
         self._forward = GraphedBuckets(
-            _stage_fn(model, model, options, aot, "swin"), enabled=options.cuda_graphs
+            stage_fn(model, model, options, aot, "swin"), enabled=options.cuda_graphs
         )
         # Pre-processing: image by image, a dozen torch calls each, made holding the GIL
         # that the engine's event loop needs too; on CUDA, two launches for a whole batch

@@ -25,7 +25,7 @@ class Image:
     anyway, `server.imaging.decode_image`'s `min_size`); width and height are always
     the image's own, which prompts, masks and responses are in."""
 
-    image_id: str  # SHA-256 of the file bytes
+    image_id: str  # SHA-256 of the file bytes; "" for a classification (no cache keys it)
     pixels: Any  # uint8 [H, W, 3]: np.ndarray in a frontend, torch.Tensor in the engine
     width: int
     height: int

@@ -100,9 +100,9 @@ class Sam2Stages(SamStages):
         )
         self.encoder_compiled = options.compile_mode != "none"
         # As SamStages: with AOT packages the decoder is eager (prompt sets vary in number
-        # and length; no one static package fits), replayed from CUDA graphs on a GPU, and
-        # so is segment everything's decoder call: torch.compile would bring back the
-        # minutes of compiling that packages are for.
+        # and length; no one static package fits), replayed from CUDA graphs on a GPU.
+        # Segment everything's decoder call is eager too, and not graphed: compiling
+        # either would bring back the minutes that packages are for.
         decoder_mode = "none" if options.compile_mode == "aot" else options.compile_mode
         self.compiled = decoder_mode != "none"  # the decoder
         self._warm_entry: ImageEmbedding | None = None

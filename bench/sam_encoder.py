@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -32,6 +33,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
+from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
 from models.sam import SAM_CONFIGS, PromptSet, Sam, load_sam, pack_prompts
@@ -41,7 +43,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune)[-sdpa|-flex|-triton][-win]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
@@ -50,7 +52,12 @@ def _variant(name: str) -> OptimizeOptions:
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
-    mode = {"eager": "none", "compile": "default", "autotune": "max-autotune-no-cudagraphs"}
+    mode = {
+        "eager": "none",
+        "compile": "default",
+        "autotune": "max-autotune-no-cudagraphs",
+        "aot": "aot",  # an AOTInductor package built here (models.aot), as the service's
+    }
     compile_mode = next(mode[p] for p in parts if p in mode)
     return OptimizeOptions(
         precision=parts[0],  # type: ignore[arg-type]
@@ -92,6 +99,8 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-fp8-lnq-hop-compile-triton-win",
         "bf16-int8-torchao-compile-triton-win",
         "bf16-fp8-torchao-compile-triton-win",
+        "bf16-gelu-aot-sdpa",  # SERVE_COMPILE_MODE=aot's default
+        "bf16-gelu-aot-triton-win",  # ... with SERVE_ATTENTION=triton: the kernel packaged
     ]
 }
 
@@ -159,9 +168,15 @@ def run_variant(
     opts = VARIANTS[name]
     model = copy.deepcopy(base).to(dtype=opts.dtype)
     prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
-    fn = GraphedBuckets(
-        compile_fn(model.encode, opts.compile_mode, dynamic=not static), enabled=opts.cuda_graphs
-    )
+    if opts.compile_mode == "aot":
+        # one package with a dynamic batch, built into a fresh folder (its build time is
+        # the first batch size's prepare_s), as `python -m server compile` builds it
+        folder = Path(tempfile.mkdtemp(prefix="bench-aot-"))
+        key = PackageKey(f"bench_{name}", weights_hash(model.image_encoder), opts.variant, DEVICE)
+        encode: Any = AotBuckets(model.image_encoder, AotStore(folder, key), "sam_encoder")
+    else:
+        encode = compile_fn(model.encode, opts.compile_mode, dynamic=not static)
+    fn = GraphedBuckets(encode, enabled=opts.cuda_graphs)
     batch, sizes, prompts = fid
     rows = []
     first_compile_s = None
@@ -171,6 +186,8 @@ def run_variant(
             x = torch.randn(bs, 3, side, side, device=DEVICE, dtype=opts.dtype)
             reset_peak()  # the peak includes what capture allocates (the graph's pool)
             started = time.perf_counter()
+            if isinstance(encode, AotBuckets):
+                encode.prepare(x)  # load or build the package first, as the service does
             fn.capture(x)
             if DEVICE == "cuda":
                 torch.cuda.synchronize()

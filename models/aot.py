@@ -14,8 +14,9 @@ One package serves every batch size of a stage: it is exported with a dynamic ba
 dimension (up to `MAX_BATCH`), so a start loads one file per model however many buckets
 it warms, and a cold start builds one (each build ran C++ and Triton compilers for about
 100 s on an H100 machine). Limits: the other dimensions are static, buckets not prepared
-run eagerly, and a Python custom op (our Triton attention, `models.sam.fused_attention`)
-cannot be called from the packaged C++; such a model must use SDPA when packaged.
+run eagerly, and a Python custom op cannot be called from the packaged C++: our Triton
+attention (`models.sam.fused_attention`) is exported through a traceable twin instead, so
+the package carries the kernel (SAM's encoder with `SERVE_ATTENTION=triton`).
 """
 
 from __future__ import annotations
@@ -238,12 +239,8 @@ class AotStore:
 
     def _build(self, package: Path, module: nn.Module, example: Tensor) -> Callable[..., Tensor]:
         package.parent.mkdir(parents=True, exist_ok=True)
-        # exported from a batch of two: an example of one would be specialised to one
         preimported()  # export imports torch._dynamo too
-        two = example[:1].expand(2, *example.shape[1:]).contiguous()
-        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        with torch.no_grad():
-            exported = torch.export.export(module, (two,), dynamic_shapes=({0: batch},))
+        exported = export_batched(module, example)
         # written aside and renamed: a process killed mid-build, or two replicas building
         # at once, never leave a half-written package under the real name
         partial = package.with_name(f".{package.name}.{os.getpid()}.tmp.pt2")
@@ -265,6 +262,20 @@ class AotStore:
         partial_manifest.write_text(json.dumps(asdict(self.key), indent=1))
         os.replace(partial_manifest, manifest)
         return load_package(package)
+
+
+def export_batched(module: nn.Module, example: Tensor) -> torch.export.ExportedProgram:
+    """`module` traced by torch.export with a dynamic batch (1 to `MAX_BATCH`), as a
+    package is built from it.
+
+    Exported from a batch of two: an example of one would be specialised to one. Model code
+    that asks `torch.compiler.is_exporting()` takes its traceable path here (SAM's attention
+    kernel, `models.sam.fused_attention.rel_pos_flash`).
+    """
+    two = example[:1].expand(2, *example.shape[1:]).contiguous()
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with torch.no_grad():
+        return torch.export.export(module, (two,), dynamic_shapes=({0: batch},))
 
 
 class AotBuckets:

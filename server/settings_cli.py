@@ -112,10 +112,10 @@ def model_problems(settings: Settings) -> list[str]:
         problems.append(f"SERVE_SAM_MODEL={settings.sam_model!r}: one of {sam_model_names()}")
     if settings.enable_swin and settings.swin_model not in SWIN_CONFIGS:
         problems.append(f"SERVE_SWIN_MODEL={settings.swin_model!r}: one of {list(SWIN_CONFIGS)}")
-    if settings.compile_mode == "aot" and settings.attention in ("triton", "flex"):
+    if settings.compile_mode == "aot" and settings.attention == "flex":
         problems.append(
-            f"SERVE_ATTENTION={settings.attention!r}: an AOT package (SERVE_COMPILE_MODE=aot) "
-            "cannot call it; use sdpa or auto"
+            "SERVE_ATTENTION='flex': AOT packages (SERVE_COMPILE_MODE=aot) are not built with "
+            "it; use auto, sdpa or triton"
         )
     for name in ("sam_checkpoint", "swin_checkpoint", "fidelity_images"):
         path = getattr(settings, name)

@@ -93,13 +93,13 @@ def rel_pos_attention(
     """softmax(q k^T / sqrt(C) + bias) v for `[B, heads, h*w, C]` q, k, v on an h x w grid."""
     h, w = grid
     if impl == "triton":
-        from models.sam.fused_attention import fused_rel_pos_attention
+        from models.sam.fused_attention import rel_pos_flash
 
         _check_tables(rel_pos_h, rel_pos_w, h, w)
         B, heads, N, C = q.shape
         # the op's layout, [B, N, 3, heads, C] (one copy the encoder's qkv projection spares)
         qkv = torch.stack((q, k, v), dim=2).permute(0, 3, 2, 1, 4)
-        out = fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)  # [B, N, heads * C]
+        out = rel_pos_flash(qkv, rel_pos_h, rel_pos_w)  # [B, N, heads * C]
         return out.view(B, N, heads, C).transpose(1, 2)
     rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, h, w)
     if impl == "sdpa":
@@ -113,10 +113,10 @@ def fused_qkv_attention(
     """The Triton kernel straight on the qkv projection: `[B, N, 3, heads, C]` ->
     `[B, N, heads * C]`, ready for the output projection (no permute or copy either side;
     the kernel computes the rel-pos terms from the tables itself)."""
-    from models.sam.fused_attention import fused_rel_pos_attention
+    from models.sam.fused_attention import rel_pos_flash
 
     _check_tables(rel_pos_h, rel_pos_w, *grid)
-    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
+    return rel_pos_flash(qkv, rel_pos_h, rel_pos_w)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

@@ -34,10 +34,13 @@ from models.triton_device import triton_installed as triton_available
 __all__ = [
     "MAX_GRID_W",
     "KernelConfig",
+    "exported_ops",
     "fused_rel_pos_attention",
     "fused_supported",
     "fused_window_attention",
+    "rel_pos_flash",
     "triton_available",
+    "window_flash",
 ]
 
 
@@ -220,6 +223,7 @@ def launch(
     *,
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
+    traced: bool = False,
 ) -> Tensor:
     """Run the kernel: q, k, v `[B, heads, N, C]` (any strides with a contiguous last dim),
     the encoder's rel-pos tables rel_pos_h `[2h-1, C]` and rel_pos_w `[2w-1, C]` ->
@@ -233,7 +237,8 @@ def launch(
 
     The bare launch under the ops below, which is how model code reaches the kernel (an
     opaque op is what torch.compile and CUDA graphs need). Not exported: called directly
-    only by the kernel's test and bench/sam_encoder.py, to sweep `KernelConfig`.
+    only by the kernel's test and bench/sam_encoder.py, to sweep `KernelConfig`. `traced`
+    launches through `torch.library.wrap_triton`, as the export ops below must.
     """
     import triton
 
@@ -262,7 +267,8 @@ def launch(
     rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
     q_blocks = triton.cdiv(n_ctx, block_m)
     launch_grid = (windows * q_blocks, B * heads)
-    _kernel()[launch_grid](
+    kernel = torch.library.wrap_triton(_kernel()) if traced else _kernel()
+    kernel[launch_grid](
         q, k, v, rel_pos_h, rel_pos_w, scratch, out, bias_k, bias_v,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -300,15 +306,16 @@ def _on_qkv(
     rel_pos_w: Tensor,
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
+    traced: bool = False,
 ) -> Tensor:
-    """Both ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
+    """The ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
     written token-major as `[B, N, heads * C]`, ready for the output projection."""
     out = _output(qkv)
     B, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
     launch(
         q, k, v, rel_pos_h, rel_pos_w, out=out.view(B, N, heads, C).transpose(1, 2),
-        image=image, qkv_bias=qkv_bias,
+        image=image, qkv_bias=qkv_bias, traced=traced,
     )  # fmt: skip
     return out
 
@@ -354,3 +361,52 @@ def _(
     width: int,
 ) -> Tensor:
     return _output(qkv)
+
+
+# The same two ops for torch.export (AOT packages, `models.aot`): a Python custom op cannot
+# be called from a package's C++, but a `triton_op`'s body is traced, so the package
+# carries the kernel itself, compiled with the rest of the encoder. The compiled
+# (`torch.compile`) path keeps the opaque ops above, which it was measured with.
+
+
+@functools.cache
+def exported_ops() -> tuple[Any, Any]:
+    """The traceable twins of `fused_rel_pos_attention` and `fused_window_attention`,
+    registered at the first call: defining a `triton_op` imports inductor (about a second),
+    which a process that never exports should not pay. Call it before loading a saved
+    program that uses them; a built package does not need them."""
+
+    @torch.library.triton_op("sam_serve::rel_pos_flash_exported", mutates_args=())
+    def rel_pos(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, traced=True)
+
+    @torch.library.triton_op("sam_serve::rel_pos_flash_windows_exported", mutates_args=())
+    def windows(
+        qkv: Tensor,
+        rel_pos_h: Tensor,
+        rel_pos_w: Tensor,
+        qkv_bias: Tensor | None,
+        height: int,
+        width: int,
+    ) -> Tensor:
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias, traced=True)
+
+    return rel_pos, windows
+
+
+def rel_pos_flash(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+    """`fused_rel_pos_attention`, or while torch.export traces (an AOT package) its
+    traceable twin: what model code calls."""
+    if torch.compiler.is_exporting():
+        return exported_ops()[0](qkv, rel_pos_h, rel_pos_w)
+    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
+
+
+def window_flash(
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, qkv_bias: Tensor | None, height: int,
+    width: int,
+) -> Tensor:  # fmt: skip
+    """`fused_window_attention`, or its traceable twin while torch.export traces."""
+    if torch.compiler.is_exporting():
+        return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)
+    return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)

@@ -81,13 +81,13 @@ class Attention(nn.Module):
         windows (the Triton kernel; `forward` on `window_partition`'s windows is the same
         function): qkv and the output projection run on the grid's tokens only, and the
         kernel reads each window where it lies."""
-        from models.sam.fused_attention import fused_window_attention
+        from models.sam.fused_attention import window_flash
 
         B, H, W = x.shape[:3]
         D = self.proj.out_features
         qkv = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1)
         bias = getattr(self.qkv, "bias", None)
-        out = fused_window_attention(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W)
+        out = window_flash(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W)
         return self.proj(out.reshape(B, H, W, D))
 
 

@@ -40,7 +40,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
         # an H100 with torch 2.11; our Triton kernel avoids it without that cost
         # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
-        # AOT packages cannot call our kernel (a Python custom op): SDPA there.
+        # AOT packages: SDPA, what they were measured with on the GPU; SERVE_ATTENTION=triton
+        # builds them with the kernel inside (its traceable twin, models.sam.fused_attention),
+        # not yet measured there.
         aot = compile_mode == "aot"
         attention = "triton" if cuda and triton_available() and not aot else "sdpa"
     precision = settings.precision

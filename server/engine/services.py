@@ -308,7 +308,9 @@ class Engine:
         stages = SamStages(
             model, config, self.device, opts, encoder_buckets, decoder_buckets,
             self.rle_on_device, work_bytes=s.everything_work_bytes,
-            aot=self._aot_store(f"sam_{s.sam_model}", model.image_encoder),
+            aot=self._aot_store(
+                f"sam_{s.sam_model}", model.image_encoder, attention=opts.attention
+            ),
             decoder_graphs=s.decoder_graphs, fused_runs=self.rle_from_low_res,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
@@ -411,12 +413,16 @@ class Engine:
         )
         return SwinParts(stage, info, batcher)
 
-    def _aot_store(self, name: str, module: torch.nn.Module) -> AotStore | None:
-        """Where this model's AOT packages live, keyed by its weights and variant here."""
+    def _aot_store(
+        self, name: str, module: torch.nn.Module, attention: str = "sdpa"
+    ) -> AotStore | None:
+        """Where this model's AOT packages live, keyed by its weights and variant here, and
+        by SAM's attention where it is not SDPA (another kernel inside the package)."""
         folder = self.settings.compile_cache_dir
         if self.options.compile_mode != "aot" or folder is None:
             return None
-        key = PackageKey(name, weights_hash(module), self.options.variant, device_name(self.device))
+        variant = self.options.variant + ("" if attention == "sdpa" else f"+{attention}_attention")
+        key = PackageKey(name, weights_hash(module), variant, device_name(self.device))
         return AotStore(folder / "aot", key)
 
     async def warmup(self, progress: StartupProgress | None = None) -> float:

@@ -17,9 +17,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(script: str, cases: list[Any], timeout: float = 240) -> list[Any]:
-    """`python -c script <cases as JSON>` under the interpreter; one result per case."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+def run_interpreted(
+    script: str, cases: list[Any], timeout: float = 240, interpret: bool = True
+) -> list[Any]:
+    """`python -c script <cases as JSON>` under the interpreter; one result per case.
+
+    `interpret=False` runs it with Triton as it is (no kernel can run here then): for steps
+    that only trace a kernel's launch, such as torch.export, which the interpreter's kernels
+    cannot go through."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(cases)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,

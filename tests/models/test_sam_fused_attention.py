@@ -147,3 +147,74 @@ def test_windows_are_read_in_place_only_for_float_qkv_on_the_kernel(tiny_sam) ->
     int8 = OptimizeOptions(attention="triton", window_attention="triton", quantization="int8")
     assert in_place(int8, cuda) == [False] * windowed
     assert in_place(triton_opts, torch.device("cpu")) == [False] * windowed
+
+
+# SAM's vit_tiny encoder with the kernel in both kinds of block: block 0 windowed (6x6
+# windows over the 16x16 grid, read in place), block 1 global
+ENCODER = r"""
+import torch
+from models.sam import SAM_CONFIGS, load_sam
+
+def encoder(impl):
+    enc = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).image_encoder.eval()
+    for block in enc.blocks:
+        block.attn.impl = impl
+        block.windows_in_place = impl == "triton" and block.window > 0
+    return enc
+"""
+
+EXPORT_SCRIPT = (
+    ENCODER
+    + r"""
+import json, sys
+from models.aot import export_batched
+
+path = json.loads(sys.argv[1])[0]
+exported = export_batched(encoder("triton"), torch.zeros(1, 3, 256, 256))
+torch.export.save(exported, path)
+calls = sorted({str(n.target) for n in exported.graph.nodes if n.op == "call_function"})
+print(json.dumps([calls]))
+"""
+)
+
+RUN_EXPORTED_SCRIPT = (
+    ENCODER
+    + r"""
+import json, sys
+from models.sam.fused_attention import exported_ops
+
+exported_ops()  # the ops the saved program calls
+
+path = json.loads(sys.argv[1])[0]
+module = torch.export.load(path).module()
+torch.manual_seed(1)
+x = torch.randn(3, 3, 256, 256)
+errors = {}
+with torch.inference_mode():
+    eager = encoder("triton")(x)  # the opaque ops, as torch.compile serves them
+    reference = encoder("sdpa")(x)  # dense bias, partitioned windows: Meta's way
+    for batch in (1, 3):  # the exported batch is dynamic
+        got = module(x[:batch])
+        errors[f"eager_{batch}"] = float((got - eager[:batch]).norm() / eager[:batch].norm())
+        errors[f"sdpa_{batch}"] = float((got - reference[:batch]).norm() / reference.norm())
+print(json.dumps([errors]))
+"""
+)
+
+
+def test_the_exported_encoder_carries_the_kernel_and_gives_its_outputs(tmp_path) -> None:
+    """An AOT package is built from `models.aot.export_batched`'s program: SAM's encoder
+    with the kernel must trace to the kernel's traceable ops (which a package compiles in)
+    and to no SDPA, with a dynamic batch, and that program must compute what the served
+    ops compute. The export runs with Triton as it is (the interpreter's kernels cannot be
+    traced); the program then runs in the interpreter. The package's build is the GPU's
+    (bench/gpu_aot_attention.sh)."""
+    path = str(tmp_path / "encoder.pt2")
+    [calls] = run_interpreted(EXPORT_SCRIPT, [path], interpret=False)
+    assert "sam_serve.rel_pos_flash_exported.default" in calls, calls
+    assert "sam_serve.rel_pos_flash_windows_exported.default" in calls, calls
+    assert not [c for c in calls if "scaled_dot_product" in c or "rel_pos_flash." in c], calls
+    [errors] = run_interpreted(RUN_EXPORTED_SCRIPT, [path])
+    for batch in (1, 3):
+        assert errors[f"eager_{batch}"] < 1e-6, errors  # the same kernel, the same sums
+        assert errors[f"sdpa_{batch}"] < 1e-4, errors  # fp32: summation order only

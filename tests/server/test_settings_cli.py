@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from server.settings import CPU_DEFAULTS, Settings
-from server.settings_cli import default_text, env_name
+from server.settings_cli import default_text, env_name, model_problems
 
 from .conftest import ROOT
 
@@ -51,6 +51,8 @@ def test_help_lists_every_setting_with_its_default_and_meaning():
         ({"SERVE_SAM_MODEL": "vit_q"}, ["SERVE_SAM_MODEL", "vit_b"]),
         ({"SERVE_SAM_CHECKPOINT": "/nowhere/sam.pth"}, ["SERVE_SAM_CHECKPOINT", "no such"]),
         ({"SERVE_FIDELITY_CHECK": "true"}, ["SERVE_FIDELITY_IMAGES"]),
+        ({"SERVE_COMPILE_MODE": "aot", "SERVE_COMPILE_CACHE_DIR": "/tmp",
+          "SERVE_ATTENTION": "flex"}, ["SERVE_ATTENTION", "AOT"]),
     ],
 )  # fmt: skip
 def test_a_bad_setting_stops_start_up_with_one_line(env, names):
@@ -115,3 +117,13 @@ def test_the_cpu_defaults_apply_only_where_nothing_was_given():
 def test_an_environment_value_wins_over_the_cpu_default(monkeypatch):
     monkeypatch.setenv("SERVE_MAX_BATCH_SIZE", "4")
     assert Settings().for_device("cpu").max_batch_size == 4
+
+
+def test_aot_packages_take_the_triton_kernel_or_sdpa(tmp_path):
+    """The kernel has a traceable twin a package compiles in (models.sam.fused_attention);
+    FlexAttention was never built into one."""
+    for attention in ("auto", "sdpa", "triton"):
+        settings = Settings(  # type: ignore[call-arg]
+            compile_mode="aot", compile_cache_dir=tmp_path, attention=attention
+        )
+        assert not [p for p in model_problems(settings) if "ATTENTION" in p], attention

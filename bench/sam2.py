@@ -330,7 +330,28 @@ PARTS = ("encoder", "click", "everything")
 PIPELINES = (
     *("fp32", "bf16", "fp32 compiled", "bf16 compiled", "tf32 compiled", "fp16 compiled"),
     "tf32 encoder fp16 decoder compiled",
+    "tf32 bf16 transformer compiled",
 )
+
+
+class Bf16Transformer(torch.nn.Module):
+    """A mask decoder's two-way transformer in bf16 inside a TF32 decoder: its inputs cast
+    down and its outputs up, so the upscaling and the hypernetwork product, which make the
+    logits near the threshold, stay in TF32. Why: bf16 throughout took 82.6 ms a photo at
+    mIoU 0.86 and TF32 118.6 at 0.994 (docs/BENCHMARKS.md, issue 24); which part loses the
+    fidelity is what this pipeline measures."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = transformer.to(torch.bfloat16)
+
+    def forward(
+        self, image: torch.Tensor, image_pe: torch.Tensor, tokens: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        low = torch.bfloat16
+        hs, keys = self.inner(image.to(low), image_pe.to(low), tokens.to(low), valid)
+        return hs.float(), keys.float()
 
 
 def everything_pipelines(
@@ -339,8 +360,9 @@ def everything_pipelines(
     """Ours, by name (`PIPELINES`): eager fp32, bf16 with the compiled encoder (the
     service's), and with `--compile` the grid's decoder call compiled too (`point_decoder`)
     in fp32, bf16, fp32 with TF32 matmuls (its own copy of the weights, so its compiled code
-    is its own), fp16, and the encoder in fp32 with TF32 beside an fp16 copy of the decoder
-    (the features cast on the way). Each is built when its turn comes."""
+    is its own), fp16, the encoder in fp32 with TF32 beside an fp16 copy of the decoder
+    (the features cast on the way), and TF32 with the decoder's transformer alone in bf16
+    (`Bf16Transformer`). Each is built when its turn comes."""
 
     @functools.cache  # once per model: its rows share the compiled encoder
     def compiled_encoder(model: Sam2) -> Sam2:
@@ -371,6 +393,12 @@ def everything_pipelines(
 
         return compiled_encoder(copy(torch.float32)), decode
 
+    def bf16_transformer() -> Sam2:
+        model = copy(torch.float32)
+        decoder = model.sam_mask_decoder
+        decoder.transformer = Bf16Transformer(decoder.transformer)  # type: ignore[assignment]
+        return model
+
     pipelines: dict[str, Callable[[], tuple[Sam2, Any]]] = {
         "fp32": lambda: (fp32, None),
         "bf16": lambda: (compiled_encoder(bf16), None),
@@ -381,6 +409,7 @@ def everything_pipelines(
         pipelines["tf32 compiled"] = lambda: compiled(copy(torch.float32))
         pipelines["fp16 compiled"] = lambda: compiled(copy(torch.float16))
         pipelines["tf32 encoder fp16 decoder compiled"] = lambda: mixed(torch.float16)
+        pipelines["tf32 bf16 transformer compiled"] = lambda: compiled(bf16_transformer())
     return {name: pipelines[name] for name in args.everything_pipelines if name in pipelines}
 
 

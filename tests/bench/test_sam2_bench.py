@@ -54,3 +54,38 @@ def test_parts_and_pipelines_choose_what_runs(small_jpeg_dir: Path) -> None:
     rows = {row["pipeline"]: row for row in payload["everything"]}
     assert set(rows) == {"meta fp32", "ours fp32"}
     assert rows["ours fp32"]["miou_vs_meta_fp32"] >= 0.98
+
+
+def test_the_bf16_transformer_pipeline_keeps_the_rest_of_the_decoder_in_fp32() -> None:
+    """`Bf16Transformer` (the "tf32 bf16 transformer compiled" pipeline): the decoder's
+    transformer computes in bf16 and hands fp32 back, so its masks are the fp32 decoder's
+    up to bf16 rounding in the tokens, and the upscaling's weights stay fp32."""
+    import copy
+
+    import torch
+
+    from bench.sam2 import Bf16Transformer
+    from models.sam import PromptSet, pack_prompts
+    from models.sam2 import SAM2_CONFIGS, load_sam2
+
+    model = load_sam2(SAM2_CONFIGS["sam2_test_tiny"], None)
+    mixed = copy.deepcopy(model)
+    decoder = mixed.sam_mask_decoder
+    decoder.transformer = Bf16Transformer(decoder.transformer)  # type: ignore[assignment]
+    assert {p.dtype for p in decoder.transformer.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in decoder.output_upscaling.parameters()} == {torch.float32}
+    side = model.config.image_size
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        features = model.encode(torch.randn(1, 3, side, side))
+        sets = [
+            PromptSet(points=torch.tensor([[side * 0.3, side * 0.6]]), labels=torch.tensor([1]))
+        ]
+        prompts = pack_prompts(sets, [0], "cpu")
+        want, want_iou, _ = model.decode_batch(features, prompts)
+        got, got_iou, _ = mixed.decode_batch(features, prompts)
+    assert got.dtype == torch.float32
+    agree = ((got > 0) == (want > 0)).float().mean()
+    assert agree > 0.98, agree
+    assert (got_iou - want_iou).abs().max() < 0.05
+    assert (got - want).abs().max() > 0  # it did compute in bf16

@@ -10,6 +10,11 @@
 #        share the GPU's SMs at once); skipped when nvidia-cuda-mps-control is missing.
 #        The supervisor uses a daemon it finds set up (CUDA_MPS_PIPE_DIRECTORY); the
 #        README's defaults now start one of their own instead (SERVE_MPS=auto, server/mps.py)
+#   defaults  the README's defaults (two engines, the supervisor's own MPS daemon)
+#   engines3, engines4   three or four engines on the GPU, as MPS clients of the
+#        supervisor's daemon: each engine's GIL carries a third or a quarter of the load
+#        (whether the mix's engine-side delays are host work queued on one GIL is what
+#        they test)
 #
 #   [CONFIGS="two one mps"] [WEIGHTS=synthetic] OUT=/tmp/out bash bench/gpu_mix_engines.sh
 #
@@ -24,6 +29,8 @@ for config in ${CONFIGS:-two one mps}; do
   case $config in
     two) extra="SERVE_MPS=off" ;;
     one) extra="SERVE_ENGINES_PER_GPU=1" ;;
+    defaults) extra="" ;;
+    engines[2-8]) extra="SERVE_ENGINES_PER_GPU=${config#engines}" ;;
     mps)
       command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: no nvidia-cuda-mps-control"; continue; }
       mkdir -p "$WORK/mps-pipe" "$WORK/mps-log"

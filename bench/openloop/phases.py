@@ -17,6 +17,7 @@ Nested, as the server measures them (each holds the ones below it):
             rpc_transport  pickling and zmq both ways: engine_wire - engine
             engine   the engine process's time for the call (when its reply says)
               engine_other  its event loop and dispatch: engine - the phases
+              jpeg_decode   a JPEG decoded by the engine (nvJPEG), its thread's wait included
               encode, decode, classify, generate (each holding its `_queue` wait)
             wire_other  without `engine`: engine_wire - the phases
 
@@ -34,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # the engine's phases: they follow one another inside `engine`
-ENGINE_PHASES = ("encode", "decode", "classify", "generate")
+ENGINE_PHASES = ("jpeg_decode", "encode", "decode", "classify", "generate")
 
 # (column title, name): the text table's order, a request's life from the client inward
 PARTS = (
@@ -52,6 +53,7 @@ PARTS = (
     ("engine", "engine"),
     ("eng other", "engine_other"),
     ("wire other", "wire_other"),
+    ("jpeg", "jpeg_decode"),
     ("encode", "encode"),
     ("enc q", "encode_queue"),
     ("decode", "decode"),

@@ -359,10 +359,12 @@ class EngineServer:
 
     async def _serve(self, owner: bytes, call_id: int, call: object, received: float) -> None:
         """Answer one call; its reply's `timing_ms["engine"]` is this process's time for it,
-        from the message read off the socket to the reply ready (`server.http.timing`)."""
+        from the message read off the socket to the reply ready (`server.http.timing`),
+        beside the parts measured here outside the stages (`jpeg_decode`)."""
+        timing: dict[str, float] = {}
         try:
             with tracing.engine_span(call):  # a child of the frontend's span, when traced
-                reply = Reply(await self._dispatch(owner, call))
+                reply = Reply(await self._dispatch(owner, call, timing))
         except ServiceError as exc:
             reply = Reply(failure=Failure.of(exc))
         except asyncio.CancelledError:
@@ -373,7 +375,7 @@ class EngineServer:
         finally:
             self._tasks.pop((owner, call_id), None)
         engine_ms = round((time.perf_counter() - received) * 1000, 3)
-        reply = replace(reply, timing_ms={"engine": engine_ms})
+        reply = replace(reply, timing_ms={"engine": engine_ms, **timing})
         self._send([owner, call_id_bytes(call_id), *dump(reply)])
         if self.pixels is not None:
             self.pixels.poll()
@@ -405,7 +407,7 @@ class EngineServer:
             raise ServiceError(503, "not_ready", "the service is still loading or warming up")
         return self.engine
 
-    async def _image(self, message: ImageMsg, owner: bytes) -> Image:
+    async def _image(self, message: ImageMsg, owner: bytes, timing: dict[str, float]) -> Image:
         if message.jpeg:  # a file's bytes: its slot goes back once the decode has read it
             if self.jpeg is None:
                 raise ServiceError(500, "internal", "a JPEG file came, but this engine "
@@ -415,7 +417,9 @@ class EngineServer:
             # would keep the frontend's slot with it
             size = (message.height, message.width)
             tensor = await self.jpeg.submit(self._pixels(message, owner), size)
-            self.metrics.phase("jpeg_decode").observe(time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.metrics.phase("jpeg_decode").observe(took)
+            timing["jpeg_decode"] = round(took * 1000, 3)
         else:
             tensor = self._pixels(message, owner)
         return Image(message.image_id, tensor, message.width, message.height)
@@ -431,24 +435,27 @@ class EngineServer:
         assert self.pixels is not None
         return self.pixels.tensor(pixels, owner)
 
-    async def _dispatch(self, owner: bytes, call: object) -> object:
+    async def _dispatch(self, owner: bytes, call: object, timing: dict[str, float]) -> object:
         engine = self._require()
         if isinstance(call, SegmentCall):
             request = call.request
             if request.image is not None:
                 assert isinstance(request.image, ImageMsg)
-                image = await self._image(request.image, owner)
+                image = await self._image(request.image, owner, timing)
                 request = replace(request, image=image)
             return await engine.segment(request)
         if isinstance(call, EmbedCall):
-            return await engine.embed(await self._image(call.image, owner), call.deadline)
+            image = await self._image(call.image, owner, timing)
+            return await engine.embed(image, call.deadline)
         if isinstance(call, ClassifyCall):
-            image = await self._image(call.image, owner)
+            image = await self._image(call.image, owner, timing)
             return await engine.classify(image, call.top_k, call.deadline)
         if isinstance(call, LookupCall):
             return engine.lookup(call.image_id)
         if isinstance(call, EverythingCall):
-            sent = await self._image(call.image, owner) if call.image is not None else None
+            sent = None
+            if call.image is not None:
+                sent = await self._image(call.image, owner, timing)
             entry, masks, timing = await engine.everything(
                 sent, call.image_id, call.fields, call.output, call.deadline
             )

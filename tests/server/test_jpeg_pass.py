@@ -186,6 +186,7 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     png = encode(photo_like(200, 150), "PNG")
     box = {"request": '{"box": [40, 30, 500, 400]}'}
     answers = []
+    timed = []  # which responses' timing_ms held the engine's jpeg_decode
     for server in (engine, frontend):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             got = []
@@ -195,8 +196,15 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
                 segmented = c.post("/v1/segment", files=image, data=box)
                 assert classified.status_code == segmented.status_code == 200
                 got.append((classified.json()["predictions"], segmented.json()["results"]))
+                timed += [
+                    r.json()["timing_ms"].get("jpeg_decode", -1) > 0
+                    for r in (classified, segmented)
+                ]
             answers.append(got)
     assert answers[0] == answers[1]
+    # the engine's decode is in the response's timing_ms, as its metric is, for the
+    # baseline photo it decoded and no other (OBSERVABILITY.md)
+    assert timed == [True, True] + [False] * 10, timed
     assert engine.app.state.serve.engine.status.jpeg_models == ("sam", "swin")
     assert decoded_by_engine(engine.url) == 2  # the baseline photo, twice
     assert decoded_by_engine(frontend.url) == 0

@@ -221,13 +221,15 @@ def launch(
     rel_pos_w: Tensor,
     out: Tensor | None = None,
     *,
+    out_strides: tuple[int, int, int] | None = None,
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
     traced: bool = False,
 ) -> Tensor:
     """Run the kernel: q, k, v `[B, heads, N, C]` (any strides with a contiguous last dim),
     the encoder's rel-pos tables rel_pos_h `[2h-1, C]` and rel_pos_w `[2w-1, C]` ->
-    `[B, heads, N, C]`, written into `out` (which may be a strided view) when given.
+    `[B, heads, N, C]`, written into `out` (which may be a strided view) when given, or laid
+    out over `out`'s memory by `out_strides` (of the B, heads and N dims).
 
     Without `image`, the N tokens are the h x w grid (a global block). With `image` =
     (H, W), they are an H x W grid attended in h x w windows (SAM's windowed blocks), the
@@ -258,8 +260,9 @@ def launch(
     pw = max(16, triton.next_power_of_2(2 * grid_w - 1))
     # each query's products with both tables, written and read back by its own program
     scratch = torch.empty(B * heads, windows, n_ctx, ph + pw, dtype=q.dtype, device=q.device)
-    # the k and v thirds of the bias; without one, any pointer (HAS_BIAS off: never read)
-    _, bias_k, bias_v = qkv_bias.view(3, -1) if qkv_bias is not None else (scratch,) * 3
+    # the k and v thirds of the bias; without one, any pointer the kernel does not write
+    # (HAS_BIAS off: never read; not scratch, which a traced launch must see passed once)
+    _, bias_k, bias_v = qkv_bias.view(3, -1) if qkv_bias is not None else (rel_pos_h,) * 3
     cfg = KernelConfig
     block_m = cfg.block_m
     block_w = max(16, triton.next_power_of_2(grid_w))
@@ -275,7 +278,7 @@ def launch(
         v.stride(0), v.stride(1), v.stride(2),
         rel_pos_h.stride(0), rel_pos_w.stride(0),
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *(out_strides or (out.stride(0), out.stride(1), out.stride(2))),
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw, ROWS=rows,
         HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
@@ -311,11 +314,15 @@ def _on_qkv(
     """The ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
     written token-major as `[B, N, heads * C]`, ready for the output projection."""
     out = _output(qkv)
-    B, N, _, heads, C = qkv.shape
+    _, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
+    # [B, heads, N, C] written over `out` by strides rather than through a transposed view:
+    # a traced launch then mutates a tensor of its own, not a view for the compiler to
+    # carry back to its base
+    strides = (N * heads * C, C, heads * C)
     launch(
-        q, k, v, rel_pos_h, rel_pos_w, out=out.view(B, N, heads, C).transpose(1, 2),
-        image=image, qkv_bias=qkv_bias, traced=traced,
+        q, k, v, rel_pos_h, rel_pos_w, out=out, out_strides=strides, image=image,
+        qkv_bias=qkv_bias, traced=traced,
     )  # fmt: skip
     return out
 

@@ -16,6 +16,7 @@ import copy
 import os
 import tempfile
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -395,6 +396,7 @@ def main() -> None:
             )
         except Exception as exc:  # report and go on: one broken variant must not lose the rest
             print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc()  # where: a GPU call's log is all there is to read
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             torch._dynamo.reset()
             empty_cache()

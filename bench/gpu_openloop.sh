@@ -107,13 +107,30 @@ memory_note() {
 
 COMMON=(--url "$URL" --images "$IMAGES" --seconds "$SECONDS_PER_RATE" --warmup-seconds "$WARMUP"
   --pause-seconds 1 --timeout 5)
+# The GPU's busy share over a step, from `nvidia-smi dmon` (its sm %: the time some kernel
+# was running, warm-up and pauses included): a step whose latency grows while this stays
+# well under 100% waits on the hosts, not on the GPU.
+busy_note() {
+  awk '!/^#/ && NF > 1 && $2 ~ /^[0-9]+$/ {n++; s += $2; if ($2 > m) m = $2}
+    END {if (n) printf "gpu busy during %s (dmon sm%%): mean %.0f, max %d, %d samples\n", name, s / n, m, n}' \
+    name="$1" "$OUT/dmon_$1.txt" | tee -a "$OUT/openloop.txt"
+}
 load() {  # name, cut-off in seconds, then the tool's own arguments
-  local name=$1 limit=$2
+  local name=$1 limit=$2 dmon=""
   shift 2
   echo "== $name: $*" | tee -a "$OUT/openloop.txt"
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi dmon -s u -d 1 > "$OUT/dmon_$name.txt" 2>&1 &
+    dmon=$!
+  fi
   timeout "$limit" python3 -m bench.openloop "${COMMON[@]}" "$@" --json "$OUT/openloop_$name.json" \
     2> "$OUT/openloop_$name.log" | tee -a "$OUT/openloop.txt"
   local rc=${PIPESTATUS[0]}
+  if [ -n "$dmon" ]; then
+    kill "$dmon" 2> /dev/null
+    wait "$dmon" 2> /dev/null
+    busy_note "$name"
+  fi
   [ "$rc" = 0 ] || { echo "$name: rc=$rc (124: cut at $limit s)"; tail -5 "$OUT/openloop_$name.log"; } \
     | tee -a "$OUT/openloop.txt"
   memory_note "$name"

@@ -264,18 +264,37 @@ class AotStore:
         return load_package(package)
 
 
+_exporting = False
+
+
+def exporting() -> bool:
+    """Whether `export_batched` is tracing: model code with a path only a package can carry
+    (SAM's attention kernel as a `triton_op`, `models.sam.fused_attention.rel_pos_flash`)
+    takes it then, and only then.
+
+    Not `torch.compiler.is_exporting()`: torch 2.11's dynamo folds that to True under every
+    `torch.compile`, so the compiled encoder took the export path and failed to compile on
+    the GPU (2026-11-27). Dynamo reads this flag as the global it is, and guards on it.
+    """
+    return _exporting
+
+
 def export_batched(module: nn.Module, example: Tensor) -> torch.export.ExportedProgram:
     """`module` traced by torch.export with a dynamic batch (1 to `MAX_BATCH`), as a
     package is built from it.
 
     Exported from a batch of two: an example of one would be specialised to one. Model code
-    that asks `torch.compiler.is_exporting()` takes its traceable path here (SAM's attention
-    kernel, `models.sam.fused_attention.rel_pos_flash`).
+    that asks `exporting()` takes its traceable path here.
     """
+    global _exporting
     two = example[:1].expand(2, *example.shape[1:]).contiguous()
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    with torch.no_grad():
-        return torch.export.export(module, (two,), dynamic_shapes=({0: batch},))
+    _exporting = True
+    try:
+        with torch.no_grad():
+            return torch.export.export(module, (two,), dynamic_shapes=({0: batch},))
+    finally:
+        _exporting = False
 
 
 class AotBuckets:

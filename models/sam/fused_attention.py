@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from models.aot import exporting
 from models.triton_device import triton_installed as triton_available
 
 __all__ = [
@@ -402,9 +403,9 @@ def exported_ops() -> tuple[Any, Any]:
 
 
 def rel_pos_flash(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
-    """`fused_rel_pos_attention`, or while torch.export traces (an AOT package) its
-    traceable twin: what model code calls."""
-    if torch.compiler.is_exporting():
+    """`fused_rel_pos_attention`, or while an AOT package is exported its traceable twin:
+    what model code calls."""
+    if exporting():
         return exported_ops()[0](qkv, rel_pos_h, rel_pos_w)
     return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
 
@@ -413,7 +414,7 @@ def window_flash(
     qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, qkv_bias: Tensor | None, height: int,
     width: int,
 ) -> Tensor:  # fmt: skip
-    """`fused_window_attention`, or its traceable twin while torch.export traces."""
-    if torch.compiler.is_exporting():
+    """`fused_window_attention`, or its traceable twin while an AOT package is exported."""
+    if exporting():
         return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)
     return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)

@@ -197,6 +197,19 @@ with torch.inference_mode():
         got = module(x[:batch])
         errors[f"eager_{batch}"] = float((got - eager[:batch]).norm() / eager[:batch].norm())
         errors[f"sdpa_{batch}"] = float((got - reference[:batch]).norm() / reference.norm())
+
+# torch.compile's graph of the same encoder: the opaque ops it was measured with, never
+# the export twins (torch 2.11's dynamo took `is_exporting()` as True under compile)
+compiled_calls = set()
+
+def record(gm, example_inputs):
+    compiled_calls.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return gm.forward
+
+with torch.inference_mode():
+    got = torch.compile(encoder("triton"), backend=record, fullgraph=True)(x)
+errors["compiled"] = float((got - eager).norm() / eager.norm())
+errors["compiled_calls"] = sorted(c for c in compiled_calls if "sam_serve" in c)
 print(json.dumps([errors]))
 """
 )
@@ -206,7 +219,8 @@ def test_the_exported_encoder_carries_the_kernel_and_gives_its_outputs(tmp_path)
     """An AOT package is built from `models.aot.export_batched`'s program: SAM's encoder
     with the kernel must trace to the kernel's traceable ops (which a package compiles in)
     and to no SDPA, with a dynamic batch, and that program must compute what the served
-    ops compute. The export runs with Triton as it is (the interpreter's kernels cannot be
+    ops compute, while torch.compile's graph of the encoder keeps the opaque ops. The
+    export runs with Triton as it is (the interpreter's kernels cannot be
     traced); the program then runs in the interpreter. The package's build is the GPU's
     (bench/gpu_aot_attention.sh)."""
     path = str(tmp_path / "encoder.pt2")
@@ -218,3 +232,8 @@ def test_the_exported_encoder_carries_the_kernel_and_gives_its_outputs(tmp_path)
     for batch in (1, 3):
         assert errors[f"eager_{batch}"] < 1e-6, errors  # the same kernel, the same sums
         assert errors[f"sdpa_{batch}"] < 1e-4, errors  # fp32: summation order only
+    assert errors["compiled"] < 1e-6, errors
+    assert errors["compiled_calls"] == [
+        "sam_serve.rel_pos_flash.default",
+        "sam_serve.rel_pos_flash_windows.default",
+    ], errors

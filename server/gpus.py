@@ -1,12 +1,12 @@
 """Which GPUs the engines get, decided by the supervisor without importing torch.
 
-Engine processes per GPU (two by default, `SERVE_ENGINES_PER_GPU`): each is started with
-CUDA_VISIBLE_DEVICES naming its one GPU, so inside it the device is `cuda:0` and nothing in
-the engine knows there are others. The GPUs are counted the way CUDA will see them: the
-entries of CUDA_VISIBLE_DEVICES when it is set (a pod's runtime or a user chose them),
-else `nvidia-smi -L` (a GPU split into MIG instances counts once per instance, named by its
-UUID, since a CUDA process can use only one of them). No nvidia-smi, or it fails: no GPU,
-one engine.
+Engine processes per GPU (`SERVE_ENGINES_PER_GPU`: by default up to six under MPS, two
+time-sliced): each is started with CUDA_VISIBLE_DEVICES naming its one GPU, so inside it
+the device is `cuda:0` and nothing in the engine knows there are others. The GPUs are
+counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is set (a
+pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG instances
+counts once per instance, named by its UUID, since a CUDA process can use only one of
+them). No nvidia-smi, or it fails: no GPU, one engine.
 
 CUDA_VISIBLE_DEVICES is CUDA's own variable, read here as CUDA would read it (not a
 setting; `server.engine.gpu_memory` reads it the same way for its labels).
@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from server.settings import Settings
+from server.settings import Settings, available_cores
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +86,59 @@ def visible_gpus(environ: Mapping[str, str]) -> list[str]:
     return parse_nvidia_smi(done.stdout)
 
 
-def engines_on(gpu: str, per_gpu: int | str) -> int:
-    """Engines `SERVE_ENGINES_PER_GPU` puts on `gpu` (a CUDA_VISIBLE_DEVICES entry): auto is
-    two on a whole GPU (their two GILs keep its stages fed), one on a MIG instance."""
-    if per_gpu != "auto":
-        return int(per_gpu)
-    return 1 if gpu.startswith("MIG-") else 2
+# `SERVE_ENGINES_PER_GPU=auto` on a whole GPU whose engines share it through MPS: one
+# engine per two of the host's cores for that GPU, from two to six. Each engine is a GIL
+# of its own, and the engines' host work, not the GPU, bounded the README's mix: on an H200
+# with 16 cores (the load client on the same host) its p99s went from 1,290 / 802 / 879 ms
+# with two engines to 281 / 257 / 159 with four, 172 / 91 / 113 with six and 161 / 87 /
+# 110 with eight, the GPU busy about half the time (docs/BENCHMARKS.md, issue 19, nineteenth
+# session). Six, not eight: eight gained little more, and each engine holds its own models
+# and caches (about 9 GB reserved with vit_b and Swin-T, so six fit an 80 GB H100).
+SHARED_ENGINES_MAX = 6
+# the SAM models whose engines were measured that small; a larger model keeps two a GPU
+# until its memory per engine has been measured
+SHARED_SAM_MODELS = frozenset({"vit_tiny", "vit_b"})
+# time-sliced engines (no MPS): two held the mix better than one (docs/BENCHMARKS.md)
+SLICED_ENGINES = 2
 
 
-def plan_engines(settings: Settings, environ: Mapping[str, str]) -> list[EnginePlan]:
+def engines_on(gpu: str, settings: Settings, *, shared: bool, cores_per_gpu: int) -> int:
+    """Engines `SERVE_ENGINES_PER_GPU` puts on `gpu` (a CUDA_VISIBLE_DEVICES entry). auto:
+    one on a MIG instance (MIG slices its GPU itself); two on a whole GPU time-sliced;
+    under MPS (`shared`) one per two cores, two to `SHARED_ENGINES_MAX`, for the SAM
+    models measured so."""
+    if settings.engines_per_gpu != "auto":
+        return int(settings.engines_per_gpu)
+    if gpu.startswith("MIG-"):
+        return 1
+    if not shared or settings.sam_model not in SHARED_SAM_MODELS:
+        return SLICED_ENGINES
+    return max(SLICED_ENGINES, min(SHARED_ENGINES_MAX, cores_per_gpu // 2))
+
+
+def plan_engines(
+    settings: Settings,
+    environ: Mapping[str, str],
+    *,
+    shared: bool | None = None,
+    cores: int | None = None,
+) -> list[EnginePlan]:
     """How many engines, each with its GPU: `SERVE_ENGINES`, or `SERVE_ENGINES_PER_GPU` on
     each visible GPU, in turns (engine-0 on the first GPU, engine-1 on the second, ...).
+
+    `shared`: whether engines on one GPU will run side by side under MPS (by default,
+    unless `SERVE_MPS=off`; the supervisor plans again without it when no MPS server
+    starts). `cores`: the host's, by default those this process may use.
 
     On the CPU (`SERVE_DEVICE=cpu`, or no GPU) nothing is pinned and any number may run
     (tests); more engines than GPUs share them round robin."""
     gpus = [] if settings.device == "cpu" else visible_gpus(environ)
     if settings.engines == "auto" and gpus:
-        counts = [engines_on(gpu, settings.engines_per_gpu) for gpu in gpus]
+        shared = settings.mps != "off" if shared is None else shared
+        cores_per_gpu = (available_cores() if cores is None else cores) // len(gpus)
+        counts = [
+            engines_on(gpu, settings, shared=shared, cores_per_gpu=cores_per_gpu) for gpu in gpus
+        ]
         turns = range(max(counts))
         gpus = [g for turn in turns for g, n in zip(gpus, counts, strict=True) if n > turn]
     count = settings.engines if settings.engines != "auto" else max(1, len(gpus))

@@ -242,13 +242,16 @@ class Settings(BaseSettings):
     engines: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """engine processes: auto (SERVE_ENGINES_PER_GPU per visible GPU, 1 without one), or a
     number (several on the CPU too; more than the GPUs share them round robin)"""
-    # Two engines on one GPU: each a process of its own, with its own GIL, models and
-    # cache (images hash between them as between GPUs). On an H200 two held the README's
-    # mix where one collapsed, and served 2,483-2,863 clicks/s where one served 1,893-1,909
-    # (docs/BENCHMARKS.md, issue 19); a MIG instance is too small to hold two.
+    # Several engines on one GPU: each a process of its own, with its own GIL, models and
+    # cache (images hash between them as between GPUs). Under MPS the engines' host work,
+    # not the GPU, bounded the README's mix: on an H200 with 16 cores its p99s fell from
+    # 1,290 / 802 / 879 ms with two engines to 172 / 91 / 113 with six (docs/BENCHMARKS.md,
+    # issue 19, nineteenth session); time-sliced, two held it where one collapsed. A MIG
+    # instance is too small to hold two. The rule is `server.gpus.engines_on`.
     engines_per_gpu: Annotated[int, Field(ge=1, le=8)] | Literal["auto"] = "auto"
-    """engines on each GPU with SERVE_ENGINES=auto: auto (2 per whole GPU, 1 per MIG
-    instance) or a number"""
+    """engines on each GPU with SERVE_ENGINES=auto: auto (under MPS one per two of the
+    host's cores for that GPU, 2 to 6, with SAM vit_b or smaller; otherwise 2 per whole GPU;
+    1 per MIG instance) or a number"""
     # Engines sharing a GPU are separate CUDA contexts, which the GPU time-slices: a click
     # waited for the other engine's encoder batch and the README's mix collapsed; as
     # clients of one MPS server their kernels run side by side (server/mps.py).

@@ -99,6 +99,16 @@ class Supervisor:
         for end in (self._wakeup, self._wake):
             end.setblocking(False)
 
+    def _plan_time_sliced(self) -> None:
+        """No MPS server: engines on one GPU take turns on it, where `auto` had counted on
+        them running side by side; plan again with the time-sliced count (before any
+        process starts, so frontends get the addresses of the engines that run)."""
+        plans = plan_engines(self.settings, os.environ, shared=False)
+        if len(plans) != len(self.plans):
+            log.info("no MPS: %d engines instead of %d", len(plans), len(self.plans))
+            self.plans = plans
+            self.addresses = tuple(f"ipc://{self.folder}/{p.role}.sock" for p in plans)
+
     # -- processes --------------------------------------------------------------------
 
     def _start_engine(self, plan: EnginePlan, address: str) -> None:
@@ -173,6 +183,8 @@ class Supervisor:
             except MpsError as error:
                 log.error("SERVE_MPS=on: %s", error)
                 return EXIT_START_FAILED
+            if self.mps is None:
+                self._plan_time_sliced()
             for plan, address in zip(self.plans, self.addresses, strict=True):
                 self._start_engine(plan, address)
             for index in range(self.settings.frontends()):

@@ -1,15 +1,21 @@
 """How frontends pick an engine, and how the supervisor gives engines their GPUs.
 
-Pure functions, no server: the rendezvous hash (stable, balanced, minimal movement), the
-least-loaded choice for calls without an image, the service's status combined from each
-engine's, and the GPU plan from CUDA_VISIBLE_DEVICES or `nvidia-smi -L` text. The real
-processes are in tests/server/test_engines.py.
+Pure functions, no server (a supervisor object at most, never run): the rendezvous hash
+(stable, balanced, minimal movement), the least-loaded choice for calls without an image,
+the service's status combined from each engine's, and the GPU plan from
+CUDA_VISIBLE_DEVICES or `nvidia-smi -L` text. The real processes are in
+tests/server/test_engines.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -136,10 +142,10 @@ def test_each_engine_gets_its_own_gpu():
     assert [dict(p.env) for p in cpu] == [{}, {}]
 
 
-def test_two_engines_per_whole_gpu_one_per_mig_instance_by_default():
+def test_two_engines_per_whole_gpu_one_per_mig_instance_on_a_small_host():
     def gpus_of(settings: Settings, visible: str) -> list[str]:
         return [p.env["CUDA_VISIBLE_DEVICES"] for p in plan_engines(settings, {
-            "CUDA_VISIBLE_DEVICES": visible})]  # fmt: skip
+            "CUDA_VISIBLE_DEVICES": visible}, cores=2)]  # fmt: skip
 
     default = Settings(device="cuda")
     assert gpus_of(default, "0") == ["0", "0"]
@@ -151,3 +157,61 @@ def test_two_engines_per_whole_gpu_one_per_mig_instance_by_default():
     # a number of engines overrides the count per GPU; no GPU: one engine
     assert gpus_of(Settings(device="cuda", engines=1), "0,1") == ["0"]
     assert [dict(p.env) for p in plan_engines(default, {"CUDA_VISIBLE_DEVICES": ""})] == [{}]
+
+
+def test_auto_puts_an_engine_per_two_cores_on_a_gpu_shared_through_mps() -> None:
+    """Each engine is a GIL of its own: under MPS, auto runs one per two of the host's cores
+    for the GPU, two to six; time-sliced, or with a SAM model whose engines were not
+    measured that small, two."""
+
+    def count(visible: str, cores: int, shared: bool | None = None, **settings: Any) -> list[int]:
+        environ = {"CUDA_VISIBLE_DEVICES": visible}
+        plans = plan_engines(
+            Settings(device="cuda", **settings), environ, shared=shared, cores=cores
+        )
+        gpus = [p.env["CUDA_VISIBLE_DEVICES"] for p in plans]
+        return [gpus.count(gpu) for gpu in visible.split(",")]
+
+    assert count("0", 16) == [6]  # the H200 host measured: 16 cores
+    assert count("0", 64) == [6]
+    assert count("0", 8) == [4]
+    assert count("0", 5) == [2]
+    assert count("0,1", 16) == [4, 4]  # the cores are the host's, split between its GPUs
+    assert count("0", 16, shared=False) == [2]  # time-sliced
+    assert count("0", 16, mps="off") == [2]  # SERVE_MPS=off: planned time-sliced
+    assert count("0", 16, sam_model="vit_h") == [2]
+    assert count("0", 16, engines_per_gpu=3) == [3]
+    mig = "MIG-9a8b7c6d-1111-2222-3333-444455556666"
+    assert count(f"0,{mig}", 32) == [6, 1]
+
+
+REPLAN = """
+import json, shutil
+from server import gpus
+from server.settings import Settings
+from server.supervisor import Supervisor
+
+gpus.available_cores = lambda: 16
+supervisor = Supervisor(Settings(device="cuda"), "127.0.0.1", 0)
+counts = [len(supervisor.plans), len(supervisor.addresses)]
+supervisor._plan_time_sliced()
+counts += [len(supervisor.plans), len(supervisor.addresses)]
+print(json.dumps([counts, [p.role for p in supervisor.plans], supervisor.addresses[-1]]))
+supervisor.sock.close()
+shutil.rmtree(supervisor.folder)
+"""
+
+
+def test_without_an_mps_server_the_supervisor_plans_time_sliced_engines(tmp_path) -> None:
+    """auto counted on MPS; when none starts (`start_mps` gave None), the supervisor plans
+    again before any process starts, and the frontends get only the engines that run. (A
+    process of its own: the supervisor sets the metrics folder before prometheus_client.)"""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAN], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    counts, roles, last = json.loads(done.stdout.splitlines()[-1])
+    assert counts == [6, 6, 2, 2]
+    assert roles == ["engine-0", "engine-1"]
+    assert last.endswith("engine-1.sock")

@@ -221,8 +221,11 @@ async def _measure_kind(
     pid = service.start_frontend(profile_path)
     await _wait_ready(service.url, 600)
     if profile_path is not None:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 60.0
         while not Path(profile_path + ".on").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the frontend (pid {pid}) did not start its profiler")
             await asyncio.sleep(0.05)
     rate = args.rate or RATES[kind]
     base = nth * 1_000_000  # segment photos never repeat: a new seq range per kind

@@ -125,7 +125,9 @@ def run_frontend(
 ) -> None:
     """A frontend process of `bench.frontend_cpu` (here: no torch in it): `frontend_main`,
     its stderr (the JSON log) into `log_path`; with `profile_path`, cProfile in every
-    thread from SIGUSR1 on, dumped at exit."""
+    thread from SIGUSR2 on, dumped at exit. (Not SIGUSR1: the frontend gives that to
+    faulthandler's stack dumps, `server.logs.stacks_on_sigusr1`, which replaced this
+    handler and left `bench.frontend_cpu --profile` waiting for the profile forever.)"""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 2)
     from server.http.worker import frontend_main
@@ -138,7 +140,7 @@ def run_frontend(
             profiles.start()
             marker.touch()
 
-        signal.signal(signal.SIGUSR1, start)
+        signal.signal(signal.SIGUSR2, start)
     frontend_main(settings, sock, addresses, "frontend-0")
     if profile_path is not None and profiles.profiles:
         profiles.stats().dump_stats(profile_path)

@@ -35,6 +35,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -46,7 +47,7 @@ from server.gpus import EnginePlan, plan_engines
 from server.http.pixels import PIXELS_PREFIX, SHM_FOLDER
 from server.metrics_multiprocess import forget_process
 from server.mps import MpsError, MpsServer, start_mps
-from server.settings import Settings
+from server.settings import Settings, available_cores
 
 log = logging.getLogger("server.supervisor")
 
@@ -108,6 +109,18 @@ class Supervisor:
             log.info("no MPS: %d engines instead of %d", len(plans), len(self.plans))
             self.plans = plans
             self.addresses = tuple(f"ipc://{self.folder}/{p.role}.sock" for p in plans)
+
+    def _log_plan(self) -> None:
+        """One line that says how many engines each GPU gets and why, for an operator who
+        sees six engines where they expected two."""
+        per_gpu = Counter(p.env.get("CUDA_VISIBLE_DEVICES") for p in self.plans)
+        if None in per_gpu:
+            return  # the CPU: nothing pinned
+        how = "under MPS" if self.mps is not None else "time-sliced"
+        if self.settings.engines == "auto" and self.settings.engines_per_gpu == "auto":
+            how += f", SERVE_ENGINES_PER_GPU=auto with {available_cores()} cores"
+        layout = ", ".join(f"{n} on GPU {gpu}" for gpu, n in per_gpu.items())
+        log.info("engines: %s (%s)", layout, how)
 
     # -- processes --------------------------------------------------------------------
 
@@ -185,6 +198,7 @@ class Supervisor:
                 return EXIT_START_FAILED
             if self.mps is None:
                 self._plan_time_sliced()
+            self._log_plan()
             for plan, address in zip(self.plans, self.addresses, strict=True):
                 self._start_engine(plan, address)
             for index in range(self.settings.frontends()):

@@ -186,16 +186,18 @@ def test_auto_puts_an_engine_per_two_cores_on_a_gpu_shared_through_mps() -> None
 
 
 REPLAN = """
-import json, shutil
-from server import gpus
+import json, logging, shutil, sys
+from server import gpus, supervisor as module
 from server.settings import Settings
 from server.supervisor import Supervisor
 
-gpus.available_cores = lambda: 16
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+gpus.available_cores = module.available_cores = lambda: 16
 supervisor = Supervisor(Settings(device="cuda"), "127.0.0.1", 0)
 counts = [len(supervisor.plans), len(supervisor.addresses)]
 supervisor._plan_time_sliced()
 counts += [len(supervisor.plans), len(supervisor.addresses)]
+supervisor._log_plan()
 print(json.dumps([counts, [p.role for p in supervisor.plans], supervisor.addresses[-1]]))
 supervisor.sock.close()
 shutil.rmtree(supervisor.folder)
@@ -215,3 +217,8 @@ def test_without_an_mps_server_the_supervisor_plans_time_sliced_engines(tmp_path
     assert counts == [6, 6, 2, 2]
     assert roles == ["engine-0", "engine-1"]
     assert last.endswith("engine-1.sock")
+    assert "no MPS: 2 engines instead of 6" in done.stderr
+    # the operator's line: how many on each GPU, and why
+    assert "engines: 2 on GPU 0 (time-sliced, SERVE_ENGINES_PER_GPU=auto with 16 cores)" in (
+        done.stderr
+    ), done.stderr

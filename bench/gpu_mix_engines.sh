@@ -10,7 +10,8 @@
 #        share the GPU's SMs at once); skipped when nvidia-cuda-mps-control is missing.
 #        The supervisor uses a daemon it finds set up (CUDA_MPS_PIPE_DIRECTORY); the
 #        README's defaults now start one of their own instead (SERVE_MPS=auto, server/mps.py)
-#   defaults  the README's defaults (two engines, the supervisor's own MPS daemon)
+#   defaults  the README's defaults (up to six engines, one per two cores, as clients of the
+#        supervisor's own MPS daemon; two before the nineteenth session)
 #   wait-yield, wait-blocking  the defaults with SERVE_CUDA_WAIT=yield or blocking: stage
 #        threads that wait for the GPU without spinning a core each (server/engine/cuda_wait.py)
 #   engines3, engines4   three or four engines on the GPU, as MPS clients of the

@@ -117,6 +117,8 @@ class Supervisor:
         if None in per_gpu:
             return  # the CPU: nothing pinned
         how = "under MPS" if self.mps is not None else "time-sliced"
+        if max(per_gpu.values()) == 1:
+            how = "one a GPU"
         if self.settings.engines == "auto" and self.settings.engines_per_gpu == "auto":
             how += f", SERVE_ENGINES_PER_GPU=auto with {available_cores()} cores"
         layout = ", ".join(f"{n} on GPU {gpu}" for gpu, n in per_gpu.items())

@@ -23,12 +23,9 @@ process starts and before anything touches CUDA.
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Literal
 
 __all__ = ["FLAGS", "CudaWait", "set_cuda_wait"]
-
-log = logging.getLogger(__name__)
 
 CudaWait = Literal["spin", "yield", "blocking"]
 # CUctx_flags' scheduling bits (cuda.h): CU_CTX_SCHED_SPIN, _YIELD, _BLOCKING_SYNC

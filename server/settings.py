@@ -249,9 +249,9 @@ class Settings(BaseSettings):
     # issue 19, nineteenth session); time-sliced, two held it where one collapsed. A MIG
     # instance is too small to hold two. The rule is `server.gpus.engines_on`.
     engines_per_gpu: Annotated[int, Field(ge=1, le=8)] | Literal["auto"] = "auto"
-    """engines on each GPU with SERVE_ENGINES=auto: auto (under MPS one per two of the
-    host's cores for that GPU, 2 to 6, with SAM vit_b or smaller; otherwise 2 per whole GPU;
-    1 per MIG instance) or a number"""
+    """engines on each GPU with SERVE_ENGINES=auto: auto (under the service's own MPS
+    server one per two of the host's cores for that GPU, 2 to 6, with SAM vit_b or smaller;
+    otherwise 2 per whole GPU; 1 per MIG instance) or a number"""
     # Engines sharing a GPU are separate CUDA contexts, which the GPU time-slices: a click
     # waited for the other engine's encoder batch and the README's mix collapsed; as
     # clients of one MPS server their kernels run side by side (server/mps.py).

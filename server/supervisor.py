@@ -100,15 +100,25 @@ class Supervisor:
         for end in (self._wakeup, self._wake):
             end.setblocking(False)
 
-    def _plan_time_sliced(self) -> None:
-        """No MPS server: engines on one GPU take turns on it, where `auto` had counted on
-        them running side by side; plan again with the time-sliced count (before any
-        process starts, so frontends get the addresses of the engines that run)."""
+    def _plan_time_sliced(self, why: str) -> None:
+        """`auto` counted on an MPS server of our own: without one, engines on a GPU take
+        turns on it; with one set up outside (a device plugin's MPS sharing), this pod may
+        hold only a share of the GPU and its memory. Either way, plan again with the
+        time-sliced count, before any process starts (so frontends get the addresses of
+        the engines that run)."""
         plans = plan_engines(self.settings, os.environ, shared=False)
         if len(plans) != len(self.plans):
-            log.info("no MPS: %d engines instead of %d", len(plans), len(self.plans))
+            log.info("%s: %d engines instead of %d", why, len(plans), len(self.plans))
             self.plans = plans
             self.addresses = tuple(f"ipc://{self.folder}/{p.role}.sock" for p in plans)
+
+    def _settle_plan(self) -> None:
+        """The engines to start, now that whether they share their GPU is known."""
+        if self.mps is None:
+            self._plan_time_sliced("no MPS")
+        elif not self.mps.owned:
+            self._plan_time_sliced("an MPS server set up outside (a share of the GPU?)")
+        self._log_plan()
 
     def _log_plan(self) -> None:
         """One line that says how many engines each GPU gets and why, for an operator who
@@ -198,9 +208,7 @@ class Supervisor:
             except MpsError as error:
                 log.error("SERVE_MPS=on: %s", error)
                 return EXIT_START_FAILED
-            if self.mps is None:
-                self._plan_time_sliced()
-            self._log_plan()
+            self._settle_plan()
             for plan, address in zip(self.plans, self.addresses, strict=True):
                 self._start_engine(plan, address)
             for index in range(self.settings.frontends()):

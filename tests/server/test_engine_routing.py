@@ -188,37 +188,52 @@ def test_auto_puts_an_engine_per_two_cores_on_a_gpu_shared_through_mps() -> None
 REPLAN = """
 import json, logging, shutil, sys
 from server import gpus, supervisor as module
+from server.mps import MpsServer
 from server.settings import Settings
 from server.supervisor import Supervisor
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 gpus.available_cores = module.available_cores = lambda: 16
-supervisor = Supervisor(Settings(device="cuda"), "127.0.0.1", 0)
-counts = [len(supervisor.plans), len(supervisor.addresses)]
-supervisor._plan_time_sliced()
-counts += [len(supervisor.plans), len(supervisor.addresses)]
-supervisor._log_plan()
-print(json.dumps([counts, [p.role for p in supervisor.plans], supervisor.addresses[-1]]))
-supervisor.sock.close()
-shutil.rmtree(supervisor.folder)
+results = {}
+for case, mps in (("own", MpsServer({}, owned=True)), ("none", None),
+                  ("outside", MpsServer({}, owned=False))):
+    supervisor = Supervisor(Settings(device="cuda"), "127.0.0.1", 0)
+    planned = len(supervisor.plans)
+    supervisor.mps = mps
+    supervisor._settle_plan()
+    results[case] = [planned, [p.role for p in supervisor.plans], list(supervisor.addresses)]
+    supervisor.sock.close()
+    shutil.rmtree(supervisor.folder)
+print(json.dumps([results]))
 """
 
 
-def test_without_an_mps_server_the_supervisor_plans_time_sliced_engines(tmp_path) -> None:
-    """auto counted on MPS; when none starts (`start_mps` gave None), the supervisor plans
-    again before any process starts, and the frontends get only the engines that run. (A
-    process of its own: the supervisor sets the metrics folder before prometheus_client.)"""
+def test_without_an_mps_server_of_its_own_the_supervisor_plans_two_a_gpu(tmp_path) -> None:
+    """auto counted on an MPS server of the supervisor's own; when none starts
+    (`start_mps` gave None), or the one found was set up outside (the pod may hold a share
+    of the GPU), the supervisor plans two a GPU again before any process starts, and the
+    frontends get only the engines that run. (A process of its own: the supervisor sets
+    the metrics folder before prometheus_client is imported.)"""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", REPLAN], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    counts, roles, last = json.loads(done.stdout.splitlines()[-1])
-    assert counts == [6, 6, 2, 2]
-    assert roles == ["engine-0", "engine-1"]
-    assert last.endswith("engine-1.sock")
+    [results] = json.loads(done.stdout.splitlines()[-1])
+    planned, roles, addresses = results["own"]  # our own MPS server: the six planned
+    assert planned == 6 and len(roles) == len(addresses) == 6
+    for case in ("none", "outside"):  # none, or one set up outside: two a GPU
+        planned, roles, addresses = results[case]
+        assert planned == 6 and roles == ["engine-0", "engine-1"], results
+        assert [a.rsplit("/", 1)[1] for a in addresses] == ["engine-0.sock", "engine-1.sock"]
     assert "no MPS: 2 engines instead of 6" in done.stderr
+    assert "an MPS server set up outside (a share of the GPU?): 2 engines instead of 6" in (
+        done.stderr
+    )
     # the operator's line: how many on each GPU, and why
+    assert "engines: 6 on GPU 0 (under MPS, SERVE_ENGINES_PER_GPU=auto with 16 cores)" in (
+        done.stderr
+    ), done.stderr
     assert "engines: 2 on GPU 0 (time-sliced, SERVE_ENGINES_PER_GPU=auto with 16 cores)" in (
         done.stderr
     ), done.stderr

@@ -12,8 +12,10 @@ official encoder runs in the same process as the baseline.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -173,6 +175,7 @@ def run_variant(
         # one package with a dynamic batch, built into a fresh folder (its build time is
         # the first batch size's prepare_s), as `python -m server compile` builds it
         folder = Path(tempfile.mkdtemp(prefix="bench-aot-"))
+        atexit.register(shutil.rmtree, folder, True)  # hundreds of MB a package
         key = PackageKey(f"bench_{name}", weights_hash(model.image_encoder), opts.variant, DEVICE)
         encode: Any = AotBuckets(model.image_encoder, AotStore(folder, key), "sam_encoder")
     else:

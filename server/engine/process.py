@@ -457,11 +457,11 @@ class EngineServer:
             sent = None
             if call.image is not None:
                 sent = await self._image(call.image, owner, timing)
-            entry, masks, timing = await engine.everything(
+            entry, masks, phases = await engine.everything(
                 sent, call.image_id, call.fields, call.output, call.deadline
             )
             height, width = entry.original_size
-            return entry.image_id, width, height, masks, timing
+            return entry.image_id, width, height, masks, phases
         if isinstance(call, EmbeddingFileCall):
             return await engine.embedding_file(call.image_id)
         raise ServiceError(500, "internal", f"unknown call {type(call).__name__}")

@@ -12,8 +12,9 @@
 #        README's defaults now start one of their own instead (SERVE_MPS=auto, server/mps.py)
 #   defaults  the README's defaults (up to six engines, one per two cores, as clients of the
 #        supervisor's own MPS daemon; two before the nineteenth session)
-#   wait-yield, wait-blocking  the defaults with SERVE_CUDA_WAIT=yield or blocking: stage
-#        threads that wait for the GPU without spinning a core each (server/engine/cuda_wait.py)
+#   wait-spin, wait-yield, wait-blocking  the defaults with SERVE_CUDA_WAIT=spin (CUDA's
+#        own default, the service's before the twentieth session), yield or blocking (the
+#        default since): how stage threads wait for the GPU (server/engine/cuda_wait.py)
 #   engines3, engines4   three or four engines on the GPU, as MPS clients of the
 #        supervisor's daemon: each engine's GIL carries a third or a quarter of the load
 #        (whether the mix's engine-side delays are host work queued on one GIL is what
@@ -34,7 +35,7 @@ for config in ${CONFIGS:-two one mps}; do
     one) extra="SERVE_ENGINES_PER_GPU=1" ;;
     defaults) extra="" ;;
     engines[2-8]) extra="SERVE_ENGINES_PER_GPU=${config#engines}" ;;
-    wait-yield | wait-blocking) extra="SERVE_CUDA_WAIT=${config#wait-}" ;;
+    wait-spin | wait-yield | wait-blocking) extra="SERVE_CUDA_WAIT=${config#wait-}" ;;
     mps)
       command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: no nvidia-cuda-mps-control"; continue; }
       mkdir -p "$WORK/mps-pipe" "$WORK/mps-log"

@@ -306,11 +306,12 @@ class Settings(BaseSettings):
     switch_interval_ms: float = Field(0.2, gt=0.0)
     """the engine process's GIL hand-over interval in ms (Python's own is 5)"""
     # A thread waiting for its stream spins on a core by CUDA's default; with several
-    # engines on a GPU, each with a waiting thread per stage, the spinning may starve the
-    # frontends on the same cores (server/engine/cuda_wait.py says what was seen).
+    # engines on a GPU, each with a waiting thread per stage, the spinning starved the
+    # frontends on the same cores, so auto is blocking (server/engine/cuda_wait.py has
+    # the figures).
     cuda_wait: Literal["auto", "spin", "yield", "blocking"] = "auto"
-    """how engine threads wait for the GPU: auto (CUDA's default: spin), spin, yield
-    (spin, giving the core to other threads) or blocking (sleep until the GPU is done)"""
+    """how engine threads wait for the GPU: auto (blocking), spin (CUDA's own default),
+    yield (spin, giving the core to other threads) or blocking (sleep until it is done)"""
     log_level: str = "INFO"
     """log level of the JSON logs (DEBUG shows the probes' access lines)"""
 

@@ -38,7 +38,7 @@ from models.swin.resize_kernel import packed_supported
 from server import tracing
 from server.domain import Image
 from server.engine import jpeg
-from server.engine.cuda_wait import set_cuda_wait
+from server.engine.cuda_wait import cuda_wait_mode, set_cuda_wait
 from server.engine.fidelity import FidelityError
 from server.engine.gpu_memory import dump_history, memory_by_stream, record_history
 from server.engine.jpeg import JpegDecoder
@@ -475,13 +475,19 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
     configure_logging(settings.log_level, role)
     tracing.setup(role)
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
-    if settings.cuda_wait != "auto" and settings.device != "cpu":
+    if settings.device != "cpu":
         # before anything makes the CUDA context: the flag is the context's
-        why_not = set_cuda_wait(settings.cuda_wait)
+        wait = cuda_wait_mode(settings.cuda_wait)
+        why_not = set_cuda_wait(wait)
         if why_not is None:
-            log.info("SERVE_CUDA_WAIT=%s: set on the GPU's context", settings.cuda_wait)
+            log.info("SERVE_CUDA_WAIT=%s: %s set on the GPU's context", settings.cuda_wait, wait)
         else:
-            log.warning("SERVE_CUDA_WAIT=%s not set: %s", settings.cuda_wait, why_not)
+            # no driver under SERVE_DEVICE=auto is a CPU host, where nothing waits on a GPU
+            quiet = settings.device == "auto" and why_not.startswith("no CUDA driver")
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING,
+                "SERVE_CUDA_WAIT=%s (%s) not set: %s", settings.cuda_wait, wait, why_not,
+            )  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM stops
     stacks_on_sigusr1()
     # torch._dynamo is imported by the first nested-tensor batch (the encoder's warm-up):

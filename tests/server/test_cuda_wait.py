@@ -87,3 +87,12 @@ def test_the_setting_takes_the_four_modes_and_refuses_others():
         assert Settings(cuda_wait=mode).cuda_wait == mode
     with pytest.raises(ValidationError, match="cuda_wait"):
         Settings(cuda_wait="sleep")
+
+
+def test_auto_is_blocking_and_the_named_modes_are_themselves():
+    # blocking freed the cores six engines' spinning waits took (server/engine/cuda_wait.py)
+    assert cuda_wait.cuda_wait_mode("auto") == "blocking"
+    for mode in ("spin", "yield", "blocking"):
+        assert cuda_wait.cuda_wait_mode(mode) == mode
+    with pytest.raises(ValueError, match="SERVE_CUDA_WAIT='sleep'"):
+        cuda_wait.cuda_wait_mode("sleep")

@@ -26,7 +26,12 @@
 # busy wait before each arrival), on the same server: the client's share of the latency.
 #
 # EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
-# MIX replace the targets ("" skips one); PROCS_<KIND> the client processes. Needs the wheels
+# MIX replace the targets ("" skips one); PROCS_<KIND> the client processes.
+# BASELINE_CLASSIFY_RATES (none by default) runs classify once more with only the photos the
+# engine decodes on its GPU (upright baseline JPEGs; the frontends decode the rest, e.g. the
+# progressive assets_picture4.jpg): how much of classify's cost is the frontends' decoding.
+# Each step also prints the cores the load's own processes took ("client cpu during").
+# Needs the wheels
 # of bench/gpu_wheels.txt on PYTHONPATH and the photos in IMAGES (.benchdata/images).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -152,6 +157,23 @@ compare_httpx click "$CLICK_RATES" "${PROCS_CLICK:-8}"
 [ -n "$CLASSIFY_RATES" ] && load classify $((3 * per_step + 20)) --kind classify \
   --rates "$CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
 compare_httpx classify "$CLASSIFY_RATES" "${PROCS_CLASSIFY:-6}"
+if [ -n "${BASELINE_CLASSIFY_RATES:-}" ]; then
+  BASELINE=$(mktemp -d)
+  python3 - "$IMAGES" "$BASELINE" <<'PY'
+import pathlib, shutil, sys
+from server.http.jpeg_pass import engine_decodable
+source, target = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+target.mkdir(parents=True, exist_ok=True)
+for photo in sorted(source.iterdir()):
+    if photo.suffix.lower() in (".jpg", ".jpeg") and engine_decodable(
+        photo.read_bytes(), max_pixels=1 << 40, max_bytes=1 << 40
+    ):
+        shutil.copy(photo, target / photo.name)
+print("baseline photos:", ", ".join(p.name for p in sorted(target.iterdir())))
+PY
+  load classify_baseline $((3 * per_step + 20)) --kind classify --images "$BASELINE" \
+    --rates "$BASELINE_CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
+fi
 [ -n "$MIX" ] && load mix $((per_step + 30)) --mix "$MIX" --processes "${PROCS_MIX:-8}"
 
 python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \

@@ -162,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                      args.warmup_seconds)  # fmt: skip
             # client processes start (spawn, imports) during the first step's lead-in
             lead_in_s = 0.5 if pool is None else 3.0 if n == 0 else 1.0
-            samples = run_step(spec, pool, lead_in_s)
+            cores: list[float] = []
+            samples = run_step(spec, pool, lead_in_s, cores)
             for kind, rate in rates:
                 row = report.summarize(samples, label, kind, rate, args.warmup_seconds,
                                        args.seconds)  # fmt: skip
+                row["client_cores"] = cores[0]
                 log.info("%s", report.table([row]).splitlines()[-1])
                 rows.append(row)
     finally:
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             pool.close()
             pool.join()
     sys.stdout.write(report.table(rows) + "\n" + report.phase_table(rows))
+    sys.stdout.write(report.client_cpu_lines(rows))
     if args.json is not None:
         report.write_json(args.json, run, rows)
     return 0

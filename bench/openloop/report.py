@@ -110,6 +110,13 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
     return note + phases.table(rows)
 
 
+def client_cpu_lines(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per step: the cores the load's own processes kept busy. On a host the
+    server shares (the GPU machine), those cores were not the server's."""
+    steps = {r["step"]: r["client_cores"] for r in rows if "client_cores" in r}
+    return "".join(f"client cpu during {step}: {c:.2f} cores\n" for step, c in steps.items())
+
+
 def write_json(path: Path, run: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     """NaN (no 200 at all) is written as null, so the file is strict JSON."""
 

@@ -132,21 +132,35 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def process_main(job: tuple[StepSpec, int]) -> list[Sample]:
+def process_main(job: tuple[StepSpec, int]) -> tuple[list[Sample], float, float]:
+    """The process's samples, and the CPU and wall seconds it spent on them."""
     spec, index = job
     _raise_open_files_limit()
-    return asyncio.run(run_process(spec, index))
+    cpu, wall = time.process_time(), time.perf_counter()
+    samples = asyncio.run(run_process(spec, index))
+    return samples, time.process_time() - cpu, time.perf_counter() - wall
 
 
 def run_step(
-    spec: StepSpec, pool: multiprocessing.pool.Pool | None, lead_in_s: float = 1.0
+    spec: StepSpec,
+    pool: multiprocessing.pool.Pool | None,
+    lead_in_s: float = 1.0,
+    cores: list[float] | None = None,
 ) -> list[Sample]:
     """Every process's samples, raw, for exact percentiles over all of them. Without a pool
-    (one process) the step runs here, on a new event loop."""
+    (one process) the step runs here, on a new event loop.
+
+    `cores` gets the cores the load's processes kept busy over the step (their CPU
+    seconds over its wall seconds): on a host the server shares, what the client took."""
     spec = replace(spec, start_wall=time.time() + lead_in_s)
     jobs = [(spec, i) for i in range(spec.processes)]
     if pool is None:
         if spec.processes != 1:
             raise ValueError("several processes need a pool")
-        return process_main(jobs[0])
-    return [s for samples in pool.map(process_main, jobs, chunksize=1) for s in samples]
+        results = [process_main(jobs[0])]
+    else:
+        results = pool.map(process_main, jobs, chunksize=1)
+    if cores is not None:
+        wall = max(w for _, _, w in results)
+        cores.append(sum(c for _, c, _ in results) / wall if wall > 0 else 0.0)
+    return [s for samples, _, _ in results for s in samples]

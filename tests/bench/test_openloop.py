@@ -329,7 +329,13 @@ def test_the_tool_runs_a_mix_against_the_service(
     assert table.startswith("| step | kind | offered/s |") and len(table.splitlines()) == 2 + 3
     hops_table = rest.splitlines()
     assert hops_table[0].startswith("p50/p99 ms of each part") and hops_table[1] == ""
-    assert hops_table[2].startswith("| step | kind | lag | unacc |") and len(hops_table) == 4 + 3
+    assert hops_table[2].startswith("| step | kind | lag | unacc |")
+    assert len(hops_table) == 4 + 3 + 1
+    # the cores the load's two processes kept busy: some, and at most both of them
+    cpu_line = hops_table[-1]
+    assert cpu_line.startswith("client cpu during mix: ") and cpu_line.endswith(" cores")
+    assert 0 < float(cpu_line.split()[-2]) <= 2.0 + 0.5
+    assert all(0 < row["client_cores"] <= 2.5 for row in rows.values())
 
 
 def cache_events(url: str) -> dict[str, float]:

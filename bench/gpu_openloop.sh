@@ -120,9 +120,22 @@ busy_note() {
     END {if (n) printf "gpu busy during %s (dmon sm%%): mean %.0f, max %d, %d samples\n", name, s / n, m, n}' \
     name="$1" "$OUT/dmon_$1.txt" | tee -a "$OUT/openloop.txt"
 }
+# The host's CPU over a step, from /proc/stat (all cores: server, load client, the rest):
+# its busy share, and in cores. With the GPU under 100% and this near the host's cores,
+# the hosts are the bound (the load's own share is each step's "client cpu" line).
+cpu_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $6 + $7 + $8, $5}' /proc/stat; }
+cpu_note() {  # name, ticks before ("busy idle")
+  local before after
+  read -r -a before <<< "$2"
+  read -r -a after <<< "$(cpu_ticks)"
+  awk -v name="$1" -v b="$((after[0] - before[0]))" -v i="$((after[1] - before[1]))" \
+    -v cores="$(nproc)" 'BEGIN {if (b + i > 0) printf "host cpu busy during %s: %.0f%% of %d cores (%.1f cores)\n",
+      name, 100 * b / (b + i), cores, cores * b / (b + i)}' | tee -a "$OUT/openloop.txt"
+}
 load() {  # name, cut-off in seconds, then the tool's own arguments
-  local name=$1 limit=$2 dmon=""
+  local name=$1 limit=$2 dmon="" ticks
   shift 2
+  ticks=$(cpu_ticks)
   echo "== $name: $*" | tee -a "$OUT/openloop.txt"
   if command -v nvidia-smi > /dev/null; then
     nvidia-smi dmon -s u -d 1 > "$OUT/dmon_$name.txt" 2>&1 &
@@ -136,6 +149,7 @@ load() {  # name, cut-off in seconds, then the tool's own arguments
     wait "$dmon" 2> /dev/null
     busy_note "$name"
   fi
+  cpu_note "$name" "$ticks"
   [ "$rc" = 0 ] || { echo "$name: rc=$rc (124: cut at $limit s)"; tail -5 "$OUT/openloop_$name.log"; } \
     | tee -a "$OUT/openloop.txt"
   memory_note "$name"

@@ -15,6 +15,8 @@
 #   wait-spin, wait-yield, wait-blocking  the defaults with SERVE_CUDA_WAIT=spin (CUDA's
 #        own default, the service's before the twentieth session), yield or blocking (the
 #        default since): how stage threads wait for the GPU (server/engine/cuda_wait.py)
+#   progressive  the defaults with SERVE_JPEG_PROGRESSIVE=engine: progressive JPEGs decoded
+#        by the engines' nvJPEG (host Huffman, a third of a frontend's CPU for them)
 #   engines3, engines4   three or four engines on the GPU, as MPS clients of the
 #        supervisor's daemon: each engine's GIL carries a third or a quarter of the load
 #        (whether the mix's engine-side delays are host work queued on one GIL is what
@@ -36,6 +38,7 @@ for config in ${CONFIGS:-two one mps}; do
     defaults) extra="" ;;
     engines[2-8]) extra="SERVE_ENGINES_PER_GPU=${config#engines}" ;;
     wait-spin | wait-yield | wait-blocking) extra="SERVE_CUDA_WAIT=${config#wait-}" ;;
+    progressive) extra="SERVE_JPEG_PROGRESSIVE=engine" ;;
     mps)
       command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: no nvidia-cuda-mps-control"; continue; }
       mkdir -p "$WORK/mps-pipe" "$WORK/mps-log"

@@ -273,12 +273,19 @@ class Settings(BaseSettings):
     # nvJPEG on the GPU decodes a baseline JPEG for about a tenth of the host CPU time a
     # frontend spends on it (docs/BENCHMARKS.md); SAM's uploads gain from it, and Swin's
     # where its stage resizes them in batches (`server.engine.jpeg.models_for`);
-    # progressive, rotated and non-JPEG images are always decoded by the frontends
+    # rotated and non-JPEG images are always decoded by the frontends
     jpeg_decode: Literal["auto", "engine", "frontend"] = "auto"
     """where baseline JPEGs are decoded: auto (on the engine's GPU when nvJPEG works: SAM's,
     and Swin's where Triton resizes them in batches; the rest in the frontends), engine
     (all; refuse to start without nvJPEG; a CPU engine decodes itself), frontend (all
     there)"""
+    # A progressive JPEG costs a frontend about three times the host CPU nvJPEG's own
+    # (host) Huffman decoder takes in the engine (server/http/jpeg_pass.py has the
+    # figures). Measured for the decoder alone; the service with it is not yet measured
+    # on a GPU, so the frontends keep them by default.
+    jpeg_progressive: Literal["frontend", "engine"] = "frontend"
+    """where progressive JPEGs are decoded when the engine decodes that model's baseline
+    ones: frontend, or engine (nvJPEG, its Huffman decoding on the engine's cores)"""
     decode_threads: int = Field(4, ge=1)
     """threads decoding images and encoding masks off the event loop, per frontend"""
     mask_rle: Literal["auto", "low_res", "device", "host"] = "auto"

@@ -7,8 +7,18 @@ the pixels (its shared memory). Only files the GPU decodes exactly as the fronte
 go this way: an upright (EXIF orientation 1, or none) baseline JPEG (SOF0: 8-bit,
 sequential, Huffman-coded; what nvJPEG's hardware decodes) in RGB or grayscale, ending in
 its EOI marker (a truncated file, which libjpeg would pad with grey, is left to the
-frontend's decoder and its message). Everything else (progressive, arithmetic-coded, CMYK,
-rotated, MPO, other formats) decodes here as before.
+frontend's decoder and its message). Everything else (arithmetic-coded, CMYK, rotated, MPO,
+other formats) decodes here as before.
+
+Progressive JPEGs (SOF2) go too under `SERVE_JPEG_PROGRESSIVE=engine`. nvJPEG decodes them
+with its own Huffman decoder on the engine's host cores, not the GPU's hardware, but for
+a third of libjpeg-turbo's CPU: the 2048x1365 progressive test photo took 22.1 ms of a
+core at Swin's scale and 28.9 at SAM's in a frontend, against 8.6 and 7.5 ms through the
+engine's decoder (H200 host, 2026-11-27, `python -m bench.jpeg_decode`), with pixels 0.015
+levels from libjpeg-turbo's on average (at most 3). One photo in seven of that kind made
+classify @2,000/s miss its p99 (1.4 s against 36 ms with the baseline photos alone):
+docs/BENCHMARKS.md, issue 19, twentieth session. The torchvision call that decodes them
+releases the GIL, so the engine's event loop is not held while it runs.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from server import imaging
 from server.errors import ServiceError
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
-_BASELINE = 0xC0  # SOF0
+_BASELINE, _PROGRESSIVE = 0xC0, 0xC2  # SOF0, SOF2 (both Huffman-coded, 8-bit)
 # markers that are frames (SOF1..SOF15 but DHT C4, JPG C8, DAC CC): anything but SOF0 here
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RSTn: no length follows
@@ -61,17 +71,20 @@ def frame_marker(data: bytes) -> int | None:
     return None
 
 
-def engine_decodable(data: bytes, *, max_pixels: int, max_bytes: int) -> tuple[int, int] | None:
-    """The image's (width, height) when the engine's decoder gives exactly the frontend's
-    pixels for it; None when the frontend should decode it (`imaging.decode_image`). Bad
-    input raises as decoding would."""
+def engine_decodable(
+    data: bytes, *, max_pixels: int, max_bytes: int, progressive: bool = False
+) -> tuple[int, int] | None:
+    """The image's (width, height) when the engine's decoder gives the frontend's pixels
+    for it (progressive files too when `progressive`); None when the frontend should decode
+    it (`imaging.decode_image`). Bad input raises as decoding would."""
     if not data:
         raise ServiceError(400, "bad_image", "the image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise ServiceError(
             413, "payload_too_large", f"the image is over the limit of {max_bytes} bytes"
         )
-    if not data.endswith(_EOI) or frame_marker(data) != _BASELINE:
+    frames = (_BASELINE, _PROGRESSIVE) if progressive else (_BASELINE,)
+    if not data.endswith(_EOI) or frame_marker(data) not in frames:
         return None
     image = imaging.open_header(data, max_pixels)
     if image.format != "JPEG" or image.mode not in ("RGB", "L"):
@@ -83,11 +96,18 @@ def engine_decodable(data: bytes, *, max_pixels: int, max_bytes: int) -> tuple[i
 
 
 def for_engine(
-    data: bytes, *, max_pixels: int, max_bytes: int, memory: imaging.PixelMemory
+    data: bytes,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    memory: imaging.PixelMemory,
+    progressive: bool = False,
 ) -> JpegFile | None:
     """The file, copied into `memory`, when the engine should decode it (as
     `engine_decodable`); None when the frontend should."""
-    size = engine_decodable(data, max_pixels=max_pixels, max_bytes=max_bytes)
+    size = engine_decodable(
+        data, max_pixels=max_pixels, max_bytes=max_bytes, progressive=progressive
+    )
     if size is None:
         return None
     out = memory.empty((len(data),))

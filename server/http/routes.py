@@ -107,7 +107,11 @@ async def _load_image(
             image_id = check_image_id(parsed.claimed_id, data)  # before any pixel is held
         if engine_decodes:
             file = jpeg_pass.for_engine(
-                data, max_pixels=s.max_image_pixels, max_bytes=s.max_body_bytes, memory=memory
+                data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_body_bytes,
+                memory=memory,
+                progressive=s.jpeg_progressive == "engine",
             )
             if file is not None:
                 return Image(image_id, file.data, file.width, file.height, jpeg=True)

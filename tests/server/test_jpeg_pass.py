@@ -81,6 +81,28 @@ def test_what_nvjpeg_would_decode_differently_stays_in_the_frontend() -> None:
         assert passed(data) is None
 
 
+def test_progressive_files_pass_when_the_engine_takes_them() -> None:
+    # SERVE_JPEG_PROGRESSIVE=engine: nvJPEG decodes them for a third of a frontend's CPU
+    for image in (photo_like(120, 90), photo_like(120, 90).convert("L")):
+        data = encode(image, progressive=True, quality=90)
+        file = jpeg_pass.for_engine(data, memory=HeapPixels(), progressive=True, **LIMITS)
+        assert file is not None and (file.width, file.height) == (120, 90)
+        assert file.data.tobytes() == data
+    # the rest stays in the frontend all the same
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    whole = encode(photo_like(120, 90), progressive=True)
+    for data in (
+        encode(photo_like(120, 90), progressive=True, exif=exif.tobytes()),  # rotated
+        encode(photo_like(120, 90).convert("CMYK"), progressive=True),
+        whole[: len(whole) * 2 // 3],  # truncated: no EOI
+        encode(photo_like(64, 48), "PNG"),
+    ):
+        assert jpeg_pass.for_engine(data, memory=HeapPixels(), progressive=True, **LIMITS) is None
+    for path in sorted(SHARED_PHOTOS.glob("*.jpg")):  # all seven, the progressive one too
+        assert jpeg_pass.engine_decodable(path.read_bytes(), progressive=True, **LIMITS), path
+
+
 def test_refusals_are_the_decoders_own() -> None:
     with pytest.raises(ServiceError) as empty:
         passed(b"")
@@ -180,6 +202,9 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     """Same answers as a frontend's whole decode, for a passed JPEG and for the files the
     frontend keeps; a damaged file is a 400; every shared-memory slot comes back."""
     engine = make_server(jpeg_decode="engine", scaled_decode=False)
+    progressive_too = make_server(
+        jpeg_decode="engine", jpeg_progressive="engine", scaled_decode=False
+    )
     frontend = make_server(jpeg_decode="frontend", scaled_decode=False)
     photo = (PHOTOS / "dog.jpg").read_bytes()
     progressive = encode(Image.open(io.BytesIO(photo)), progressive=True, quality=90)
@@ -187,7 +212,7 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     box = {"request": '{"box": [40, 30, 500, 400]}'}
     answers = []
     timed = []  # which responses' timing_ms held the engine's jpeg_decode
-    for server in (engine, frontend):
+    for server in (engine, progressive_too, frontend):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             got = []
             for data in (photo, progressive, png):
@@ -201,12 +226,14 @@ def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
                     for r in (classified, segmented)
                 ]
             answers.append(got)
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1] == answers[2]
     # the engine's decode is in the response's timing_ms, as its metric is, for the
-    # baseline photo it decoded and no other (OBSERVABILITY.md)
-    assert timed == [True, True] + [False] * 10, timed
+    # JPEGs it decoded and no other (OBSERVABILITY.md): the baseline photo; with
+    # SERVE_JPEG_PROGRESSIVE=engine the progressive one too
+    assert timed == [True] * 2 + [False] * 4 + [True] * 4 + [False] * 8, timed
     assert engine.app.state.serve.engine.status.jpeg_models == ("sam", "swin")
     assert decoded_by_engine(engine.url) == 2  # the baseline photo, twice
+    assert decoded_by_engine(progressive_too.url) == 4  # and the progressive one
     assert decoded_by_engine(frontend.url) == 0
 
     damaged = {"image": ("d.jpg", bad_component(photo), "image/jpeg")}

@@ -17,8 +17,9 @@ core at Swin's scale and 28.9 at SAM's in a frontend, against 8.6 and 7.5 ms thr
 engine's decoder (H200 host, 2026-11-27, `python -m bench.jpeg_decode`), with pixels 0.015
 levels from libjpeg-turbo's on average (at most 3). One photo in seven of that kind made
 classify @2,000/s miss its p99 (1.4 s against 36 ms with the baseline photos alone):
-docs/BENCHMARKS.md, issue 19, twentieth session. The torchvision call that decodes them
-releases the GIL, so the engine's event loop is not held while it runs.
+docs/BENCHMARKS.md, issue 19, twentieth session. torchvision decodes them in a `torch.ops`
+call, and such calls release the GIL (seen on the CPU with another op), so the engine's
+event loop should not be held while one runs; not yet measured in the service.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from server.errors import ServiceError
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _BASELINE, _PROGRESSIVE = 0xC0, 0xC2  # SOF0, SOF2 (both Huffman-coded, 8-bit)
-# markers that are frames (SOF1..SOF15 but DHT C4, JPG C8, DAC CC): anything but SOF0 here
+# markers that are frames (SOF1..SOF15 but DHT C4, JPG C8, DAC CC): any but SOF0 (and SOF2
+# under SERVE_JPEG_PROGRESSIVE=engine) is decoded in the frontend
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RSTn: no length follows
 _HEADER_SCAN = 1 << 20  # a frame header past this many bytes of metadata: not ours

@@ -30,7 +30,8 @@
 # BASELINE_CLASSIFY_RATES (none by default) runs classify once more with only the photos the
 # engine decodes on its GPU (upright baseline JPEGs; the frontends decode the rest, e.g. the
 # progressive assets_picture4.jpg): how much of classify's cost is the frontends' decoding.
-# Each step also prints the cores the load's own processes took ("client cpu during").
+# Each step also prints the cores the load's own processes took ("client cpu during"), the
+# host's CPU and each stage's batches with their wall time and GPU span ("stage batches").
 # Needs the wheels
 # of bench/gpu_wheels.txt on PYTHONPATH and the photos in IMAGES (.benchdata/images).
 set -uo pipefail
@@ -132,10 +133,13 @@ cpu_note() {  # name, ticks before ("busy idle")
     -v cores="$(nproc)" 'BEGIN {if (b + i > 0) printf "host cpu busy during %s: %.0f%% of %d cores (%.1f cores)\n",
       name, 100 * b / (b + i), cores, cores * b / (b + i)}' | tee -a "$OUT/openloop.txt"
 }
+# Each stage's batches over a step: their mean wall time and GPU span (bench/stage_times.py)
+STAGES_BEFORE=$(mktemp)
 load() {  # name, cut-off in seconds, then the tool's own arguments
   local name=$1 limit=$2 dmon="" ticks
   shift 2
   ticks=$(cpu_ticks)
+  python3 -m bench.stage_times --url "$URL" --save "$STAGES_BEFORE" > /dev/null 2>&1
   echo "== $name: $*" | tee -a "$OUT/openloop.txt"
   if command -v nvidia-smi > /dev/null; then
     nvidia-smi dmon -s u -d 1 > "$OUT/dmon_$name.txt" 2>&1 &
@@ -150,6 +154,8 @@ load() {  # name, cut-off in seconds, then the tool's own arguments
     busy_note "$name"
   fi
   cpu_note "$name" "$ticks"
+  python3 -m bench.stage_times --url "$URL" --since "$STAGES_BEFORE" \
+    --title "stage batches during $name:" 2>&1 | tee -a "$OUT/openloop.txt"
   [ "$rc" = 0 ] || { echo "$name: rc=$rc (124: cut at $limit s)"; tail -5 "$OUT/openloop_$name.log"; } \
     | tee -a "$OUT/openloop.txt"
   memory_note "$name"

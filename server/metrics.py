@@ -125,6 +125,13 @@ class Metrics(BatchObserver, CacheObserver):
             "serve_batch_duration_seconds", "Computation time of one batch",
             ["stage"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.batch_gpu_seconds = Histogram(
+            "serve_batch_gpu_seconds",
+            "A CUDA batch's span on its stage's stream, from its first queued work to its last "
+            "done: against serve_batch_duration_seconds, whether a slow batch waited on the "
+            "GPU (this grows) or on the host (it does not)",
+            ["stage"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "serve_batch_size", "Items per batch", ["stage"], buckets=BATCH_BUCKETS, registry=r
         )
@@ -253,6 +260,9 @@ class Metrics(BatchObserver, CacheObserver):
         self.batch_seconds.labels(stage).observe(seconds)
         if failed:
             self.batch_failures.labels(stage).inc()
+
+    def batch_gpu(self, stage: str, seconds: float) -> None:
+        self.batch_gpu_seconds.labels(stage).observe(seconds)
 
     def rejected(self, stage: str, reason: str) -> None:
         # per stage; requests are counted once, by the HTTP layer, in serve_rejections

@@ -31,6 +31,10 @@ class BatchObserver:
     def out_of_memory(self, stage: str, size: int) -> None:
         """Called when a batch of `size` items ran out of device memory (then split)."""
 
+    def batch_gpu(self, stage: str, seconds: float) -> None:
+        """Called from the stage's worker thread with a CUDA batch's span on its stream,
+        from the batch's first queued work to its last finished (`server.engine.workers`)."""
+
 
 class CacheObserver:
     """Hooks for metrics; the defaults do nothing."""

@@ -150,7 +150,7 @@ class _Waiting(Generic[Item, Result]):
         self.memory += sum(entry.memory for entry in batch)
 
 
-class _GuardedObserver(BatchObserver):
+class GuardedObserver(BatchObserver):
     """An observer whose failures are logged, never raised into the batcher.
 
     The hooks run inside the collector's loop: one raising there (a metrics file that
@@ -188,6 +188,9 @@ class _GuardedObserver(BatchObserver):
     def out_of_memory(self, stage: str, size: int) -> None:
         self._call("out_of_memory", stage, size)
 
+    def batch_gpu(self, stage: str, seconds: float) -> None:
+        self._call("batch_gpu", stage, seconds)
+
 
 class Batcher(Generic[Item, Result]):
     """Groups items of one stage into batches and runs them on a worker thread."""
@@ -214,7 +217,7 @@ class Batcher(Generic[Item, Result]):
         self._max_delay_s = max_delay_s
         self._max_queue = max_queue_size
         self._max_memory = max_batch_memory
-        self._observer = _GuardedObserver(observer or BatchObserver())
+        self._observer = GuardedObserver(observer or BatchObserver())
         self._observer.declare(stage)
         self._queue: _Waiting[Item, Result] = _Waiting()
         self._wakeup = asyncio.Event()

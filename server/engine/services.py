@@ -38,7 +38,7 @@ from server.domain import (
     SegmentRequest,
     SegmentResult,
 )
-from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
+from server.engine.batcher import Batcher, BatchObserver, GuardedObserver, WorkerLoad
 from server.engine.build import (
     compile_cache_hits,
     optimize_options,
@@ -246,10 +246,13 @@ class Engine:
             alloc_min_cost=s.fault_alloc_min_cost,
         )
         run = faults.wrap(stage, fn, _item_cost)
+        # called on the worker thread: a failing metric is logged, never fails the batch
+        on_span = partial(GuardedObserver(self.observer).batch_gpu, stage)
 
         def run_batch(items: list[Any]) -> Any:
             with self._serving():
-                return self.workers.handed_over(run(items))
+                started = self.workers.started()
+                return self.workers.handed_over(run(items), started, on_span)
 
         return run_batch
 

@@ -18,6 +18,7 @@ still reads it, without events and `record_stream` threaded through the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -70,12 +71,44 @@ class StageWorkers:
     def __getitem__(self, stage: str) -> ThreadPoolExecutor:
         return self._executors[stage]
 
-    def handed_over(self, results: T) -> T:
+    def started(self) -> torch.cuda.Event | None:
+        """A timing event queued on the calling thread's stream before a batch queues its
+        work; None where the stage has no stream of its own (or it is capturing a graph)."""
+        if not self._timed():
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def handed_over(
+        self,
+        results: T,
+        started: torch.cuda.Event | None = None,
+        on_span: Callable[[float], None] | None = None,
+    ) -> T:
         """`results` of a batch, once the calling thread's stream has run everything it
-        queued (a no-op with one shared worker: one stream keeps its own order)."""
+        queued (a no-op with one shared worker: one stream keeps its own order).
+
+        With the event `started` gave, `on_span` gets the batch's seconds on the stream,
+        from its first queued work to its last done, read once the wait is over (no sync
+        of its own). Against the batch's wall time it tells a batch slowed on the GPU (the
+        span grows: other work held the SMs) from one slowed on the host (it does not)."""
         if self.per_stage and self.device.type == "cuda":
+            ended = None
+            if started is not None and self._timed():
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record()
             torch.cuda.current_stream(self.device).synchronize()
+            if ended is not None and on_span is not None:
+                on_span(started.elapsed_time(ended) / 1000.0)  # type: ignore[union-attr]
         return results
+
+    def _timed(self) -> bool:
+        return (
+            self.per_stage
+            and self.device.type == "cuda"
+            and not torch.cuda.is_current_stream_capturing()
+        )
 
     def synchronize(self) -> None:
         """Wait for every stream (the end of start-up: warm tensors made on one thread's

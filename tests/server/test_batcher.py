@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.engine.batcher import Batcher, BatchObserver, WorkerLoad
+from server.engine.batcher import Batcher, BatchObserver, GuardedObserver, WorkerLoad
 from server.errors import ServiceError
+from server.metrics import Metrics
 
 
 class Recorder(BatchObserver):
@@ -451,3 +452,33 @@ def test_a_failing_observer_never_stops_the_stage(executor, caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert sum("batch_started failed" in m for m in logged) == 1  # once, not per batch
     assert sum("batch_finished failed" in m for m in logged) == 1
+
+
+def test_a_failing_gpu_span_observer_is_logged_once_and_never_raised(caplog):
+    """`batch_gpu` is called on a stage's worker thread, inside the batch function: a
+    metric failing there must not fail the batch (server.engine.services._stage_fn)."""
+
+    class Broken(Recorder):
+        def batch_gpu(self, stage, seconds) -> None:
+            raise OSError("no space left on device")
+
+    guarded = GuardedObserver(Broken())
+    for _ in range(3):
+        guarded.batch_gpu("sam_decoder", 0.002)
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("batch_gpu failed" in m for m in logged) == 1
+
+
+def test_the_gpu_span_lands_in_its_histogram():
+    metrics = Metrics()
+    metrics.batch_gpu("sam_decoder", 0.004)
+    metrics.batch_gpu("sam_decoder", 0.002)
+    samples = {
+        s.name: s.value
+        for family in metrics.registry.collect()
+        if family.name == "serve_batch_gpu_seconds"
+        for s in family.samples
+        if s.labels.get("stage") == "sam_decoder" and not s.name.endswith("_bucket")
+    }
+    assert samples["serve_batch_gpu_seconds_count"] == 2
+    assert samples["serve_batch_gpu_seconds_sum"] == pytest.approx(0.006)

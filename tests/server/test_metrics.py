@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "serve_pinned_image_bytes": ("gauge", set()),
     "serve_queue_wait_seconds": ("histogram", {"stage"}),
     "serve_batch_duration_seconds": ("histogram", {"stage"}),
+    "serve_batch_gpu_seconds": ("histogram", {"stage"}),  # observed on CUDA only
     "serve_batch_size": ("histogram", {"stage"}),
     "serve_batch_failures": ("counter", {"stage"}),
     "serve_batch_drops": ("counter", {"stage", "reason"}),

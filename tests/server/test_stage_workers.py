@@ -21,6 +21,8 @@ from server.engine.workers import STAGES, StageWorkers
 from server.threadnames import os_thread_name
 from tests.server.conftest import small_settings
 
+STAGES_LIST = list(STAGES)
+
 
 def test_each_stage_has_its_own_thread_per_stage_and_one_shared_otherwise() -> None:
     cpu = torch.device("cpu")
@@ -41,6 +43,11 @@ def test_each_stage_has_its_own_thread_per_stage_and_one_shared_otherwise() -> N
         assert os_thread_name(os.getpid(), 2**22 + 1) is None  # no such thread
         assert not shared.per_stage and len({id(shared[s]) for s in STAGES}) == 1
         assert per_stage.handed_over([1, 2]) == [1, 2]
+        # no stream, no span: the batch's GPU span is a CUDA measure (serve_batch_gpu_seconds)
+        spans: list[float] = []
+        started = per_stage[STAGES_LIST[0]].submit(per_stage.started).result()
+        assert started is None
+        assert per_stage.handed_over([3], started, spans.append) == [3] and spans == []
     finally:
         per_stage.shutdown()
         shared.shutdown()

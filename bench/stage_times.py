@@ -1,0 +1,93 @@
+"""Each stage's batches over a load step: how many, their mean wall time on the worker
+thread (`serve_batch_duration_seconds`) and their mean span on the GPU stream
+(`serve_batch_gpu_seconds`, CUDA only), from two scrapes of the service's `/metrics`.
+
+Why: in issue 19's mix a click's decoder phase took 12.7 ms at the median against 2-3 ms
+alone (docs/BENCHMARKS.md). If the decoder's GPU span grows with the wall time, other
+engines' kernels held the SMs (MPS has no priority between processes); if the span stays
+while the wall time grows, the engine's host side (its GIL, launches) is where it waits.
+
+    python -m bench.stage_times --url http://127.0.0.1:8000 --save /tmp/before.json
+    ... load ...
+    python -m bench.stage_times --url http://127.0.0.1:8000 --since /tmp/before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import print_table
+
+# (series, column): what is summed per stage
+_SERIES = {
+    "serve_batch_duration_seconds_count": "batches",
+    "serve_batch_duration_seconds_sum": "wall_s",
+    "serve_batch_gpu_seconds_count": "spans",
+    "serve_batch_gpu_seconds_sum": "gpu_s",
+}
+
+
+def totals(metrics_text: str) -> dict[str, dict[str, float]]:
+    """stage -> the four sums, over every engine's series."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(_SERIES.values(), 0.0))
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            column = _SERIES.get(sample.name)
+            if column is not None and "stage" in sample.labels:
+                out[sample.labels["stage"]][column] += sample.value
+    return dict(out)
+
+
+COLUMNS = ["stage", "batches", "wall ms, mean", "gpu span ms, mean"]
+
+
+def rows(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """One row per stage that ran a batch between the two scrapes."""
+    table = []
+    for stage in sorted(after):
+        now, then = after[stage], before.get(stage, {})
+        delta = {k: v - then.get(k, 0.0) for k, v in now.items()}
+        if delta["batches"] <= 0:
+            continue
+        table.append({
+            "stage": stage,
+            "batches": int(delta["batches"]),
+            "wall ms, mean": 1000 * delta["wall_s"] / delta["batches"],
+            "gpu span ms, mean": (
+                1000 * delta["gpu_s"] / delta["spans"] if delta["spans"] > 0 else "-"
+            ),
+        })  # fmt: skip
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--save", type=Path, help="write this scrape's sums here")
+    parser.add_argument("--since", type=Path, help="print the stages' batches since this file")
+    parser.add_argument("--title", default="", help="a line printed above the table")
+    args = parser.parse_args(argv)
+    text = httpx.get(args.url.rstrip("/") + "/metrics", timeout=30).text
+    now = totals(text)
+    if args.save is not None:
+        args.save.write_text(json.dumps(now))
+    if args.since is not None:
+        before = json.loads(args.since.read_text()) if args.since.exists() else {}
+        if args.title:
+            print(args.title)
+        print_table(rows(before, now), COLUMNS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

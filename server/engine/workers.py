@@ -18,6 +18,7 @@ still reads it, without events and `record_stream` threaded through the cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -29,6 +30,7 @@ from server.threadnames import name_this_thread
 __all__ = ["STAGES", "StageWorkers"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # every kind of GPU work the engine does, with its stream's priority (lower runs first)
 # (PyTorch's streams take priorities 0 to -3 and clamp the rest)
@@ -51,6 +53,7 @@ class StageWorkers:
         self.per_stage = mode == "per_stage" or (mode == "auto" and device.type == "cuda")
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._executors: dict[str, ThreadPoolExecutor] = {}
+        self._spans_broken = False  # set when reading a span failed (`handed_over`)
         if not self.per_stage:
             one = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="gpu-worker", initializer=name_this_thread
@@ -100,12 +103,19 @@ class StageWorkers:
                 ended.record()
             torch.cuda.current_stream(self.device).synchronize()
             if ended is not None and on_span is not None:
-                on_span(started.elapsed_time(ended) / 1000.0)  # type: ignore[union-attr]
+                try:
+                    span_ms = started.elapsed_time(ended)  # type: ignore[union-attr]
+                except RuntimeError:  # a measure must never fail the batch: stop measuring
+                    log.exception("a batch's GPU span could not be read; no longer measured")
+                    self._spans_broken = True
+                else:
+                    on_span(span_ms / 1000.0)
         return results
 
     def _timed(self) -> bool:
         return (
-            self.per_stage
+            not self._spans_broken
+            and self.per_stage
             and self.device.type == "cuda"
             and not torch.cuda.is_current_stream_capturing()
         )

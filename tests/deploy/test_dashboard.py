@@ -60,9 +60,10 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "Mean batch size by stage": (
         r"rate\(serve_batch_size_sum\{.*/ sum by \(stage\) \(rate\(serve_batch_size_count\{",
     ),
-    "Batch duration p99 by stage": (
+    "Batch duration and GPU span p99 by stage": (
         r"histogram_quantile\(0.99, sum by \(le, stage\) \(rate\("
         r"serve_batch_duration_seconds_bucket",
+        r"histogram_quantile\(0.99, sum by \(le, stage\) \(rate\(serve_batch_gpu_seconds_bucket",
     ),
     "GPU memory": (
         r"serve_gpu_memory_allocated_bytes\{",

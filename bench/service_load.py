@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.stage_times import stage_sums
 from server.client import AsyncClient
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "images"
@@ -70,18 +70,7 @@ def load_images(folder: Path) -> tuple[Photo, ...]:
 
 def batch_means(metrics_text: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of serve_batch_size per stage, summed over engines (`engine` label)."""
-    sums: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != "serve_batch_size":
-            continue
-        for s in family.samples:
-            stage = s.labels.get("stage", "")
-            entry = sums.setdefault(stage, [0.0, 0.0])
-            if s.name.endswith("_sum"):
-                entry[0] += s.value
-            elif s.name.endswith("_count"):
-                entry[1] += s.value
-    return {k: (v[0], v[1]) for k, v in sums.items()}
+    return stage_sums(metrics_text, "serve_batch_size")
 
 
 async def embed_all(http: httpx.AsyncClient, images) -> list[str]:

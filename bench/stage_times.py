@@ -26,24 +26,36 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table
 
-# (series, column): what is summed per stage
-_SERIES = {
-    "serve_batch_duration_seconds_count": "batches",
-    "serve_batch_duration_seconds_sum": "wall_s",
-    "serve_batch_gpu_seconds_count": "spans",
-    "serve_batch_gpu_seconds_sum": "gpu_s",
-}
+
+def stage_sums(metrics_text: str, family: str) -> dict[str, tuple[float, float]]:
+    """stage -> (sum, count) of a histogram `family` labelled by stage, summed over the
+    engines' series."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for parsed in text_string_to_metric_families(metrics_text):
+        if parsed.name != family:
+            continue
+        for sample in parsed.samples:
+            stage = sample.labels.get("stage", "")
+            if sample.name == f"{family}_sum":
+                sums[stage][0] += sample.value
+            elif sample.name == f"{family}_count":
+                sums[stage][1] += sample.value
+    return {stage: (total, count) for stage, (total, count) in sums.items()}
 
 
 def totals(metrics_text: str) -> dict[str, dict[str, float]]:
-    """stage -> the four sums, over every engine's series."""
-    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(_SERIES.values(), 0.0))
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            column = _SERIES.get(sample.name)
-            if column is not None and "stage" in sample.labels:
-                out[sample.labels["stage"]][column] += sample.value
-    return dict(out)
+    """stage -> its batches' count, wall seconds, spans' count and GPU seconds."""
+    wall = stage_sums(metrics_text, "serve_batch_duration_seconds")
+    gpu = stage_sums(metrics_text, "serve_batch_gpu_seconds")
+    return {
+        stage: {
+            "batches": wall[stage][1],
+            "wall_s": wall[stage][0],
+            "spans": gpu.get(stage, (0.0, 0.0))[1],
+            "gpu_s": gpu.get(stage, (0.0, 0.0))[0],
+        }
+        for stage in wall
+    }
 
 
 COLUMNS = ["stage", "batches", "wall ms, mean", "gpu span ms, mean"]

@@ -97,14 +97,14 @@ class StageWorkers:
         of its own). Against the batch's wall time it tells a batch slowed on the GPU (the
         span grows: other work held the SMs) from one slowed on the host (it does not)."""
         if self.per_stage and self.device.type == "cuda":
-            ended = None
-            if started is not None and self._timed():
-                ended = torch.cuda.Event(enable_timing=True)
+            timed = started is not None and on_span is not None and self._timed()
+            ended = torch.cuda.Event(enable_timing=True) if timed else None
+            if ended is not None:
                 ended.record()
             torch.cuda.current_stream(self.device).synchronize()
-            if ended is not None and on_span is not None:
+            if started is not None and ended is not None and on_span is not None:
                 try:
-                    span_ms = started.elapsed_time(ended)  # type: ignore[union-attr]
+                    span_ms = started.elapsed_time(ended)
                 except RuntimeError:  # a measure must never fail the batch: stop measuring
                     log.exception("a batch's GPU span could not be read; no longer measured")
                     self._spans_broken = True

@@ -222,7 +222,9 @@ class EngineServer:
             # capturing) go back to the device: reserved by the start-up thread's stream,
             # they would stay there unused, 23 GB on an H200 (docs/BENCHMARKS.md)
             released = await asyncio.to_thread(engine.workers.release_cached)
-            log.info("start-up's cached GPU memory released: %.2f GB", released / 1e9)
+            log.info("start-up's cached GPU memory released: %.2f GB (the most reserved at"
+                     " once during start-up: %.2f GB)", released / 1e9,
+                     engine.workers.peak_reserved() / 1e9)  # fmt: skip
             self.ready = True
             metrics.ready.set(1)
             log.info("ready after %.1fs (%.1fs since process start)",

@@ -124,6 +124,7 @@ class Engine:
         self.sam: SamParts | None = None
         self.swin: SwinParts | None = None
         self.warmup_seconds: float | None = None
+        self.warm_released_bytes = 0  # what warm-up gave back to the device, bucket by bucket
         self.no_recompile = False  # set by a compiled warm-up; see _stage_fn
         self.compile_cache_events: dict[str, int] = {"hit": 0, "miss": 0}
 
@@ -214,18 +215,27 @@ class Engine:
         return steps
 
     def _warm(self, stage: str, bucket: int) -> None:
+        """Warm one bucket, then give its transients back to the device.
+
+        Each bucket's transients are larger than the last's and seldom fit the segments
+        the smaller ones left cached, so kept they add up: an engine held 18.8 GB at the
+        end of warm-up, 12.6 GB of it cached and unused, and eight engines warming at
+        once on one H200 ran out of its 140 GB (docs/BENCHMARKS.md, issue 19, twenty-first
+        session); six would not have fitted an 80 GB H100. Released bucket by bucket, an
+        engine's peak is its models plus one bucket's transients."""
         if stage == "swin":
             assert self.swin is not None
             self.swin.stage.warm(bucket)
-            return
-        assert self.sam is not None
-        if stage == "sam2_everything":
-            assert isinstance(self.sam.stages, Sam2Stages)
-            self.sam.stages.warm_everything(bucket)
-        elif stage == "sam_encoder":
-            self.sam.stages.warm_encoder(bucket)
         else:
-            self.sam.stages.warm_decoder(bucket)
+            assert self.sam is not None
+            if stage == "sam2_everything":
+                assert isinstance(self.sam.stages, Sam2Stages)
+                self.sam.stages.warm_everything(bucket)
+            elif stage == "sam_encoder":
+                self.sam.stages.warm_encoder(bucket)
+            else:
+                self.sam.stages.warm_decoder(bucket)
+        self.warm_released_bytes += self.workers.release_cached()
 
     def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """The stage's batch function, with injected faults when a test asked for them.
@@ -437,8 +447,9 @@ class Engine:
         self.compile_cache_events = compile_cache_hits(since=before)
         # from now on, served batches run what warm-up compiled or eagerly (_stage_fn)
         self.no_recompile = self.options.compile_mode != "none"
-        log.info("warm-up took %.2fs (compile cache %s)", self.warmup_seconds,
-                 self.compile_cache_events)  # fmt: skip
+        log.info("warm-up took %.2fs (compile cache %s; %.2f GB of transients given back"
+                 " bucket by bucket)", self.warmup_seconds, self.compile_cache_events,
+                 self.warm_released_bytes / 1e9)  # fmt: skip
         return self.warmup_seconds
 
     async def check_fidelity(self) -> FidelityReport:

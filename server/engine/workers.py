@@ -128,14 +128,22 @@ class StageWorkers:
 
     def release_cached(self) -> int:
         """Wait for every stream, then give the caching allocator's unused segments back to
-        the device; the bytes given back (0 without CUDA). Once, at the end of start-up:
-        what warm-up reserved on one stream no other stream could reuse."""
+        the device; the bytes given back (0 without CUDA). After each warmed bucket and
+        at the end of start-up: what warm-up reserved for one shape, or on one stream, the
+        next shape or another stream could seldom reuse."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
         return before - torch.cuda.memory_reserved(self.device)
+
+    def peak_reserved(self) -> int:
+        """The most the caching allocator has held at once (0 without CUDA): start-up's
+        peak, which decides how many engines can warm up on one GPU together."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.max_memory_reserved(self.device)
 
     def shutdown(self) -> None:
         for executor in set(self._executors.values()):

@@ -281,9 +281,11 @@ class Settings(BaseSettings):
     there)"""
     # A progressive JPEG costs a frontend about three times the host CPU nvJPEG's own
     # (host) Huffman decoder takes in the engine (server/http/jpeg_pass.py has the
-    # figures). Measured for the decoder alone; the service with it is not yet measured
-    # on a GPU, so the frontends keep them by default.
-    jpeg_progressive: Literal["frontend", "engine"] = "frontend"
+    # figures). In the service, six engines on an H200, classify @2,000 with the one
+    # progressive photo of seven: p99 100.6 ms with the engines decoding it against
+    # 4,203 ms with the frontends, on one machine; 55.8 ms on another (docs/BENCHMARKS.md,
+    # issue 19, twenty-first session).
+    jpeg_progressive: Literal["frontend", "engine"] = "engine"
     """where progressive JPEGs are decoded when the engine decodes that model's baseline
     ones: frontend, or engine (nvJPEG, its Huffman decoding on the engine's cores)"""
     decode_threads: int = Field(4, ge=1)

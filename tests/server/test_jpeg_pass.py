@@ -201,10 +201,8 @@ def decoded_by_engine(url: str) -> float:
 def test_the_engine_decodes_what_the_frontend_passes(make_server) -> None:
     """Same answers as a frontend's whole decode, for a passed JPEG and for the files the
     frontend keeps; a damaged file is a 400; every shared-memory slot comes back."""
-    engine = make_server(jpeg_decode="engine", scaled_decode=False)
-    progressive_too = make_server(
-        jpeg_decode="engine", jpeg_progressive="engine", scaled_decode=False
-    )
+    engine = make_server(jpeg_decode="engine", jpeg_progressive="frontend", scaled_decode=False)
+    progressive_too = make_server(jpeg_decode="engine", scaled_decode=False)  # the default
     frontend = make_server(jpeg_decode="frontend", scaled_decode=False)
     photo = (PHOTOS / "dog.jpg").read_bytes()
     progressive = encode(Image.open(io.BytesIO(photo)), progressive=True, quality=90)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from server.settings import Settings, available_cores
@@ -100,20 +100,59 @@ SHARED_ENGINES_MAX = 6
 SHARED_SAM_MODELS = frozenset({"vit_tiny", "vit_b"})
 # time-sliced engines (no MPS): two held the mix better than one (docs/BENCHMARKS.md)
 SLICED_ENGINES = 2
+# GPU memory an engine of vit_b and Swin-T needs at its start-up's peak, when the engines
+# of a GPU warm up together: six on an 80 GB H100 used 80,532 of its 81,559 MiB at once
+# (each 12.7-15.0 GiB at its own peak: the decoder's largest bucket; docs/BENCHMARKS.md,
+# issue 19, twenty-first session). `auto` puts no more engines on a GPU than fit so; a
+# larger model needs more, so this is a floor.
+ENGINE_MEMORY_MIB = 80_532 // 6
 
 
-def engines_on(gpu: str, settings: Settings, *, shared: bool, cores_per_gpu: int) -> int:
+def engines_on(
+    gpu: str,
+    settings: Settings,
+    *,
+    shared: bool,
+    cores_per_gpu: int,
+    memory_mib: int | None = None,
+) -> int:
     """Engines `SERVE_ENGINES_PER_GPU` puts on `gpu` (a CUDA_VISIBLE_DEVICES entry). auto:
     one on a MIG instance (MIG slices its GPU itself); two on a whole GPU time-sliced;
     under MPS (`shared`) one per two cores, two to `SHARED_ENGINES_MAX`, for the SAM
-    models measured so."""
+    models measured so; never more than `memory_mib` (the GPU's, when known) holds at
+    `ENGINE_MEMORY_MIB` each, and at least one."""
     if settings.engines_per_gpu != "auto":
         return int(settings.engines_per_gpu)
     if gpu.startswith("MIG-"):
         return 1
     if not shared or settings.sam_model not in SHARED_SAM_MODELS:
-        return SLICED_ENGINES
-    return max(SLICED_ENGINES, min(SHARED_ENGINES_MAX, cores_per_gpu // 2))
+        count = SLICED_ENGINES
+    else:
+        count = max(SLICED_ENGINES, min(SHARED_ENGINES_MAX, cores_per_gpu // 2))
+    if memory_mib is not None and count * ENGINE_MEMORY_MIB > memory_mib:
+        fit = max(1, memory_mib // ENGINE_MEMORY_MIB)
+        log.info("GPU %s: %d MiB hold %d engine(s) of about %d MiB at start-up, not %d",
+                 gpu, memory_mib, fit, ENGINE_MEMORY_MIB, count)  # fmt: skip
+        count = fit
+    return count
+
+
+def gpu_memory_mib(gpu: str) -> int | None:
+    """A whole GPU's memory (`nvidia-smi -i`, which takes the index or UUID that
+    CUDA_VISIBLE_DEVICES holds; an index is taken in nvidia-smi's PCI order, the same GPU
+    model on the hosts this serves), or None when nvidia-smi cannot say."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+             "-i", gpu],
+            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    try:
+        return int(done.stdout.split()[0]) if done.returncode == 0 else None
+    except (IndexError, ValueError):
+        return None
 
 
 def plan_engines(
@@ -122,13 +161,15 @@ def plan_engines(
     *,
     shared: bool | None = None,
     cores: int | None = None,
+    memory_of: Callable[[str], int | None] = gpu_memory_mib,
 ) -> list[EnginePlan]:
     """How many engines, each with its GPU: `SERVE_ENGINES`, or `SERVE_ENGINES_PER_GPU` on
     each visible GPU, in turns (engine-0 on the first GPU, engine-1 on the second, ...).
 
     `shared`: whether engines on one GPU will run side by side under MPS (by default,
     unless `SERVE_MPS=off`; the supervisor plans again without it when no MPS server
-    starts). `cores`: the host's, by default those this process may use.
+    starts). `cores`: the host's, by default those this process may use. `memory_of`: a
+    GPU's memory in MiB, asked only where `auto` counts engines.
 
     On the CPU (`SERVE_DEVICE=cpu`, or no GPU) nothing is pinned and any number may run
     (tests); more engines than GPUs share them round robin."""
@@ -136,8 +177,16 @@ def plan_engines(
     if settings.engines == "auto" and gpus:
         shared = settings.mps != "off" if shared is None else shared
         cores_per_gpu = (available_cores() if cores is None else cores) // len(gpus)
+        auto = settings.engines_per_gpu == "auto"
         counts = [
-            engines_on(gpu, settings, shared=shared, cores_per_gpu=cores_per_gpu) for gpu in gpus
+            engines_on(
+                gpu,
+                settings,
+                shared=shared,
+                cores_per_gpu=cores_per_gpu,
+                memory_mib=memory_of(gpu) if auto and not gpu.startswith("MIG-") else None,
+            )
+            for gpu in gpus
         ]
         turns = range(max(counts))
         gpus = [g for turn in turns for g, n in zip(gpus, counts, strict=True) if n > turn]

@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from server.gpus import parse_nvidia_smi, parse_visible, plan_engines
+from server.gpus import (
+    ENGINE_MEMORY_MIB,
+    gpu_memory_mib,
+    parse_nvidia_smi,
+    parse_visible,
+    plan_engines,
+)
 from server.http.engine_client import EngineClient, combined_status, rendezvous_hash
 from server.messages import Status
 from server.settings import Settings
@@ -183,6 +189,44 @@ def test_auto_puts_an_engine_per_two_cores_on_a_gpu_shared_through_mps() -> None
     assert count("0", 16, engines_per_gpu=3) == [3]
     mig = "MIG-9a8b7c6d-1111-2222-3333-444455556666"
     assert count(f"0,{mig}", 32) == [6, 1]
+
+
+def test_auto_puts_no_more_engines_on_a_gpu_than_its_memory_holds_at_start_up() -> None:
+    """Six engines warming up together on an 80 GB H100 peaked 1 GB short of its memory:
+    a smaller GPU gets fewer, at least one; a count set by hand is the operator's."""
+    memory = {"0": 81_559, "1": 46_068, "2": 23_034, "3": 143_771}
+
+    def count(visible: str, **settings: Any) -> list[int]:
+        plans = plan_engines(
+            Settings(device="cuda", **settings),
+            {"CUDA_VISIBLE_DEVICES": visible},
+            shared=True,
+            cores=16 * len(visible.split(",")),
+            memory_of=memory.get,
+        )
+        gpus = [p.env["CUDA_VISIBLE_DEVICES"] for p in plans]
+        return [gpus.count(gpu) for gpu in visible.split(",")]
+
+    assert memory["0"] >= ENGINE_MEMORY_MIB * 6
+    assert count("0,1,2,3") == [6, 3, 1, 6]  # an H100, an L40S, an L4, an H200
+    assert count("2", sam_model="vit_h") == [1]  # time-sliced, memory bounds it too
+    assert count("2", engines_per_gpu=2) == [2]  # by hand: as asked
+    assert count("9") == [6]  # memory unknown: cores alone
+
+
+def test_a_gpu_s_memory_is_read_from_nvidia_smi(tmp_path, monkeypatch) -> None:
+    """What `nvidia-smi -i` prints for the entry; None without the tool, on its failure,
+    or on text it does not expect (a CPU machine has none: the tests above pass memory)."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *"-i 0"*) echo 81559 ;; *"-i 1"*) echo "[N/A]" ;; *) exit 6 ;; esac\n'
+    )
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert [gpu_memory_mib(gpu) for gpu in ("0", "1", "2")] == [81_559, None, None]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert gpu_memory_mib("0") is None
 
 
 REPLAN = """

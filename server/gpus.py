@@ -1,7 +1,7 @@
 """Which GPUs the engines get, decided by the supervisor without importing torch.
 
 Engine processes per GPU (`SERVE_ENGINES_PER_GPU`: by default up to six under MPS, two
-time-sliced): each is started with CUDA_VISIBLE_DEVICES naming its one GPU, so inside it
+time-sliced, no more than the GPU's memory holds at start-up): each is started with CUDA_VISIBLE_DEVICES naming its one GPU, so inside it
 the device is `cuda:0` and nothing in the engine knows there are others. The GPUs are
 counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is set (a
 pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG instances
@@ -102,9 +102,9 @@ SHARED_SAM_MODELS = frozenset({"vit_tiny", "vit_b"})
 SLICED_ENGINES = 2
 # GPU memory an engine of vit_b and Swin-T needs at its start-up's peak, when the engines
 # of a GPU warm up together: six on an 80 GB H100 used 80,532 of its 81,559 MiB at once
-# (each 12.7-15.0 GiB at its own peak: the decoder's largest bucket; docs/BENCHMARKS.md,
-# issue 19, twenty-first session). `auto` puts no more engines on a GPU than fit so; a
-# larger model needs more, so this is a floor.
+# (each 12.7-15.0 GiB at its own peak, likely the decoder's largest bucket, not measured
+# step by step; docs/BENCHMARKS.md, issue 19, twenty-first session). `auto` puts no more
+# engines on a GPU than fit so; a larger model needs more, so this is a floor.
 ENGINE_MEMORY_MIB = 80_532 // 6
 
 

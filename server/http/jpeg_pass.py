@@ -10,18 +10,18 @@ its EOI marker (a truncated file, which libjpeg would pad with grey, is left to 
 frontend's decoder and its message). Everything else (arithmetic-coded, CMYK, rotated, MPO,
 other formats) decodes here as before.
 
-Progressive JPEGs (SOF2) go too under `SERVE_JPEG_PROGRESSIVE=engine` (the default; `frontend`
-keeps them here). nvJPEG decodes them
-with its own Huffman decoder on the engine's host cores, not the GPU's hardware, but for
-a third of libjpeg-turbo's CPU: the 2048x1365 progressive test photo took 22.1 ms of a
-core at Swin's scale and 28.9 at SAM's in a frontend, against 8.6 and 7.5 ms through the
-engine's decoder (H200 host, 2026-11-27, `python -m bench.jpeg_decode`), with pixels 0.015
-levels from libjpeg-turbo's on average (at most 3). One photo in seven of that kind made
-classify @2,000/s miss its p99 (1.4 s against 36 ms with the baseline photos alone):
-docs/BENCHMARKS.md, issue 19, twentieth session. With the engines decoding it, classify
-@2,000/s held p99 100.6 ms where the frontends' decode took it to 4.2 s on the same H200,
-55.8 ms on another (twenty-first session). torchvision decodes them in a `torch.ops`
-call, and such calls release the GIL (seen on the CPU with another op).
+Progressive JPEGs (SOF2) go too under `SERVE_JPEG_PROGRESSIVE=engine` (the default;
+`frontend` keeps them here). nvJPEG decodes them with its own Huffman decoder on the
+engine's host cores, not the GPU's hardware, but for a third of libjpeg-turbo's CPU: the
+2048x1365 progressive test photo took 22.1 ms of a core at Swin's scale and 28.9 at SAM's in
+a frontend, against 8.6 and 7.5 ms through the engine's decoder (H200 host, 2026-11-27,
+`python -m bench.jpeg_decode`), with pixels 0.015 levels from libjpeg-turbo's on average (at
+most 3). One photo in seven of that kind made classify @2,000/s miss its p99 (1.4 s against
+36 ms with the baseline photos alone): docs/BENCHMARKS.md, issue 19, twentieth session. With
+the engines decoding it, classify @2,000/s held p99 100.6 ms where the frontends' decode
+took it to 4.2 s on the same H200, 55.8 ms on another (twenty-first session). torchvision
+decodes them in a `torch.ops` call, and such calls release the GIL (seen on the CPU with
+another op).
 """
 
 from __future__ import annotations

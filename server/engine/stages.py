@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -41,6 +41,14 @@ from server.rle import MaskRuns
 log = logging.getLogger(__name__)
 
 GRAPHED_SETS = 64  # decoder batches up to this many prompt sets replay a CUDA graph
+# The side of the image the decoder's warm-up masks are made at. Nothing compiled or
+# graphed sees the image's size (the decoder works at low-res; the runs kernel's constants
+# are the mask count, not the size), but the masks' memory grows with it: 256 prompt sets
+# of noise masks at 1024x1024 are 805 MB of run flags and up to 3 GB for each int64 copy
+# of their run positions, most likely the transient that took six engines warming up on
+# an 80 GB H100 to 1 GB short of its memory (not measured step by step; docs/BENCHMARKS.md,
+# issue 19, twenty-first session).
+WARM_MASK_SIDE = 64
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -537,6 +545,7 @@ class SamStages:
             pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8)
             (entry,) = self.encode([EncodeItem("warmup", pixels)])
             self._warm_entry = entry
+        entry = replace(entry, original_size=(WARM_MASK_SIDE, WARM_MASK_SIDE))
         # Every form the compiled decoder specialises on: one set or many, few or more
         # tokens (points, box, both); the sizes between reuse the same dynamic graph.
         # Eager decoders have nothing to specialise: one form per bucket is enough.

@@ -17,7 +17,7 @@ import torch
 from models.optimize import OptimizeOptions
 from models.sam import SAM_CONFIGS, load_sam
 from server.domain import Prompt
-from server.engine.stages import DecodeItem, EncodeItem, SamStages
+from server.engine.stages import WARM_MASK_SIDE, DecodeItem, EncodeItem, SamStages
 
 
 def warmed_stages(decoder_buckets: list[int], graphs: list[object]) -> SamStages:
@@ -57,6 +57,37 @@ def test_warmup_traces_three_decoder_graphs() -> None:
         warmed_stages([1, 2, 4, 8, 16, 64], graphs)
         assert len(graphs) == 3
     finally:
+        torch._dynamo.reset()
+
+
+def test_warm_up_makes_its_masks_small_and_serving_larger_images_compiles_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decoder's warm-up masks are made at WARM_MASK_SIDE (at 1024x1024, 256 noise
+    prompt sets held GBs of runs an engine), since nothing compiled sees the image's size:
+    after it, a large image's batch runs without a new graph."""
+    sizes: list[tuple[int, int]] = []
+    decode = SamStages.decode
+
+    def recording(self: SamStages, items: list[DecodeItem]) -> object:
+        sizes.extend(item.embedding.original_size for item in items)
+        return decode(self, items)
+
+    monkeypatch.setattr(SamStages, "decode", recording)
+    torch._dynamo.reset()
+    graphs: list[object] = []
+    try:
+        stages = warmed_stages([1, 2, 4], graphs)
+        assert sizes and set(sizes) == {(WARM_MASK_SIDE, WARM_MASK_SIDE)}
+        warmed = len(graphs)
+        pixels = torch.randint(0, 256, (600, 900, 3), dtype=torch.uint8)
+        (entry,) = stages.encode([EncodeItem("large", pixels)])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            (masks,) = stages.decode([DecodeItem(entry, tuple(_prompts(900, 600)), True)])
+        assert len(graphs) == warmed and masks[0].masks is not None
+        assert masks[0].masks.shape[-2:] == (600, 900)
+    finally:
+        torch.compiler.set_stance("default")
         torch._dynamo.reset()
 
 

@@ -1,8 +1,9 @@
 """Which GPUs the engines get, decided by the supervisor without importing torch.
 
 Engine processes per GPU (`SERVE_ENGINES_PER_GPU`: by default up to six under MPS, two
-time-sliced, no more than the GPU's memory holds at start-up): each is started with CUDA_VISIBLE_DEVICES naming its one GPU, so inside it
-the device is `cuda:0` and nothing in the engine knows there are others. The GPUs are
+time-sliced, no more than the GPU's memory holds at start-up): each is started with
+CUDA_VISIBLE_DEVICES naming its one GPU, so inside it the device is `cuda:0` and nothing
+in the engine knows there are others. The GPUs are
 counted the way CUDA will see them: the entries of CUDA_VISIBLE_DEVICES when it is set (a
 pod's runtime or a user chose them), else `nvidia-smi -L` (a GPU split into MIG instances
 counts once per instance, named by its UUID, since a CUDA process can use only one of
@@ -104,7 +105,9 @@ SLICED_ENGINES = 2
 # of a GPU warm up together: six on an 80 GB H100 used 80,532 of its 81,559 MiB at once
 # (each 12.7-15.0 GiB at its own peak, likely the decoder's largest bucket, not measured
 # step by step; docs/BENCHMARKS.md, issue 19, twenty-first session). `auto` puts no more
-# engines on a GPU than fit so; a larger model needs more, so this is a floor.
+# engines on a GPU than fit so; a larger model needs more, so this is a floor. Measured
+# before the decoder's warm-up masks were made small (`WARM_MASK_SIDE`): once the peak is
+# measured again, this may fall.
 ENGINE_MEMORY_MIB = 80_532 // 6
 
 

@@ -117,13 +117,13 @@ def engines_on(
     *,
     shared: bool,
     cores_per_gpu: int,
-    memory_mib: int | None = None,
+    memory_of: Callable[[str], int | None] | None = None,
 ) -> int:
     """Engines `SERVE_ENGINES_PER_GPU` puts on `gpu` (a CUDA_VISIBLE_DEVICES entry). auto:
     one on a MIG instance (MIG slices its GPU itself); two on a whole GPU time-sliced;
     under MPS (`shared`) one per two cores, two to `SHARED_ENGINES_MAX`, for the SAM
-    models measured so; never more than `memory_mib` (the GPU's, when known) holds at
-    `ENGINE_MEMORY_MIB` each, and at least one."""
+    models measured so; never more than the GPU's memory (`memory_of(gpu)`, MiB, asked
+    only here; None: unknown) holds at `ENGINE_MEMORY_MIB` each, and at least one."""
     if settings.engines_per_gpu != "auto":
         return int(settings.engines_per_gpu)
     if gpu.startswith("MIG-"):
@@ -132,6 +132,7 @@ def engines_on(
         count = SLICED_ENGINES
     else:
         count = max(SLICED_ENGINES, min(SHARED_ENGINES_MAX, cores_per_gpu // 2))
+    memory_mib = None if memory_of is None else memory_of(gpu)
     if memory_mib is not None and count * ENGINE_MEMORY_MIB > memory_mib:
         fit = max(1, memory_mib // ENGINE_MEMORY_MIB)
         log.info("GPU %s: %d MiB hold %d engine(s) of about %d MiB at start-up, not %d",
@@ -172,7 +173,7 @@ def plan_engines(
     `shared`: whether engines on one GPU will run side by side under MPS (by default,
     unless `SERVE_MPS=off`; the supervisor plans again without it when no MPS server
     starts). `cores`: the host's, by default those this process may use. `memory_of`: a
-    GPU's memory in MiB, asked only where `auto` counts engines.
+    GPU's memory in MiB (`engines_on` asks it only where `auto` counts engines).
 
     On the CPU (`SERVE_DEVICE=cpu`, or no GPU) nothing is pinned and any number may run
     (tests); more engines than GPUs share them round robin."""
@@ -180,14 +181,9 @@ def plan_engines(
     if settings.engines == "auto" and gpus:
         shared = settings.mps != "off" if shared is None else shared
         cores_per_gpu = (available_cores() if cores is None else cores) // len(gpus)
-        auto = settings.engines_per_gpu == "auto"
         counts = [
             engines_on(
-                gpu,
-                settings,
-                shared=shared,
-                cores_per_gpu=cores_per_gpu,
-                memory_mib=memory_of(gpu) if auto and not gpu.startswith("MIG-") else None,
+                gpu, settings, shared=shared, cores_per_gpu=cores_per_gpu, memory_of=memory_of
             )
             for gpu in gpus
         ]

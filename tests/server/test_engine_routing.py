@@ -212,6 +212,12 @@ def test_auto_puts_no_more_engines_on_a_gpu_than_its_memory_holds_at_start_up() 
     assert count("2", sam_model="vit_h") == [1]  # time-sliced, memory bounds it too
     assert count("2", engines_per_gpu=2) == [2]  # by hand: as asked
     assert count("9") == [6]  # memory unknown: cores alone
+    asked: list[str] = []  # nvidia-smi is asked only where auto counts a whole GPU
+    mig = "MIG-9a8b7c6d-1111-2222-3333-444455556666"
+    for settings in (Settings(device="cuda", engines_per_gpu=2), Settings(device="cuda")):
+        plan_engines(settings, {"CUDA_VISIBLE_DEVICES": f"0,{mig}"}, shared=True, cores=32,
+                     memory_of=lambda gpu: asked.append(gpu) or memory.get(gpu))  # fmt: skip
+    assert asked == ["0"]
 
 
 def test_a_gpu_s_memory_is_read_from_nvidia_smi(tmp_path, monkeypatch) -> None:

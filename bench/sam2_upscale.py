@@ -1,6 +1,7 @@
 """SAM 2's mask-decoder output on its own: the unfused modules (eager and compiled) against
-the fused kernel (`models/sam2/upscale_kernel.py`) at each block size and warp count, for
-the shapes of segment everything (issue 24; a GPU script, a smoke test on the CPU).
+the fused kernel (`models/sam2/upscale_kernel.py`) at each block size, warp count, channel
+step and pipeline depth, for the shapes of segment everything (issue 24; a GPU script, a
+smoke test on the CPU).
 
 The tenth session's kernel made the decoder slower (161 ms per photo against 116 in TF32,
 docs/BENCHMARKS.md, issue 24's eleventh session). This times the step alone, on one
@@ -104,13 +105,15 @@ def bench_dtype(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         if runs_triton(device):
             import models.sam2.upscale_kernel as kernel
 
-            default = (kernel.BLOCK, kernel.NUM_WARPS)
+            default = (kernel.BLOCK, kernel.NUM_WARPS, kernel.BLOCK_K, kernel.NUM_STAGES)
             try:
-                for block, warps in itertools.product(args.blocks, args.warps):
-                    kernel.BLOCK, kernel.NUM_WARPS = block, warps
-                    row(f"fused block {block} warps {warps}", lambda: module.fused(*inputs), want)
+                configs = (args.blocks, args.warps, args.block_ks, args.stages)
+                for config in itertools.product(*configs):
+                    kernel.BLOCK, kernel.NUM_WARPS, kernel.BLOCK_K, kernel.NUM_STAGES = config
+                    name = "fused block {} warps {} k {} stages {}".format(*config)
+                    row(name, lambda: module.fused(*inputs), want)
             finally:
-                kernel.BLOCK, kernel.NUM_WARPS = default
+                kernel.BLOCK, kernel.NUM_WARPS, kernel.BLOCK_K, kernel.NUM_STAGES = default
     return rows
 
 
@@ -123,8 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--side", type=int, default=64, help="the embedding's side (1024 px: 64)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="source pixels")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--block-ks", type=int, nargs="+", default=[32, 64], help="channels a step")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipelined steps")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     return p.parse_args(argv)
 

@@ -38,16 +38,15 @@ def default_decoder_paths(device: torch.device) -> dict[str, bool]:
     """`Sam2.use_decoder_paths`' arguments that paid off where measured.
 
     On an H100 in TF32 (docs/BENCHMARKS.md, issue 24's eleventh session), segment
-    everything's decoder took 116 ms per photo plainly, 90 with the attention kernel, 105
-    with one shared image row, and 161 with the upscale kernel, which stays off. Sharing
-    the image row is plain PyTorch with equal answers, so it is on everywhere; the kernel
-    only where it compiles (CUDA), not under the CPU's interpreter.
+    everything's decoder took 116 ms per photo plainly, 90 with the attention kernel and
+    105 with one shared image row. Sharing the image row is plain PyTorch with equal
+    answers, so it is on everywhere. The upscale kernel's first forms lost to inductor (161
+    ms); its third (twenty-second session) takes 5.1-5.3 ms a call of 256 prompt sets
+    against inductor's 7.3 and made segment everything 125 -> 111 ms a photo at the same
+    mIoU. The kernels run only where they compile (CUDA), not under the CPU's interpreter.
     """
-    return {
-        "fused_upscale": False,
-        "fused_attention": device.type == "cuda" and runs_triton(device),
-        "share_image": True,
-    }
+    on_gpu = device.type == "cuda" and runs_triton(device)
+    return {"fused_upscale": on_gpu, "fused_attention": on_gpu, "share_image": True}
 
 
 @dataclass(frozen=True)

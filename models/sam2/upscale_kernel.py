@@ -9,23 +9,25 @@ mask logits by:
 5. a product with the mask tokens' hypernetwork outputs, `[4, D/8]` per prompt.
 
 Unfused, that writes and reads back float maps of `D/4 x 2h x 2w` and `D/8 x 4h x 4w` per
-prompt: 4 and 8 MiB in fp32 at 1024 px. In TF32, on an H100, the transposed convolutions
-and the pointwise kernels around them were about 30 ms of the 117 ms that SAM 2 large's
-segment-everything decoder spends per photo (docs/BENCHMARKS.md, issue 24's tenth
-session). Here one program takes a band of source pixels of one prompt through all five
-steps in registers. A source pixel's four children, and their four children each, depend
-on nothing else, so only the final logits are written.
+prompt: 4 and 8 MiB in fp32 at 1024 px, about 12 GB of memory traffic for a segment-
+everything call of 256 prompt sets. Here one program takes a block of source pixels of one
+prompt through all five steps; a source pixel's four children, and their four children
+each, depend on nothing else, so only the final logits are written. A program works on
+one tap of the first convolution at a time (a loop, so one accumulator is live and the
+code stays small), and the hypernetwork product is a tensor-core product too.
 
-Measured on an H100 it loses to inductor, so it stays off (`Sam2MaskDecoder.fused_upscale`,
-`models.sam2.model.default_decoder_paths`). For 256 prompts at 1024 px
-(`python -m bench.sam2_upscale`, docs/BENCHMARKS.md, issue 24's eleventh session) the
-compiled modules took 7.7 ms in TF32 and 4.8 in bf16. This kernel took 11.5 and 7.4 ms at
-its best block (64 source pixels, 4 warps), 22.3 ms at 32. The tenth session's version
-(the skips read channels-first, the tokens once per tap) made the whole decoder 45 ms a
-photo slower, 161 against 116 ms.
+On an H100 (docs/BENCHMARKS.md, issue 24's twenty-second session; `python -m
+bench.sam2_upscale`, 256 prompt sets at 1024 px) it takes 5.0-5.3 ms a call in TF32
+against 7.3 for inductor's compiled modules and 19.6 eager, and 3.8-4.2 in bf16 against
+4.4; segment everything took 111-118 ms a photo with it against 121-125 without, at the
+same mIoU. So it is on where Triton compiles (`models.sam2.model.default_decoder_paths`).
+Its first two forms (four accumulators live, the hypernetwork sums on CUDA cores) took
+11.5-22 ms and stayed off.
 
 Float32 products run in TF32 where PyTorch's float32 matmul precision allows it (as the
-unfused path's cuBLAS and cuDNN calls do), otherwise in full fp32. bf16 and fp16
+unfused path's cuBLAS and cuDNN calls do), their operands rounded to the nearest TF32
+value first (`_operand`: the tensor cores alone truncate, which left 1.2e-3 of the logits'
+range against cuBLAS's 2.2e-4; rounded, 3.5e-4), otherwise in full fp32. bf16 and fp16
 inputs are exact in TF32. Everything after the products (biases, skips, the norm, the
 GELUs, the second product's input, the hypernetwork sums) stays in fp32. The unfused
 path rounds each of those steps to the model's dtype, so the two agree in fp32 and only
@@ -45,11 +47,13 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 
 __all__ = ["upscale_masks"]
 
-# Source pixels per program and warps: the fastest of 32/64/128 x 4/8 in both precisions
-# on an H100 but one (bf16: 128 and 8 warps, 6.5 ms) with bench/sam2_upscale.py
-BLOCK = 64
+# Source pixels per program, warps and input channels per product step (chosen on a GPU:
+# `python -m bench.sam2_upscale` times each; the module globals are what it varies)
+BLOCK = 128
 NUM_WARPS = 4
-_BLOCK_K = 64  # input channels per product step
+NUM_STAGES = 2
+BLOCK_K = 64
+MASKS_PADDED = 16  # the hypernetwork product's width: tl.dot wants N >= 16
 
 
 if triton is not None:
@@ -60,52 +64,24 @@ if triton is not None:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
     @triton.jit
-    def _tap(
-        a, T1: tl.constexpr, p, y, x, ok, h, w, eps,
-        B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-        s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x,
-        C1: tl.constexpr, C2: tl.constexpr, MASKS: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        """One tap of the first convolution, `a` `[BLOCK, C1]` (its product, for the
-        block's source pixels), through the norm and on to its 4 x 4 output pixels."""
-        c1 = tl.arange(0, C1)
-        c2 = tl.arange(0, C2)
-        yy = 2 * y + T1 // 2
-        xx = 2 * x + T1 % 2
-        # the skips are read channels-last (`upscale_masks` lays them out so): a pixel's
-        # channels are one contiguous run, where channels-first scattered them a plane apart
-        skip = tl.load(S1 + p * s1_p + c1[None, :] * s1_c
-                       + (yy * s1_y + xx * s1_x)[:, None]).to(tl.float32)  # fmt: skip
-        a = a + tl.load(B1 + c1).to(tl.float32)[None, :] + skip
-        mean = tl.sum(a, axis=1) / C1
-        centred = a - mean[:, None]
-        var = tl.sum(centred * centred, axis=1) / C1
-        g = centred * (1.0 / tl.sqrt(var + eps))[:, None]
-        lnw = tl.load(LNW + c1).to(tl.float32)
-        lnb = tl.load(LNB + c1).to(tl.float32)
-        g = _gelu(g * lnw[None, :] + lnb[None, :])
-        b2 = tl.load(B2 + c2).to(tl.float32)
-        plane0 = 16 * h * w  # (4h) x (4w)
-        for t2 in tl.static_range(4):  # the second convolution's tap (k, l)
-            Y = 2 * yy + t2 // 2
-            Xc = 2 * xx + t2 % 2
-            w2 = tl.load(W2 + (t2 * C1 + c1[:, None]) * C2 + c2[None, :]).to(tl.float32)
-            z = tl.dot(g, w2, input_precision=PRECISION) + b2[None, :]
-            skip0 = tl.load(S0 + p * s0_p + c2[None, :] * s0_c
-                            + (Y * s0_y + Xc * s0_x)[:, None]).to(tl.float32)  # fmt: skip
-            z = _gelu(z + skip0)
-            for m in tl.static_range(MASKS):
-                hyper = tl.load(HYPER + (p * MASKS + m) * C2 + c2).to(tl.float32)
-                logit = tl.sum(z * hyper[None, :], axis=1)
-                tl.store(OUT + (p * MASKS + m) * plane0 + Y * 4 * w + Xc,
-                         logit.to(OUT.dtype.element_ty), mask=ok)  # fmt: skip
+    def _operand(x, PRECISION: tl.constexpr):
+        """A product's float32 operand, rounded to the nearest TF32 value where the product
+        runs in TF32. The tensor cores drop the 13 low bits (truncation: each product
+        biased toward zero, 1.2e-3 of the logits' range after the three products against
+        cuBLAS and cuDNN's 2.2e-4, measured on an H100); rounding first matches them.
+        Integer ops, so Triton's interpreter runs it too."""
+        if PRECISION == "tf32":
+            bits = x.to(tl.int32, bitcast=True)
+            x = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192: ~0x1FFF
+        return x
 
     @triton.jit
     def _upscale(
         X, W1, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
         s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, h, w, eps,
         D: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, MASKS: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        MP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(1).to(tl.int64)
         pix = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -114,30 +90,53 @@ if triton is not None:
         y = pix // w
         x = pix % w
         c1 = tl.arange(0, C1)
+        c2 = tl.arange(0, C2)
         kk = tl.arange(0, BLOCK_K)
+        mm = tl.arange(0, MP)
+        b1 = tl.load(B1 + c1).to(tl.float32)
+        lnw = tl.load(LNW + c1).to(tl.float32)
+        lnb = tl.load(LNB + c1).to(tl.float32)
+        b2 = tl.load(B2 + c2).to(tl.float32)
+        # the hypernetwork outputs as a [C2, MP] operand, the padding columns zero
+        hyper = tl.load(HYPER + (p * MASKS + mm[None, :]) * C2 + c2[:, None],
+                        mask=mm[None, :] < MASKS, other=0.0).to(tl.float32)  # fmt: skip
+        hyper = _operand(hyper, PRECISION)
         rows = X + p * h * w * D + pix[:, None] * D
-        # the four taps' products from one read of each chunk of the tokens
-        a0 = tl.zeros([BLOCK, C1], dtype=tl.float32)
-        a1 = tl.zeros([BLOCK, C1], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK, C1], dtype=tl.float32)
-        a3 = tl.zeros([BLOCK, C1], dtype=tl.float32)
-        for k0 in tl.static_range(0, D, BLOCK_K):
-            xs = tl.load(rows + k0 + kk[None, :]).to(tl.float32)
-            taps = W1 + (k0 + kk[:, None]) * C1 + c1[None, :]
-            a0 = tl.dot(xs, tl.load(taps).to(tl.float32), a0, input_precision=PRECISION)
-            a1 = tl.dot(xs, tl.load(taps + D * C1).to(tl.float32), a1, input_precision=PRECISION)
-            a2 = tl.dot(xs, tl.load(taps + 2 * D * C1).to(tl.float32), a2,
-                        input_precision=PRECISION)  # fmt: skip
-            a3 = tl.dot(xs, tl.load(taps + 3 * D * C1).to(tl.float32), a3,
-                        input_precision=PRECISION)  # fmt: skip
-        _tap(a0, 0, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
-        _tap(a1, 1, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
-        _tap(a2, 2, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
-        _tap(a3, 3, p, y, x, ok, h, w, eps, B1, LNW, LNB, S1, W2, B2, S0, HYPER, OUT,
-             s1_p, s1_c, s1_y, s1_x, s0_p, s0_c, s0_y, s0_x, C1, C2, MASKS, PRECISION)  # fmt: skip
+        plane0 = 16 * h * w  # (4h) x (4w)
+        keep = ok[:, None] & (mm[None, :] < MASKS)
+        # one tap of the first convolution at a time (a loop, not unrolled): one [BLOCK, C1]
+        # accumulator live, the block's tokens read once per tap (from L1/L2 after the first)
+        for t1 in range(4):
+            acc = tl.zeros([BLOCK, C1], dtype=tl.float32)
+            for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
+                xs = _operand(tl.load(rows + k0 + kk[None, :]).to(tl.float32), PRECISION)
+                w1 = tl.load(W1 + (t1 * D + k0 + kk[:, None]) * C1 + c1[None, :])
+                w1 = _operand(w1.to(tl.float32), PRECISION)
+                acc = tl.dot(xs, w1, acc, input_precision=PRECISION)
+            yy = 2 * y + t1 // 2
+            xx = 2 * x + t1 % 2
+            # the skips are read channels-last (`upscale_masks` lays them out so): a
+            # pixel's channels are one contiguous run
+            skip = tl.load(S1 + p * s1_p + c1[None, :] * s1_c
+                           + (yy * s1_y + xx * s1_x)[:, None]).to(tl.float32)  # fmt: skip
+            a = acc + b1[None, :] + skip
+            mean = tl.sum(a, axis=1) / C1
+            centred = a - mean[:, None]
+            var = tl.sum(centred * centred, axis=1) / C1
+            g = centred * (1.0 / tl.sqrt(var + eps))[:, None]
+            g = _operand(_gelu(g * lnw[None, :] + lnb[None, :]), PRECISION)
+            for t2 in range(4):  # the second convolution's taps, each to 4 logits a pixel
+                Y = 2 * yy + t2 // 2
+                Xc = 2 * xx + t2 % 2
+                w2 = tl.load(W2 + (t2 * C1 + c1[:, None]) * C2 + c2[None, :])
+                w2 = _operand(w2.to(tl.float32), PRECISION)
+                z = tl.dot(g, w2, input_precision=PRECISION) + b2[None, :]
+                skip0 = tl.load(S0 + p * s0_p + c2[None, :] * s0_c
+                                + (Y * s0_y + Xc * s0_x)[:, None]).to(tl.float32)  # fmt: skip
+                z = _operand(_gelu(z + skip0), PRECISION)
+                logits = tl.dot(z, hyper, input_precision=PRECISION)  # [BLOCK, MP]
+                tl.store(OUT + (p * MASKS + mm[None, :]) * plane0 + (Y * 4 * w + Xc)[:, None],
+                         logits.to(OUT.dtype.element_ty), mask=keep)  # fmt: skip
 
 
 def _taps(weight: Tensor) -> Tensor:
@@ -186,8 +185,9 @@ def upscale_masks(
     _upscale[grid](
         tokens.contiguous(), w1r, b1, ln_w, ln_b, s1, w2r, b2, s0, hyper.contiguous(), out,
         *s1_strides, *s0_strides, h, w, eps,
-        D=D, C1=C1, C2=C2, MASKS=masks, BLOCK=BLOCK, BLOCK_K=min(_BLOCK_K, D),
-        PRECISION="tf32" if tf32 else "ieee", num_warps=NUM_WARPS,
+        D=D, C1=C1, C2=C2, MASKS=masks, MP=max(MASKS_PADDED, triton.next_power_of_2(masks)),
+        BLOCK=BLOCK, BLOCK_K=min(BLOCK_K, D), PRECISION="tf32" if tf32 else "ieee",
+        STAGES=NUM_STAGES, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 

@@ -102,13 +102,13 @@ SHARED_SAM_MODELS = frozenset({"vit_tiny", "vit_b"})
 # time-sliced engines (no MPS): two held the mix better than one (docs/BENCHMARKS.md)
 SLICED_ENGINES = 2
 # GPU memory an engine of vit_b and Swin-T needs at its start-up's peak, when the engines
-# of a GPU warm up together: six on an 80 GB H100 used 80,532 of its 81,559 MiB at once
-# (each 12.7-15.0 GiB at its own peak, likely the decoder's largest bucket, not measured
-# step by step; docs/BENCHMARKS.md, issue 19, twenty-first session). `auto` puts no more
-# engines on a GPU than fit so; a larger model needs more, so this is a floor. Measured
-# before the decoder's warm-up masks were made small (`WARM_MASK_SIDE`): once the peak is
-# measured again, this may fall.
-ENGINE_MEMORY_MIB = 80_532 // 6
+# of a GPU warm up together: six on an 80 GB H100 with the decoder's warm-up masks at 64x64
+# (`WARM_MASK_SIDE`) used at most 62,380 of its 81,559 MiB at once, each engine at most
+# 11,778 MiB (nvidia-smi every 0.5 s; each engine's own allocator peaked at 11.5 GB
+# reserved; docs/BENCHMARKS.md, issue 19, twenty-second session; with full-size warm-up
+# masks it was 80,532 MiB). `auto` puts no more engines on a GPU than fit at the engine's
+# own peak; a larger model needs more, so this is a floor.
+ENGINE_MEMORY_MIB = 11_778
 
 
 def engines_on(

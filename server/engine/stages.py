@@ -45,9 +45,9 @@ GRAPHED_SETS = 64  # decoder batches up to this many prompt sets replay a CUDA g
 # graphed sees the image's size (the decoder works at low-res; the runs kernel's constants
 # are the mask count, not the size), but the masks' memory grows with it: 256 prompt sets
 # of noise masks at 1024x1024 are 805 MB of run flags and up to 3 GB for each int64 copy
-# of their run positions, most likely the transient that took six engines warming up on
-# an 80 GB H100 to 1 GB short of its memory (not measured step by step; docs/BENCHMARKS.md,
-# issue 19, twenty-first session).
+# of their run positions. With full-size masks six engines warming up on an 80 GB H100
+# peaked at 80,532 of its 81,559 MiB; at 64x64 at 62,380 (docs/BENCHMARKS.md, issue 19,
+# twenty-first and twenty-second sessions).
 WARM_MASK_SIDE = 64
 
 

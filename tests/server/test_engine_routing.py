@@ -192,8 +192,8 @@ def test_auto_puts_an_engine_per_two_cores_on_a_gpu_shared_through_mps() -> None
 
 
 def test_auto_puts_no_more_engines_on_a_gpu_than_its_memory_holds_at_start_up() -> None:
-    """Six engines warming up together on an 80 GB H100 peaked 1 GB short of its memory:
-    a smaller GPU gets fewer, at least one; a count set by hand is the operator's."""
+    """Six engines warming up together on an 80 GB H100 each peaked at 11.5 GiB: a smaller
+    GPU gets fewer, at least one; a count set by hand is the operator's."""
     memory = {"0": 81_559, "1": 46_068, "2": 23_034, "3": 143_771}
 
     def count(visible: str, **settings: Any) -> list[int]:

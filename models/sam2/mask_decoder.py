@@ -59,7 +59,7 @@ class Sam2MaskDecoder(nn.Module):
         )
         self.pred_obj_score_head = MLP(dim, dim, 1, 3)
         # the upscaling, skips and hypernetwork product as one Triton kernel
-        # (models/sam2/upscale_kernel.py): off unless asked (`default_decoder_paths`)
+        # (models/sam2/upscale_kernel.py): on where `default_decoder_paths` says (CUDA)
         self.fused_upscale = False
 
     def forward(

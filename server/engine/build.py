@@ -40,11 +40,11 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # FlexAttention avoids the dense bias but measured 3.5x slower than SDPA with it on
         # an H100 with torch 2.11; our Triton kernel avoids it without that cost
         # (docs/BENCHMARKS.md). Blocks whose grid the kernel cannot run keep SDPA.
-        # AOT packages: SDPA, what they were measured with on the GPU; SERVE_ATTENTION=triton
-        # builds them with the kernel inside (its traceable twin, models.sam.fused_attention),
-        # not yet measured there.
-        aot = compile_mode == "aot"
-        attention = "triton" if cuda and triton_available() and not aot else "sdpa"
+        # AOT packages too: built with the kernel inside (its traceable twin,
+        # models.sam.fused_attention) the encoder's package ran at 407.6 img/s on an H100
+        # against 283.3 with SDPA's dense bias and 408.6 compiled, at the same fidelity
+        # (docs/BENCHMARKS.md, issue 19, twenty-second session).
+        attention = "triton" if cuda and triton_available() else "sdpa"
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"

@@ -5,6 +5,7 @@ tests/_stubs goes on `sys.path` first (see tests/_stubs/README.md)."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,29 @@ def pytest_configure(config: pytest.Config) -> None:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         sys.path.insert(0, str(STUBS))
+    share_the_cores()
+
+
+def share_the_cores() -> None:
+    """An xdist worker (`-n N`) takes its share of the cores for torch's threads, and its
+    subprocesses (servers, Triton-interpreter scripts, compiles) inherit that share
+    through OMP_NUM_THREADS.
+
+    Left at torch's default, each worker ran as many OpenMP threads as the machine has
+    cores, and OpenMP's threads spin while they wait for each other: with both of CI's two
+    workers in torch, four spinning threads on two cores. The two synthetic-weights
+    trainings side by side (tests/models/test_synthesize.py, test_sam2_synthesize.py, one
+    a worker) took over 430 s each that way, 50 s each with one thread a worker. An
+    OMP_NUM_THREADS set by hand is kept; a run without xdist keeps torch's default."""
+    from server.settings import available_cores
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    share = max(1, available_cores() // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
 
 
 @pytest.fixture

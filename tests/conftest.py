@@ -4,7 +4,11 @@ tests/_stubs goes on `sys.path` first (see tests/_stubs/README.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -141,15 +145,47 @@ SYNTHETIC_TEST_BATCH = 8
 SYNTHETIC_TIMEOUT_S = 900
 
 
+def run_tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's temporary folder, the one its xdist workers share (each has its own
+    below it); without xdist, the session's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def run_lock(folder: Path) -> Iterator[None]:
+    """Held by one process of the run at a time (an flock on `folder/.lock`, given back by
+    the kernel if its holder dies)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def synthetic_checkpoint(
     tmp_path_factory: pytest.TempPathFactory, generated_photo_dir: Path
 ) -> tuple[Path, Any]:
-    """vit_tiny synthetic weights trained once per session on the generated photos, saved
-    with their sidecar: (path, `SynthesisReport`)."""
+    """vit_tiny synthetic weights trained once per run on the generated photos, saved with
+    their sidecar: (path, `SynthesisReport`).
+
+    Once per run, not per xdist worker: test_synthesize.py, test_synthetic_weights.py and
+    test_page.py use them, and land on both workers; each worker trained its own (a minute
+    each on CI's cores). The first worker to ask trains them under `run_lock`, in a folder
+    of the run's shared temporary folder named by the options and the photos; the others
+    wait for it, then read the file and the report that `synthesize` returned (written
+    beside it by this fixture, not by `save_synthetic`, whose sidecar the tests check)."""
     from models.fidelity import load_photos
     from models.sam import SAM_CONFIGS
-    from models.sam.synthesize import SynthesisOptions, save_synthetic, synthesize
+    from models.sam.synthesize import (
+        SynthesisOptions,
+        SynthesisReport,
+        save_synthetic,
+        synthesize,
+    )
 
     options = SynthesisOptions(
         steps=SYNTHETIC_TEST_STEPS,
@@ -159,7 +195,18 @@ def synthetic_checkpoint(
         heldout_prompts=16,
         mask_input_fraction=0.0,
     )
-    photos = load_photos(generated_photo_dir)
-    model, report = synthesize(SAM_CONFIGS["vit_tiny"], photos, options, torch.device("cpu"))
-    path = tmp_path_factory.mktemp("synthetic") / "sam_vit_tiny_synthetic.pth"
-    return save_synthetic(model, report, path), report
+    key = hashlib.sha256(repr(options).encode())
+    for photo in sorted(generated_photo_dir.iterdir()):
+        key.update(photo.name.encode() + photo.read_bytes())
+    folder = run_tmp_path(tmp_path_factory) / f"synthetic-vit_tiny-{key.hexdigest()[:16]}"
+    path, saved_report = folder / "sam_vit_tiny_synthetic.pth", folder / "report.json"
+    with run_lock(folder):
+        if not saved_report.is_file():
+            photos = load_photos(generated_photo_dir)
+            model, report = synthesize(
+                SAM_CONFIGS["vit_tiny"], photos, options, torch.device("cpu")
+            )
+            save_synthetic(model, report, path)
+            saved_report.write_text(json.dumps(report.as_dict()))
+            return path, report
+    return path, SynthesisReport(**json.loads(saved_report.read_text()))

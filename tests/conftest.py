@@ -20,6 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.schedule import slowest_first
+
 STUBS = Path(__file__).resolve().parent / "_stubs"
 # small real photos committed with the tests (their attribution: tests/photos/NOTICE)
 PHOTOS = Path(__file__).resolve().parent / "photos"
@@ -33,6 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
             del sys.modules[name]
         sys.path.insert(0, str(STUBS))
     share_the_cores()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order xdist hands the modules out in
+        slowest_first(items)
 
 
 def share_the_cores() -> None:

@@ -181,10 +181,11 @@ def main() -> None:
     p.add_argument(
         "--attention",
         nargs="+",
-        choices=["sdpa", "matmul"],
-        default=["matmul"],
-        help="window attention written out (the model's default) and/or through SDPA\n"
-        "(WindowAttention.use_sdpa); each variant runs once per form",
+        choices=["auto", "kernel", "matmul", "sdpa"],
+        default=["auto"],
+        help="window attention as the service runs it (auto: the kernel on CUDA), as one\n"
+        "Triton kernel (models.swin.window_kernel), written out, or through SDPA\n"
+        "(WindowAttention.form); each variant runs once per form",
     )
     p.add_argument(
         "--emulate-casts",
@@ -210,7 +211,7 @@ def main() -> None:
         )
     rows: list[dict[str, Any]] = []
     for variant, attention in [(v, a) for v in args.variants for a in args.attention]:
-        name = variant if attention == "matmul" else f"{variant}, attention {attention}"
+        name = variant if attention == "auto" else f"{variant}, attention {attention}"
         if time.perf_counter() - started > args.budget_s:
             print(f"budget spent: skipping {name}", flush=True)
             continue
@@ -224,7 +225,7 @@ def main() -> None:
             hops = sum(getattr(m, "hop_out", False) for m in model.modules())
             for module in model.modules():
                 if isinstance(module, WindowAttention):
-                    module.use_sdpa = attention == "sdpa"
+                    module.form = attention
             fn = GraphedBuckets(
                 compile_fn(model, opts.compile_mode, dynamic=not args.static),
                 enabled=opts.cuda_graphs,

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from models.quant_linear import linear_then_residual
 from models.swin.config import SwinConfig
+from models.swin.window_kernel import shifted_window_attention
+from models.triton_device import triton_installed
 
 __all__ = [
     "PatchMerging",
@@ -90,13 +92,16 @@ def shift_attention_mask(
 class WindowAttention(nn.Module):
     """Multi-head self-attention inside each window, with a learned relative position bias.
 
-    Written out by default: SDPA's kernels pad a 49-token window to 64 and read the bias as
-    a separate mask, while inductor fuses the bias add into the softmax of the written-out
-    form; compiled on an H100 (fp16, batch 1024) that is 10,783 img/s against SDPA's 9,572.
-    `use_sdpa` True takes SDPA instead (`bench/swin.py --attention sdpa matmul` compares).
+    `form` picks how it runs. "kernel": one Triton kernel on the block's unrolled grid
+    (`models.swin.window_kernel`; `SwinBlock.forward` takes that path, as the kernel does
+    the roll and the windows itself). "matmul": written out, which inductor fuses the bias
+    add into the softmax of; compiled on an H100 (fp16, batch 1024) 10,783 img/s against
+    "sdpa"'s 9,572 (SDPA pads a 49-token window to 64 and reads the bias as a separate
+    mask). "auto": the kernel where it runs compiled (CUDA with Triton), else "matmul".
+    `bench/swin.py --attention` compares them.
     """
 
-    use_sdpa: bool = False
+    form: str = "auto"
 
     def __init__(self, dim: int, num_heads: int, window: int) -> None:
         super().__init__()
@@ -115,6 +120,20 @@ class WindowAttention(nn.Module):
 
     def reset_constant_buffers(self, device: torch.device) -> None:
         self.relative_position_index = relative_position_index(self.window, device)
+
+    def chosen_form(self, device: torch.device) -> str:
+        """The form this call runs in on `device` ("auto" resolved)."""
+        if self.form != "auto":
+            return self.form
+        return "kernel" if device.type == "cuda" and triton_installed() else "matmul"
+
+    def on_grid(self, x: Tensor, shift: int) -> Tensor:
+        """The kernel's path: x `[B, H, W, C]`, the normed and *unrolled* grid -> the
+        attention output on the same grid `[B, H, W, C]`, projected."""
+        qkv = self.qkv(x)  # [B, H, W, 3C]: per token, so the windows need no copy
+        heads, window = self.num_heads, self.window
+        table = self.relative_position_bias_table
+        return self.proj(shifted_window_attention(qkv, table, heads, window, shift))
 
     def position_bias(self) -> Tensor:
         """`[heads, N, N]` bias gathered from the table (a gather: no sync, compiles)."""
@@ -139,7 +158,7 @@ class WindowAttention(nn.Module):
         # [nW, heads, N, N]: the shift mask (if any) per window, the bias per head
         bias = bias.expand(nW, heads, N, N) if mask is None else bias[None] + mask[:, None]
         attn_mask = bias.reshape(1, nW * heads, N, N).to(q.dtype)
-        if self.use_sdpa:
+        if self.form == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, nW*h, N, d]
         else:
             scores = (q * (C // heads) ** -0.5) @ k.transpose(-2, -1) + attn_mask
@@ -192,13 +211,17 @@ class SwinBlock(nn.Module):
         """`[B, H, W, C]` -> `[B, H, W, C]`."""
         H, W = x.shape[1:3]
         y = self.norm1(x)
+        if self.attn.chosen_form(x.device) == "kernel":
+            return self._mlp(x + self.attn.on_grid(y, self.shift))
         if self.shift:  # fixed by the config, not by the data
             y = torch.roll(y, shifts=(-self.shift, -self.shift), dims=(1, 2))
         windows = self.attn(window_partition(y, self.window), self.attn_mask)  # [B, nW, N, C]
         y = window_reverse(windows, self.window, H, W)
         if self.shift:
             y = torch.roll(y, shifts=(self.shift, self.shift), dims=(1, 2))
-        x = x + y
+        return self._mlp(x + y)
+
+    def _mlp(self, x: Tensor) -> Tensor:
         return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 

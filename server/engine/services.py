@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from models.aot import AotStore, PackageKey, device_name, weights_hash
-from models.optimize import EAGER_ON_RECOMPILE, prepare_sam_encoder, prepare_swin
+from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam2 import SAM2_CONFIGS, Sam2Encoder, default_decoder_paths, load_sam2
@@ -43,6 +43,7 @@ from server.engine.build import (
     compile_cache_hits,
     optimize_options,
     resolve_device,
+    swin_options,
     use_compile_cache,
     use_precision,
     variant_refusal,
@@ -97,6 +98,7 @@ class Engine:
         settings = settings.for_device(self.device.type)  # batch sizes a laptop can hold
         self.settings = settings
         self.options = optimize_options(settings, self.device)
+        self.swin_options = swin_options(settings, self.options)
         use_precision(self.options)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
@@ -282,8 +284,14 @@ class Engine:
             "observer": self.observer,
         }
 
-    def _info(self, name: str, checkpoint: Path | None, buckets: list[int]) -> ModelInfo:
-        opts = self.options
+    def _info(
+        self,
+        name: str,
+        checkpoint: Path | None,
+        buckets: list[int],
+        opts: OptimizeOptions | None = None,
+    ) -> ModelInfo:
+        opts = opts or self.options
         weights = weights_label(checkpoint)  # "random", "synthetic" or the file's name
         if weights == SYNTHETIC:
             log.warning(
@@ -405,7 +413,7 @@ class Engine:
                 f"unknown SERVE_SWIN_MODEL {s.swin_model!r}; one of {list(SWIN_CONFIGS)}"
             )
         config = SWIN_CONFIGS[s.swin_model]
-        opts = self.options
+        opts = self.swin_options
         model = load_swin(config, s.swin_checkpoint, seed=s.seed).to(self.device, opts.dtype)
         prepare_swin(model, opts)
         if s.swin_checkpoint is None:
@@ -415,9 +423,11 @@ class Engine:
                 s.seed,
             )
         buckets = s.buckets_up_to(s.classify_max_batch_size)
-        aot = self._aot_store(s.swin_model, model)
+        # the window kernel (models.swin.window_kernel, "auto" on CUDA) inside the package
+        attention = "window_kernel" if self.device.type == "cuda" else "sdpa"
+        aot = self._aot_store(s.swin_model, model, attention, opts)
         stage = SwinStage(model, config, self.device, opts, buckets, aot=aot)
-        info = self._info(s.swin_model, s.swin_checkpoint, buckets)
+        info = self._info(s.swin_model, s.swin_checkpoint, buckets, opts)
         batcher: Batcher[ClassifyItem, TopK] = Batcher(
             "swin",
             self._stage_fn("swin", stage.classify),
@@ -427,14 +437,19 @@ class Engine:
         return SwinParts(stage, info, batcher)
 
     def _aot_store(
-        self, name: str, module: torch.nn.Module, attention: str = "sdpa"
+        self,
+        name: str,
+        module: torch.nn.Module,
+        attention: str = "sdpa",
+        opts: OptimizeOptions | None = None,
     ) -> AotStore | None:
         """Where this model's AOT packages live, keyed by its weights and variant here, and
-        by SAM's attention where it is not SDPA (another kernel inside the package)."""
+        by its attention where it is not SDPA's (another kernel inside the package)."""
         folder = self.settings.compile_cache_dir
-        if self.options.compile_mode != "aot" or folder is None:
+        opts = opts or self.options
+        if opts.compile_mode != "aot" or folder is None:
             return None
-        variant = self.options.variant + ("" if attention == "sdpa" else f"+{attention}_attention")
+        variant = opts.variant + ("" if attention == "sdpa" else f"+{attention}_attention")
         key = PackageKey(name, weights_hash(module), variant, device_name(self.device))
         return AotStore(folder / "aot", key)
 

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
     """SAM global attention: auto (triton on CUDA, sdpa on the CPU), sdpa, flex, triton"""
+    swin_attention: Literal["auto", "kernel", "matmul", "sdpa"] = "auto"
+    """Swin's window attention: auto (kernel on CUDA, matmul elsewhere), kernel (one Triton
+    kernel on the unrolled grid, models/swin/window_kernel.py; CUDA only), matmul (written
+    out), sdpa"""
     compile_mode: Literal[
         "auto", "none", "default", "max-autotune", "max-autotune-no-cudagraphs", "aot"
     ] = "auto"  # auto: "default" on CUDA, "none" on the CPU

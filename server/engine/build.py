@@ -98,6 +98,25 @@ def swin_options(settings: Settings, options: OptimizeOptions) -> OptimizeOption
     return options
 
 
+def swin_attention_form(settings: Settings, device: torch.device) -> str:
+    """`SERVE_SWIN_ATTENTION` resolved for the device: the form every WindowAttention runs
+    in. `auto` is the kernel where it compiles: Swin-T 23,204 img/s against 13,090 written
+    out on an H200 (bf16, batch 256, docs/BENCHMARKS.md, issue 20's tenth session). The
+    kernel asked for where it cannot run is refused at start, naming the setting."""
+    form = settings.swin_attention
+    kernel_runs = device.type == "cuda" and triton_available()
+    if form == "auto":
+        return "kernel" if kernel_runs else "matmul"
+    if form == "kernel" and not kernel_runs:
+        where = "a CUDA device without Triton" if device.type == "cuda" else str(device)
+        raise VariantUnsupportedError(
+            f"SERVE_SWIN_ATTENTION=kernel cannot run on this device ({where}): the window "
+            "kernel is a Triton kernel for CUDA GPUs. Use auto (the kernel on CUDA, the "
+            "written-out form elsewhere), matmul or sdpa."
+        )
+    return form
+
+
 def check_tf32(device: torch.device) -> None:
     """Refuse `SERVE_PRECISION=tf32` where no TF32 tensor core exists (the CPU, GPUs before
     Ampere): there it would quietly serve plain fp32 under another name."""

@@ -26,7 +26,7 @@ from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
 from models.sam2 import SAM2_CONFIGS, Sam2Encoder, default_decoder_paths, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskSettings
-from models.swin import SWIN_CONFIGS, load_swin
+from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
 from models.triton_device import runs_triton
 from server.domain import (
     ClassifyResult,
@@ -43,6 +43,7 @@ from server.engine.build import (
     compile_cache_hits,
     optimize_options,
     resolve_device,
+    swin_attention_form,
     swin_options,
     use_compile_cache,
     use_precision,
@@ -414,7 +415,11 @@ class Engine:
             )
         config = SWIN_CONFIGS[s.swin_model]
         opts = self.swin_options
+        form = swin_attention_form(s, self.device)
         model = load_swin(config, s.swin_checkpoint, seed=s.seed).to(self.device, opts.dtype)
+        for module in model.modules():
+            if isinstance(module, WindowAttention):
+                module.form = form
         prepare_swin(model, opts)
         if s.swin_checkpoint is None:
             log.warning(
@@ -423,8 +428,9 @@ class Engine:
                 s.seed,
             )
         buckets = s.buckets_up_to(s.classify_max_batch_size)
-        # the window kernel (models.swin.window_kernel, "auto" on CUDA) inside the package
-        attention = "window_kernel" if self.device.type == "cuda" else "sdpa"
+        # the kernel or SDPA inside the package: keyed (the written-out form's packages
+        # came first and keep their key)
+        attention = {"kernel": "window_kernel", "sdpa": "window_sdpa"}.get(form, "sdpa")
         aot = self._aot_store(s.swin_model, model, attention, opts)
         stage = SwinStage(model, config, self.device, opts, buckets, aot=aot)
         info = self._info(s.swin_model, s.swin_checkpoint, buckets, opts)

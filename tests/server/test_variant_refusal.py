@@ -15,7 +15,12 @@ import torch
 
 from models.optimize import OptimizeOptions
 from models.quantize import Int8DynamicLinear
-from server.engine.build import VariantUnsupportedError, use_precision, variant_refusal
+from server.engine.build import (
+    VariantUnsupportedError,
+    swin_attention_form,
+    use_precision,
+    variant_refusal,
+)
 from server.engine.services import Engine
 from tests.server.conftest import small_settings
 
@@ -81,3 +86,47 @@ def test_tf32_sets_the_process_matmul_precision_and_others_leave_it() -> None:
         assert OptimizeOptions(precision="tf32").variant == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_swin_kernel_asked_for_where_it_cannot_run_is_refused_at_start() -> None:
+    """`SERVE_SWIN_ATTENTION=kernel` on the CPU would fail at the first classify (a Triton
+    launch on CPU tensors): start-up refuses it naming the setting, before any weights
+    load, and `auto` resolves per device."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert swin_attention_form(small_settings(), cpu) == "matmul"
+    assert swin_attention_form(small_settings(), cuda) == "kernel"  # Triton is installed here
+    assert swin_attention_form(small_settings(swin_attention="sdpa"), cuda) == "sdpa"
+    engine = Engine(small_settings(swin_attention="kernel", enable_sam=False))
+
+    async def start() -> None:
+        try:
+            await engine.load()
+        finally:
+            await engine.close()
+
+    with pytest.raises(VariantUnsupportedError) as caught:
+        asyncio.run(start())
+    message = str(caught.value)
+    assert message.startswith("SERVE_SWIN_ATTENTION=kernel cannot run on this device (cpu)")
+    assert "auto" in message and "matmul" in message
+
+
+def test_the_served_swin_runs_the_form_the_setting_names() -> None:
+    """Every window attention of the loaded classifier takes the setting's form (the
+    written-out and SDPA forms both run on the CPU, so both are served here)."""
+    from models.swin.model import WindowAttention
+
+    for form in ("matmul", "sdpa"):
+        engine = Engine(small_settings(swin_attention=form, enable_sam=False))
+
+        async def load(engine: Engine = engine) -> list[str]:
+            try:
+                await engine.load()
+                assert engine.swin is not None
+                model = engine.swin.stage.model
+                return [m.form for m in model.modules() if isinstance(m, WindowAttention)]
+            finally:
+                await engine.close()
+
+        forms = asyncio.run(load())
+        assert forms and set(forms) == {form}, (form, forms)

@@ -42,6 +42,8 @@ __all__ = [
 # The shifted windows' mask value, as in models.swin.model (Microsoft's -100, not -inf).
 _MASKED = -100.0
 _LOG2E = 1.4426950408889634
+# CUDA's limit on a launch grid's second axis (the kernel's images x heads)
+_MAX_GRID_Y = 65_535
 
 
 class WindowKernelConfig:
@@ -141,6 +143,12 @@ def _launch(
         raise ValueError(
             f"a {res_h}x{res_w} grid of {channels} channels does not split into "
             f"{window}x{window} windows of {heads} heads"
+        )
+    if B * heads > _MAX_GRID_Y:
+        # the grid's second axis; the service's batches stop far below (256 x 24 heads)
+        raise ValueError(
+            f"{B} images x {heads} heads is more than the kernel's {_MAX_GRID_Y} programs "
+            "a window: split the batch"
         )
     out = qkv.new_empty(B, res_h, res_w, channels)
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"

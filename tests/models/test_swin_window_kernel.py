@@ -230,3 +230,14 @@ def test_a_grid_the_windows_do_not_tile_is_refused(bad: tuple[int, int]) -> None
     qkv = torch.zeros(1, res, res, 3 * 8)
     with pytest.raises(ValueError, match="windows"):
         _launch(qkv, torch.zeros((2 * window - 1) ** 2, 2), 2, window, 0)
+
+
+def test_a_batch_past_the_grid_s_second_axis_is_refused() -> None:
+    """Images x heads is the launch grid's second axis, which CUDA stops at 65,535: a
+    larger batch (never the service's: 256 at most) fails with the split to make, not
+    with a launch error, and before any kernel."""
+    from models.swin.window_kernel import _launch
+
+    qkv = torch.zeros(1, 7, 7, 3 * 8).expand(65_536, 7, 7, 3 * 8)  # no memory: a view
+    with pytest.raises(ValueError, match="split the batch"):
+        _launch(qkv, torch.zeros(13 * 13, 1), 1, 7, 0)

@@ -22,6 +22,7 @@ from server.engine.build import (
     variant_refusal,
 )
 from server.engine.services import Engine
+from server.settings import Settings
 from tests.server.conftest import small_settings
 
 CUBLAS = (
@@ -37,7 +38,17 @@ def test_a_refused_int8_product_at_warm_up_names_the_setting(
         raise RuntimeError(CUBLAS)
 
     monkeypatch.setattr(Int8DynamicLinear, "forward", refused)
-    engine = Engine(small_settings(quantization="int8", enable_sam=False))
+    refusal = start_refusal(small_settings(quantization="int8", enable_sam=False))
+    message = str(refusal)
+    assert message.startswith("SERVE_QUANTIZATION=int8 cannot run on this device (cpu)")
+    assert "Swin, batch 1" in message and "CUBLAS_STATUS_NOT_SUPPORTED" in message
+    assert "SERVE_QUANTIZATION=none" in message
+    assert isinstance(refusal.__cause__, RuntimeError)
+
+
+def start_refusal(settings: Settings) -> VariantUnsupportedError:
+    """What an engine's start-up (load, then warm-up) with `settings` refuses with."""
+    engine = Engine(settings)
 
     async def start() -> None:
         try:
@@ -48,11 +59,7 @@ def test_a_refused_int8_product_at_warm_up_names_the_setting(
 
     with pytest.raises(VariantUnsupportedError) as caught:
         asyncio.run(start())
-    message = str(caught.value)
-    assert message.startswith("SERVE_QUANTIZATION=int8 cannot run on this device (cpu)")
-    assert "Swin, batch 1" in message and "CUBLAS_STATUS_NOT_SUPPORTED" in message
-    assert "SERVE_QUANTIZATION=none" in message
-    assert isinstance(caught.value.__cause__, RuntimeError)
+    return caught.value
 
 
 def test_other_errors_and_unquantized_variants_keep_their_own_error() -> None:
@@ -96,17 +103,7 @@ def test_the_swin_kernel_asked_for_where_it_cannot_run_is_refused_at_start() -> 
     assert swin_attention_form(small_settings(), cpu) == "matmul"
     assert swin_attention_form(small_settings(), cuda) == "kernel"  # Triton is installed here
     assert swin_attention_form(small_settings(swin_attention="sdpa"), cuda) == "sdpa"
-    engine = Engine(small_settings(swin_attention="kernel", enable_sam=False))
-
-    async def start() -> None:
-        try:
-            await engine.load()
-        finally:
-            await engine.close()
-
-    with pytest.raises(VariantUnsupportedError) as caught:
-        asyncio.run(start())
-    message = str(caught.value)
+    message = str(start_refusal(small_settings(swin_attention="kernel", enable_sam=False)))
     assert message.startswith("SERVE_SWIN_ATTENTION=kernel cannot run on this device (cpu)")
     assert "auto" in message and "matmul" in message
 

@@ -289,7 +289,7 @@ def test_gpu_overlay_takes_one_whole_gpu_on_gpu_nodes(rendered, monkeypatch):
         "tolerations"
     ]
     settings = settings_from(config(objects), monkeypatch)
-    assert (settings.device, settings.precision) == ("cuda", "bf16")
+    assert (settings.device, settings.precision) == ("cuda", "auto")  # SAM bf16, Swin fp16
     assert (
         settings.sam_checkpoint is not None
         and settings.sam_checkpoint.parent.as_posix() == "/weights"
@@ -464,7 +464,7 @@ def test_gpu_shared_overlay_takes_one_time_sliced_share(rendered, monkeypatch):
     ]
     settings = settings_from(config(objects), monkeypatch)
     assert settings.decode_threads == 4
-    assert (settings.device, settings.precision) == ("cuda", "bf16")
+    assert (settings.device, settings.precision) == ("cuda", "auto")  # SAM bf16, Swin fp16
     assert settings.embedding_cache_bytes == 2 * 2**30, "the ~7.7 GiB was measured at"
     assert settings.sam_checkpoint is not None and settings.swin_checkpoint is not None
     assert spec["containers"][0]["image"].endswith(":gpu")

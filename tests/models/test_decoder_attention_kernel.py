@@ -8,7 +8,11 @@ tensors.
 
 from __future__ import annotations
 
-from tests.models.interpreter import run_interpreted
+from typing import Any
+
+import pytest
+
+from tests.models.interpreter import run_interpreted_together
 
 OP = r"""
 import json, sys
@@ -39,8 +43,7 @@ print(json.dumps(results))
 """
 
 
-def test_the_kernel_equals_sdpa_on_the_decoders_shapes() -> None:
-    cases = [
+OP_CASES = [
         # image -> token: many queries, a few keys, padding masked
         {"seed": 0, "shape": [3, 8, 100, 7, 16], "dtype": "float32", "shared": False,
          "padding": True},
@@ -52,8 +55,18 @@ def test_the_kernel_equals_sdpa_on_the_decoders_shapes() -> None:
          "padding": True},
         {"seed": 3, "shape": [3, 8, 70, 9, 16], "dtype": "bfloat16", "shared": False,
          "padding": True},
-    ]  # fmt: skip
-    for case, result in zip(cases, run_interpreted(OP, cases), strict=True):
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> list[list[Any]]:
+    """Both scripts' results, run in one interpreted process (one start of Python, torch
+    and Triton for the module instead of one per script)."""
+    return run_interpreted_together([(OP, OP_CASES), (DECODERS, [{}])])
+
+
+def test_the_kernel_equals_sdpa_on_the_decoders_shapes(interpreted: list[list[Any]]) -> None:
+    for case, result in zip(OP_CASES, interpreted[0], strict=True):
         assert result["shape"] == [*case["shape"][:3], case["shape"][4]]
         assert result["dtype"] == f"torch.{case['dtype']}"
         limit = 1e-5 if case["dtype"] == "float32" else 0.05  # bf16: the output's rounding
@@ -107,8 +120,10 @@ print(json.dumps([results]))
 """
 
 
-def test_the_decoders_give_the_same_masks_through_the_kernel() -> None:
-    (result,) = run_interpreted(DECODERS, [{}], timeout=600)
+def test_the_decoders_give_the_same_masks_through_the_kernel(
+    interpreted: list[list[Any]],
+) -> None:
+    (result,) = interpreted[1]
     sam2_limit = 1e-4 * max(1.0, result["sam2_scale"])
     for key in ("sam2_eager", "sam2_shared", "sam2_compiled"):
         assert result[key] <= sam2_limit, (key, result)

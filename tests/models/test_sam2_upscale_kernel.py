@@ -7,7 +7,11 @@ subprocess: tests/models/interpreter.py), where `runs_triton` holds for CPU tens
 
 from __future__ import annotations
 
-from tests.models.interpreter import run_interpreted
+from typing import Any
+
+import pytest
+
+from tests.models.interpreter import run_interpreted_together
 
 OP = r"""
 import json, sys
@@ -54,21 +58,30 @@ print(json.dumps(results))
 """
 
 
-def test_the_kernel_equals_the_unfused_modules() -> None:
-    cases = [
-        {"seed": 0, "dtype": "float32", "h": 8, "w": 8, "per_prompt_skips": False},
-        {"seed": 1, "dtype": "float32", "h": 6, "w": 10, "per_prompt_skips": True},
-        {"seed": 2, "dtype": "bfloat16", "h": 8, "w": 8, "per_prompt_skips": True},
-        {
-            "seed": 3,
-            "dtype": "float32",
-            "h": 8,
-            "w": 8,
-            "per_prompt_skips": False,
-            "matmul": "high",
-        },
-    ]
-    for case, result in zip(cases, run_interpreted(OP, cases), strict=True):
+OP_CASES = [
+    {"seed": 0, "dtype": "float32", "h": 8, "w": 8, "per_prompt_skips": False},
+    {"seed": 1, "dtype": "float32", "h": 6, "w": 10, "per_prompt_skips": True},
+    {"seed": 2, "dtype": "bfloat16", "h": 8, "w": 8, "per_prompt_skips": True},
+    {
+        "seed": 3,
+        "dtype": "float32",
+        "h": 8,
+        "w": 8,
+        "per_prompt_skips": False,
+        "matmul": "high",
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> list[list[Any]]:
+    """Both scripts' results (OP's, DECODER's), run in one interpreted process: one start
+    of Python, torch and Triton for the module instead of one per script."""
+    return run_interpreted_together([(OP, OP_CASES), (DECODER, [{}])])
+
+
+def test_the_kernel_equals_the_unfused_modules(interpreted: list[list[Any]]) -> None:
+    for case, result in zip(OP_CASES, interpreted[0], strict=True):
         h, w = case["h"], case["w"]
         assert result["shape"] == [3, 4, 4 * h, 4 * w]
         assert result["dtype"] == f"torch.{case['dtype']}"
@@ -116,10 +129,12 @@ print(json.dumps(results))
 """
 
 
-def test_the_decoder_with_the_fused_output_eager_and_compiled() -> None:
+def test_the_decoder_with_the_fused_output_eager_and_compiled(
+    interpreted: list[list[Any]],
+) -> None:
     """The op is opaque to torch.compile (a custom op with a fake): the compiled grid
     decoder calls it and gives the eager decoder's masks."""
-    (result,) = run_interpreted(DECODER, [{}], timeout=600)
+    (result,) = interpreted[1]
     tolerance = 1e-4 * max(1.0, result["scale"])
     assert result["eager_diff"] <= tolerance, result
     assert result["compiled_diff"] <= tolerance, result

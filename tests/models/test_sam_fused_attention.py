@@ -15,10 +15,13 @@ arbitrary strides); speed is measured on the GPU by bench/sam_encoder.py.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from models.sam.fused_attention import MAX_GRID_W, fused_supported, triton_available
-from tests.models.interpreter import run_interpreted
+from tests.models.interpreter import run_interpreted, run_interpreted_together
 
 SCRIPT = r"""
 import json, sys
@@ -64,8 +67,16 @@ CASES = [
 ]
 
 
-def test_kernel_matches_dense_bias_attention() -> None:
-    results = run_interpreted(SCRIPT, CASES)
+@pytest.fixture(scope="module")
+def interpreted() -> list[list[Any]]:
+    """WINDOW_SCRIPT's and SCRIPT's results, run in one interpreted process (one start of
+    Python, torch and Triton instead of two). The windows run first, on the default
+    `KernelConfig`, as in a process of their own; SCRIPT then sets the blocks it sweeps."""
+    return run_interpreted_together([(WINDOW_SCRIPT, WINDOW_CASES), (SCRIPT, CASES)])
+
+
+def test_kernel_matches_dense_bias_attention(interpreted: list[list[Any]]) -> None:
+    results = interpreted[1]
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r  # fp32 throughout: only summation order differs
@@ -115,11 +126,13 @@ WINDOW_CASES = [
 ]
 
 
-def test_windows_read_in_place_match_meta_partitioned_windows() -> None:
+def test_windows_read_in_place_match_meta_partitioned_windows(
+    interpreted: list[list[Any]],
+) -> None:
     """`Attention.windowed` (what the encoder's windowed blocks run on CUDA) against
     `window_partition` -> the same module on the windows -> `window_unpartition`: the same
     function, the padded tokens' keys and values included (qkv's bias, or zeros)."""
-    results = run_interpreted(WINDOW_SCRIPT, WINDOW_CASES)
+    results = interpreted[0]
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r

@@ -25,8 +25,7 @@ from torch import Tensor, nn
 
 from models.quant_linear import linear_then_residual
 from models.swin.config import SwinConfig
-from models.swin.window_kernel import shifted_window_attention
-from models.triton_device import triton_installed
+from models.swin.window_kernel import kernel_compiles, shifted_window_attention
 
 __all__ = [
     "PatchMerging",
@@ -127,7 +126,7 @@ class WindowAttention(nn.Module):
         """The form this call runs in on `device` ("auto" resolved)."""
         if self.form != "auto":
             return self.form
-        return "kernel" if device.type == "cuda" and triton_installed() else "matmul"
+        return "kernel" if kernel_compiles(device) else "matmul"
 
     def on_grid(self, x: Tensor, shift: int) -> Tensor:
         """The kernel's path: x `[B, H, W, C]`, the normed and *unrolled* grid -> the

@@ -16,6 +16,7 @@ import torch
 from models.optimize import OptimizeOptions
 from models.quantize import torchao_unsupported
 from models.sam.fused_attention import triton_available
+from models.swin.window_kernel import kernel_compiles
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,9 @@ def swin_attention_form(settings: Settings, device: torch.device) -> str:
     out on an H200 (bf16, batch 256, docs/BENCHMARKS.md, issue 20's tenth session). The
     kernel asked for where it cannot run is refused at start, naming the setting."""
     form = settings.swin_attention
-    kernel_runs = device.type == "cuda" and triton_available()
     if form == "auto":
-        return "kernel" if kernel_runs else "matmul"
-    if form == "kernel" and not kernel_runs:
+        return "kernel" if kernel_compiles(device) else "matmul"
+    if form == "kernel" and not kernel_compiles(device):
         where = "a CUDA device without Triton" if device.type == "cuda" else str(device)
         raise VariantUnsupportedError(
             f"SERVE_SWIN_ATTENTION=kernel cannot run on this device ({where}): the window "

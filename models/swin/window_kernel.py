@@ -39,8 +39,6 @@ __all__ = [
     "window_attention",
 ]
 
-# The shifted windows' mask value, as in models.swin.model (Microsoft's -100, not -inf).
-_MASKED = -100.0
 _LOG2E = 1.4426950408889634
 # CUDA's limit on a launch grid's second axis (the kernel's images x heads)
 _MAX_GRID_Y = 65_535
@@ -72,7 +70,8 @@ def _kernel() -> Any:
         heads, channels, res_h, res_w, windows_w, shift,
         WINDOW: tl.constexpr, N_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, QK_SCALE: tl.constexpr, SHIFTED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, LOG2E: tl.constexpr,
+        MASKED: tl.constexpr,
     ):  # fmt: skip
         window_id = tl.program_id(0)
         bh = tl.program_id(1)
@@ -107,13 +106,13 @@ def _kernel() -> Any:
         idx = (a[:, None] - a[None, :] + WINDOW - 1) * side + (c[:, None] - c[None, :] + WINDOW - 1)
         pair_ok = valid[:, None] & valid[None, :]
         bias = tl.load(TABLE + idx * heads + h, mask=pair_ok, other=0.0).to(tl.float32)
-        s += bias * 1.4426950408889634
+        s += bias * LOG2E
         if SHIFTED:
             # regions of the rolled grid: 0 inside, 1 and 2 the strips the roll brought in
             reg_r = (r >= res_h - WINDOW).to(tl.int32) + (r >= res_h - shift).to(tl.int32)
             reg_c = (col >= res_w - WINDOW).to(tl.int32) + (col >= res_w - shift).to(tl.int32)
             label = reg_r * 3 + reg_c
-            s = tl.where(label[:, None] != label[None, :], s + -100.0 * 1.4426950408889634, s)
+            s = tl.where(label[:, None] != label[None, :], s + MASKED * LOG2E, s)
         s = tl.where(valid[None, :], s, float("-inf"))
         m = tl.max(s, 1)
         p = tl.math.exp2(s - m[:, None])
@@ -133,6 +132,8 @@ def _launch(
     """qkv `[B, H, W, 3C]` (any strides over B, H, W; each token's 3C contiguous), the
     bias table `[(2w-1)^2, heads]` -> `[B, H, W, C]`."""
     import triton
+
+    from models.swin.model import MASKED  # here: the model module imports this one
 
     B, res_h, res_w, c3 = qkv.shape
     channels = c3 // 3
@@ -169,7 +170,7 @@ def _launch(
         # an fp32 model's products in full fp32, not TF32's 10 bits
         PRECISION="ieee" if qkv.dtype == torch.float32 or interpreting else "tf32",
         # Triton's interpreter (the CPU tests') multiplies bf16 wrongly: fp32 operands there
-        UPCAST=interpreting,
+        UPCAST=interpreting, LOG2E=_LOG2E, MASKED=MASKED,
         num_warps=WindowKernelConfig.num_warps,
     )  # fmt: skip
     return out

@@ -17,8 +17,15 @@ T = TypeVar("T")
 
 
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None) -> Iterator[None]:
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None, priority: int | None = None
+) -> Iterator[None]:
     """Record `graph` on a side stream, like `torch.cuda.graph` without its cache flushes.
+
+    The side stream has the current stream's priority unless `priority` says otherwise,
+    because a graph's kernels keep the priority of the stream they were captured on
+    whatever stream replays them (measured: `bench/mps_priority.py`, docs/BENCHMARKS.md
+    issue 19): a graph captured on a default-priority side stream loses its stage's.
 
     `torch.cuda.graph` empties the device and pinned-host caches before every capture so
     that the graph may take freed memory (and, with a flag set, runs a full `gc.collect`);
@@ -27,7 +34,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None) -> Iterato
     so the flushes buy nothing here.
     """
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
+    if priority is None:
+        priority = torch.cuda.current_stream().priority
+    stream = torch.cuda.Stream(priority=priority)
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
         try:
@@ -37,7 +46,10 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None) -> Iterato
 
 
 def warm_and_capture(
-    fn: Callable[[], T], pool: _POOL_HANDLE | None, warmup_runs: int = 2
+    fn: Callable[[], T],
+    pool: _POOL_HANDLE | None,
+    warmup_runs: int = 2,
+    priority: int | None = None,
 ) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run `fn` a few times on a side stream (compiling or tuning what it meets first),
     then capture one more call; the graph and that call's outputs, which every replay
@@ -49,6 +61,6 @@ def warm_and_capture(
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with capturing(graph, pool):
+    with capturing(graph, pool, priority):
         out = fn()
     return graph, out

@@ -225,19 +225,24 @@ class Engine:
         end of warm-up, 12.6 GB of it cached and unused, and eight engines warming at
         once on one H200 ran out of its 140 GB (docs/BENCHMARKS.md, issue 19, twenty-first
         session); six would not have fitted an 80 GB H100. Released bucket by bucket, an
-        engine's peak is its models plus one bucket's transients."""
-        if stage == "swin":
-            assert self.swin is not None
-            self.swin.stage.warm(bucket)
-        else:
-            assert self.sam is not None
-            if stage == "sam2_everything":
-                assert isinstance(self.sam.stages, Sam2Stages)
-                self.sam.stages.warm_everything(bucket)
-            elif stage == "sam_encoder":
-                self.sam.stages.warm_encoder(bucket)
+        engine's peak is its models plus one bucket's transients.
+
+        Each stage warms on its own stream, so the graphs it captures keep that stream's
+        priority (`StageWorkers.on_stream`): captured on the warm-up thread's encoder
+        stream, a click's decoder graphs ran at the encoder's priority."""
+        with self.workers.on_stream("everything" if stage == "sam2_everything" else stage):
+            if stage == "swin":
+                assert self.swin is not None
+                self.swin.stage.warm(bucket)
             else:
-                self.sam.stages.warm_decoder(bucket)
+                assert self.sam is not None
+                if stage == "sam2_everything":
+                    assert isinstance(self.sam.stages, Sam2Stages)
+                    self.sam.stages.warm_everything(bucket)
+                elif stage == "sam_encoder":
+                    self.sam.stages.warm_encoder(bucket)
+                else:
+                    self.sam.stages.warm_decoder(bucket)
         self.warm_released_bytes += self.workers.release_cached()
 
     def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -73,6 +74,17 @@ class StageWorkers:
 
     def __getitem__(self, stage: str) -> ThreadPoolExecutor:
         return self._executors[stage]
+
+    def on_stream(self, stage: str) -> AbstractContextManager[object]:
+        """The stage's stream as the calling thread's current one, for warm-up (which runs
+        every stage on one thread): the CUDA graphs it captures then keep the stage's
+        priority. A graph's kernels run at the priority of the stream they were captured
+        on, whatever stream replays them: a decoder graph captured on a stream of the
+        lowest priority took 169 ms a batch beside five processes' encoders, captured on
+        one of the highest 7.1 ms (2.0 alone; H100, `bench/mps_priority.py`,
+        docs/BENCHMARKS.md issue 19). A no-op without a stream of the stage's own."""
+        stream = self.streams.get(stage)
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def started(self) -> torch.cuda.Event | None:
         """A timing event queued on the calling thread's stream before a batch queues its

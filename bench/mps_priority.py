@@ -1,0 +1,301 @@
+"""Whether MPS's client priority lets a click's decoder batch pass other processes' encoders.
+
+Why: in the service's mix (six engines on one GPU under MPS), a decoder batch's GPU span
+grew from 1.8 ms alone to 7-12 ms (docs/BENCHMARKS.md, issue 19): every engine runs the
+encoder, the decoder and Swin, and the decoder's high-priority stream ranks it only
+against its own process's encoder. `CUDA_MPS_CLIENT_PRIORITY` ranks whole client
+processes; it could favour the decoder only if encoders ran in processes of their own
+(engines split by stage). Before building that split, this measures what it would buy.
+
+The parent is the probe, as a decoder engine would be: SAM ViT-B's prompt encoder and mask
+decoder in bf16, one CUDA graph for a batch of `--prompts` one-point clicks on as many
+embeddings, replayed every `--period-ms` on a stream of the highest priority, each
+replay's GPU span (events on that stream) and its launch-to-done wall time recorded.
+Loads are other processes (MPS clients started with or without
+`CUDA_MPS_CLIENT_PRIORITY`), each running the compiled, graphed encoder on batches of
+`--batch` back to back on a stream of default priority, as an engine's encoder stage does;
+they report their images per second. `thread` runs one such load in the probe's own
+process instead (stream priority alone, no MPS ranking). A private MPS daemon is started
+for the run (as `server.mps` does) unless CUDA_MPS_PIPE_DIRECTORY is set.
+
+    python -m bench.mps_priority --loads 1 5 --seconds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# the probe's CUDA context must be an MPS client too: the daemon's pipes are set below,
+# before torch first touches CUDA
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+BELOW_NORMAL = "1"  # the MPS guide's values: 0 NORMAL (the default), 1 BELOW_NORMAL
+
+
+def _sam(batch: int | None = None) -> Any:
+    import torch
+
+    from models.optimize import OptimizeOptions, prepare_sam_encoder
+    from models.sam import SAM_CONFIGS, load_sam
+
+    model = load_sam(SAM_CONFIGS["vit_b"], None).to("cuda", torch.bfloat16)
+    if batch is not None:  # the encoder as the service compiles it on CUDA
+        opts = OptimizeOptions(
+            precision="bf16", attention="triton", window_attention="triton",
+            compile_mode="default", cuda_graphs=True, gelu_epilogue=True,
+        )  # fmt: skip
+        prepare_sam_encoder(model.image_encoder, opts, torch.device("cuda"))
+    return model
+
+
+def _encoder_loop(
+    batch: int, ready: Callable[[], None], counting: threading.Event, stop: threading.Event
+) -> tuple[int, float]:
+    """Encoder batches back to back until `stop`; the images done and the seconds taken
+    while `counting` was set (the probe's window)."""
+    import torch
+
+    from models.optimize import GraphedBuckets, compile_fn
+
+    model = _sam(batch)
+    fn = GraphedBuckets(compile_fn(model.encode, "default", dynamic=False), enabled=True)
+    x = torch.randn(batch, 3, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream(priority=0)
+    images, started = 0, 0.0
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        fn.capture(x)
+        stream.synchronize()
+        ready()
+        while not stop.is_set():
+            fn(x)
+            stream.synchronize()  # an engine hands each batch over before the next
+            if counting.is_set():
+                if not images:
+                    started = time.perf_counter()
+                images += batch
+    return images, time.perf_counter() - started
+
+
+def _load_main(args: argparse.Namespace) -> None:
+    """A load process: "ready" once warm; counts from stdin's first line, stops at EOF."""
+    counting, stop = threading.Event(), threading.Event()
+
+    def listen() -> None:
+        sys.stdin.readline()
+        counting.set()
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    images, seconds = _encoder_loop(args.batch, lambda: print("ready", flush=True), counting, stop)
+    print(json.dumps({"images": images, "seconds": seconds}), flush=True)
+
+
+class Probe:
+    """The decoder batch on the highest-priority stream: a CUDA graph's replay (as the
+    service runs it) and the same call eager (the kernels launched one by one)."""
+
+    def __init__(self, prompts: int) -> None:
+        import torch
+
+        from models.cuda_graphs import warm_and_capture
+        from models.sam import PromptSet, pack_prompts
+
+        self.torch = torch
+        model = _sam()
+        emb = torch.randn(prompts, 256, 64, 64, device="cuda", dtype=torch.bfloat16)
+        sets = [PromptSet(points=[[100.0 + 50 * i, 300.0]], labels=[1]) for i in range(prompts)]
+        batch = pack_prompts(sets, list(range(prompts)), "cuda", mask_size=256)
+        low, high = torch.cuda.Stream.priority_range()
+        self.stream = torch.cuda.Stream(priority=high)
+        self.priority_range = (low, high)
+        with torch.inference_mode():  # captured on a side stream of the lowest priority ...
+            graph, _ = warm_and_capture(lambda: model.decode(emb, batch), None, priority=low)
+            # ... and of the highest (the probe's stream), its kernels replayed the same way
+            graph_hi, _ = warm_and_capture(lambda: model.decode(emb, batch), None, priority=high)
+
+        def eager() -> None:
+            with torch.inference_mode():
+                model.decode(emb, batch)
+
+        self.forms: dict[str, Callable[[], object]] = {
+            "graph": graph.replay, "graph captured at high priority": graph_hi.replay,
+            "eager": eager,
+        }  # fmt: skip
+
+    def measure(self, seconds: float, period_ms: float) -> list[dict[str, Any]]:
+        """Each form for `seconds`, one batch a period (open loop; a late one goes at once)."""
+        return [{"probe": form, **self._measure(fn, seconds, period_ms)}
+                for form, fn in self.forms.items()]  # fmt: skip
+
+    def _measure(
+        self, fn: Callable[[], object], seconds: float, period_ms: float
+    ) -> dict[str, float]:
+        torch = self.torch
+        gpu, wall = [], []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        deadline = time.perf_counter() + seconds
+        next_at = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while next_at < deadline:
+                time.sleep(max(0.0, next_at - time.perf_counter()))
+                launched = time.perf_counter()
+                start.record(self.stream)
+                fn()
+                end.record(self.stream)
+                end.synchronize()
+                wall.append((time.perf_counter() - launched) * 1e3)
+                gpu.append(start.elapsed_time(end))
+                next_at += period_ms / 1e3
+        return {**_spread("gpu", gpu), **_spread("wall", wall), "batches": len(gpu)}
+
+
+def _spread(name: str, values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(values, n=100)
+    return {f"{name}_p50": cuts[49], f"{name}_p90": cuts[89], f"{name}_p99": cuts[98],
+            f"{name}_max": max(values)}  # fmt: skip
+
+
+def _start_loads(
+    n: int, priority: str | None, args: argparse.Namespace
+) -> list[subprocess.Popen[str]]:
+    env = {k: v for k, v in os.environ.items() if k != PRIORITY_ENV}
+    if priority is not None:
+        env[PRIORITY_ENV] = priority
+    cmd = [sys.executable, "-m", "bench.mps_priority", "--role", "load", "--batch", str(args.batch)]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(n)
+    ]
+    for p in procs:  # each says "ready" once compiled and captured
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            raise SystemExit(f"a load process did not start (exit {p.wait()}): {line!r}")
+    return procs
+
+
+def _tell(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+
+def _finish_loads(procs: list[subprocess.Popen[str]]) -> float:
+    """Stop the loads; their images per second, summed, over the probe's window."""
+    _tell(procs)
+    total = 0.0
+    for p in procs:
+        assert p.stdout is not None
+        out = json.loads(p.stdout.read().strip().splitlines()[-1])
+        p.wait()
+        total += out["images"] / out["seconds"]
+    return total
+
+
+def _daemon() -> tuple[Path | None, dict[str, str]]:
+    if "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
+        return None, {}
+    folder = Path(tempfile.mkdtemp(prefix="mps-priority-"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipes"),
+           "CUDA_MPS_LOG_DIRECTORY": str(folder / "logs")}  # fmt: skip
+    for path in env.values():
+        Path(path).mkdir()
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    return folder, env
+
+
+def _control(command: str) -> str:
+    done = subprocess.run(["nvidia-cuda-mps-control"], input=command + "\n", text=True,
+                          capture_output=True, check=False)  # fmt: skip
+    return (done.stdout + done.stderr).strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=["probe", "load"], default="probe")
+    parser.add_argument("--loads", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--batch", type=int, default=8, help="encoder batch of each load")
+    parser.add_argument("--prompts", type=int, default=8, help="clicks in a decoder batch")
+    parser.add_argument("--seconds", type=float, default=8.0, help="probe time per config")
+    parser.add_argument("--period-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--configs", nargs="+", default=["alone", "normal", "below_normal", "thread"],
+        choices=["alone", "normal", "below_normal", "thread"],
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.role == "load":
+        _load_main(args)
+        return
+    folder, _ = _daemon()
+    try:
+        _run(args)
+    finally:
+        if folder is not None:
+            print("MPS daemon:", _control("quit") or "quit", flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace) -> None:
+    import torch
+
+    from bench.common import environment, print_table, write_json
+
+    probe = Probe(args.prompts)
+    print("MPS servers:", _control("get_server_list") or "none", "; stream priorities",
+          probe.priority_range, flush=True)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+
+    def record(config: str, measured: list[dict[str, Any]], load_img_s: float | None) -> None:
+        for row in measured:
+            rows.append({"config": config, **row, "load_img_s": load_img_s})
+            print(rows[-1], flush=True)
+
+    if "alone" in args.configs:
+        record("alone", probe.measure(args.seconds, args.period_ms), None)
+    for n in args.loads:
+        for label, priority in (("NORMAL", None), ("BELOW_NORMAL", BELOW_NORMAL)):
+            if label.lower() not in args.configs:
+                continue
+            procs = _start_loads(n, priority, args)
+            _tell(procs)  # count from here
+            measured = probe.measure(args.seconds, args.period_ms)
+            record(f"{n} load processes, {label}", measured, _finish_loads(procs))
+    if "thread" in args.configs:
+        ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
+        result: list[tuple[int, float]] = []
+        thread = threading.Thread(
+            target=lambda: result.append(_encoder_loop(args.batch, ready.set, counting, stop))
+        )
+        thread.start()
+        if not ready.wait(timeout=600):
+            raise SystemExit("the load thread did not start")
+        counting.set()
+        measured = probe.measure(args.seconds, args.period_ms)
+        stop.set()
+        thread.join()
+        record("1 load thread, this process", measured, result[0][0] / result[0][1])
+    torch.cuda.synchronize()
+    cols = ["config", "probe", "gpu_p50", "gpu_p90", "gpu_p99", "gpu_max", "wall_p50", "wall_p99",
+            "batches", "load_img_s"]  # fmt: skip
+    print_table(rows, cols)
+    write_json(args.json, {"environment": environment(), "args": vars(args) | {"json": None},
+                           "rows": rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,8 @@ class Probe:
         def eager() -> None:
             with torch.inference_mode():
                 model.decode(emb, batch)
+
+        self.eager = eager
 
         self.forms: dict[str, Callable[[], object]] = {
             "graph": graph.replay, "graph captured at high priority": graph_hi.replay,
@@ -233,8 +236,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="probe time per config")
     parser.add_argument("--period-ms", type=float, default=10.0)
     parser.add_argument(
-        "--configs", nargs="+", default=["alone", "normal", "below_normal", "thread"],
-        choices=["alone", "normal", "below_normal", "thread"],
+        "--configs", nargs="+", default=["alone", "normal", "below_normal", "workers", "thread"],
+        choices=["alone", "normal", "below_normal", "workers", "thread"],
     )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -248,6 +251,61 @@ def main() -> None:
         if folder is not None:
             print("MPS daemon:", _control("quit") or "quit", flush=True)
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The service's own path: the decoder graph captured on the encoder's thread as the
+    engine's warm-up does, inside `StageWorkers.on_stream("sam_decoder")` (now) or not
+    (before), replayed beside a load on the encoder's thread: a graph of large products
+    captured there (so at the encoder's priority), replayed back to back."""
+    import torch
+
+    from models.cuda_graphs import warm_and_capture
+    from server.engine.workers import StageWorkers
+
+    workers = StageWorkers(torch.device("cuda"))
+    encoder = workers["sam_encoder"]
+
+    def capture(on_stream: bool) -> Any:
+        with (
+            torch.inference_mode(),
+            workers.on_stream("sam_decoder") if on_stream else nullcontext(),
+        ):
+            return warm_and_capture(probe.eager, None)[0]
+
+    graphs = {
+        "warmed on the decoder's stream (now)": encoder.submit(capture, True).result(),
+        "warmed on the encoder's (before)": encoder.submit(capture, False).result(),
+    }
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def products() -> None:
+        for _ in range(16):
+            a @ a
+
+    load = encoder.submit(lambda: warm_and_capture(products, None, warmup_runs=1)[0]).result()
+    stop = threading.Event()
+
+    def spin() -> int:
+        done = 0
+        while not stop.is_set():
+            load.replay()
+            torch.cuda.current_stream().synchronize()
+            done += 1
+        return done
+
+    spinning = encoder.submit(spin)
+    try:
+        rows = [{"config": "StageWorkers, 16 products of 8192^2 on the encoder's thread",
+                 "probe": label, **probe._measure(graph.replay, args.seconds, args.period_ms)}
+                for label, graph in graphs.items()]  # fmt: skip
+    finally:
+        stop.set()
+        spinning.result()
+        workers.shutdown()
+    for row in rows:
+        print(row, flush=True)
+    return rows
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -275,6 +333,8 @@ def _run(args: argparse.Namespace) -> None:
             _tell(procs)  # count from here
             measured = probe.measure(args.seconds, args.period_ms)
             record(f"{n} load processes, {label}", measured, _finish_loads(procs))
+    if "workers" in args.configs:
+        rows.extend(_workers_rows(probe, args))
     if "thread" in args.configs:
         ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
         result: list[tuple[int, float]] = []

@@ -82,7 +82,11 @@ class StageWorkers:
         on, whatever stream replays them: a decoder graph captured on a stream of the
         lowest priority took 169 ms a batch beside five processes' encoders, captured on
         one of the highest 7.1 ms (2.0 alone; H100, `bench/mps_priority.py`,
-        docs/BENCHMARKS.md issue 19). A no-op without a stream of the stage's own."""
+        docs/BENCHMARKS.md issue 19). A no-op without a stream of the stage's own; a name
+        that is no stage is an error, not a silent no-op (warm-up's names are checked on
+        the CPU, where no stage has a stream)."""
+        if stage not in STAGES:
+            raise KeyError(f"no stage {stage!r}; the stages are {', '.join(STAGES)}")
         stream = self.streams.get(stage)
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 

@@ -13,6 +13,7 @@ import os
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from server.domain import Image, Prompt, SegmentRequest
@@ -48,6 +49,13 @@ def test_each_stage_has_its_own_thread_per_stage_and_one_shared_otherwise() -> N
         started = per_stage[STAGES_LIST[0]].submit(per_stage.started).result()
         assert started is None
         assert per_stage.handed_over([3], started, spans.append) == [3] and spans == []
+        # warm-up captures each stage's graphs on its stream; on the CPU there is none, but
+        # a name that is no stage fails here rather than leaving a GPU's graphs unranked
+        for stage in STAGES:
+            with per_stage.on_stream(stage):
+                assert per_stage.streams == {}
+        with pytest.raises(KeyError, match="sam2_everything"):
+            per_stage.on_stream("sam2_everything")
     finally:
         per_stage.shutdown()
         shared.shutdown()

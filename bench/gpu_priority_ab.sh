@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The service before and after its CUDA graphs kept their stage's stream priority (issue 19,
+# `92fc580`), on one machine: bench/gpu_openloop.sh from each tree in turn, same rates, same
+# photos. bench/mps_priority.py showed the mechanism (a decoder graph beside five encoder
+# processes: 169 ms captured on a default-priority stream, 7.1 ms on a high one); this says
+# what it gives the service's clicks, alone and in the mix.
+#
+#   git archive 625a6cb | (rm -rf abtree && mkdir abtree && tar -x -C abtree)   # here, once
+#   TREES="before:abtree" OUT=$OUT bash bench/gpu_priority_ab.sh    # one device call each,
+#   TREES="now:." OUT=$OUT bash bench/gpu_priority_ab.sh            # carry ["abtree", ...]
+#
+# A cold start of six engines took 220 s on an H100 and these loads about 90 s: one tree a
+# call fits the 10-minute limit; the second call, on the same warm machine, finds the
+# compile cache warm for everything the two trees share. Rates: CLICK_RATES (100,3000) and
+# MIX (the issue's) by default, segment and classify alone left out unless given. Each
+# tree's rows: $OUT/<name>/openloop.txt; the summary rows print at the end.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+TREES=${TREES:-before:abtree now:.}
+root=$PWD
+for pair in $TREES; do
+  name=${pair%%:*}
+  tree=${pair#*:}
+  [ -f "$tree/bench/gpu_openloop.sh" ] || { echo "$name: no tree at $tree" >&2; exit 1; }
+  mkdir -p "$OUT/$name"
+  (cd "$tree" && IMAGES=${IMAGES:-$root/.benchdata/images} SEGMENT_RATES=${SEGMENT_RATES-} \
+    CLICK_RATES=${CLICK_RATES-100,3000} CLASSIFY_RATES=${CLASSIFY_RATES-} \
+    MIX=${MIX-segment=150,click=1000,classify=500} OUT="$OUT/$name" \
+    bash bench/gpu_openloop.sh) > "$OUT/$name/run.txt" 2>&1
+  echo "$name ($tree): exit $?"
+  # the summary rows (offered rate in the third column), not the per-hop rows
+  grep -E '^ready|^\| [a-z@0-9,]+ \| [a-z]+ \| [0-9]+ \|' "$OUT/$name/openloop.txt"
+  # each step's decoder batches, wall time and GPU span (bench/stage_times.py): what the
+  # priority changes
+  grep -E "stage batches during|sam_decoder" "$OUT/$name/openloop.txt"
+done

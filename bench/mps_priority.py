@@ -139,12 +139,13 @@ class Probe:
 
     def measure(self, seconds: float, period_ms: float) -> list[dict[str, Any]]:
         """Each form for `seconds`, one batch a period (open loop; a late one goes at once)."""
-        return [{"probe": form, **self._measure(fn, seconds, period_ms)}
+        return [{"probe": form, **self.time_form(fn, seconds, period_ms)}
                 for form, fn in self.forms.items()]  # fmt: skip
 
-    def _measure(
+    def time_form(
         self, fn: Callable[[], object], seconds: float, period_ms: float
     ) -> dict[str, float]:
+        """One form's GPU spans and wall times, replayed on the probe's stream."""
         torch = self.torch
         gpu, wall = [], []
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -297,7 +298,7 @@ def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]
     spinning = encoder.submit(spin)
     try:
         rows = [{"config": "StageWorkers, 16 products of 8192^2 on the encoder's thread",
-                 "probe": label, **probe._measure(graph.replay, args.seconds, args.period_ms)}
+                 "probe": label, **probe.time_form(graph.replay, args.seconds, args.period_ms)}
                 for label, graph in graphs.items()]  # fmt: skip
     finally:
         stop.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -136,6 +137,16 @@ def test_warm_up_gives_each_bucket_s_transients_back_before_the_next() -> None:
         return 1 << 20
 
     engine.workers.release_cached = release  # type: ignore[method-assign]
+    # each bucket warms with its stage's stream current, so that on a GPU the graphs it
+    # captures keep the stage's priority (a graph runs at its capture stream's: measured)
+    streams: list[str] = []
+    on_stream = engine.workers.on_stream
+
+    def entered(stage: str) -> AbstractContextManager[object]:
+        streams.append(stage)
+        return on_stream(stage)
+
+    engine.workers.on_stream = entered  # type: ignore[method-assign]
 
     async def warm() -> tuple[int, str]:
         await engine.load()
@@ -150,3 +161,4 @@ def test_warm_up_gives_each_bucket_s_transients_back_before_the_next() -> None:
     assert steps == 3  # the encoder's, the decoder's and Swin's
     assert len(released) == steps and engine.warm_released_bytes == steps << 20
     assert set(released) == {warm_thread}
+    assert streams == ["sam_encoder", "sam_decoder", "swin"]

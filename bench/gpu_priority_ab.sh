@@ -14,6 +14,10 @@
 # compile cache warm for everything the two trees share. Rates: CLICK_RATES (100,3000) and
 # MIX (the issue's) by default, segment and classify alone left out unless given. Each
 # tree's rows: $OUT/<name>/openloop.txt; the summary rows print at the end.
+# The mechanics were checked on the CPU (2026-11-28: both trees served, tiny models):
+#   TREES="before:abtree now:." EXTRA_ENV="SERVE_DEVICE=cpu SERVE_SAM_MODEL=vit_tiny \
+#   SERVE_SWIN_MODEL=swin_test SERVE_HTTP_WORKERS=1" CLICK_RATES=5 \
+#   MIX="segment=1,click=4,classify=2" SECONDS_PER_RATE=3 WARMUP=1 bash bench/gpu_priority_ab.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 TREES=${TREES:-before:abtree now:.}

@@ -1,22 +1,25 @@
-"""Whether MPS's client priority lets a click's decoder batch pass other processes' encoders.
+"""Whether a click's decoder batch passes other processes' encoders on a shared GPU, and why.
 
-Why: in the service's mix (six engines on one GPU under MPS), a decoder batch's GPU span
-grew from 1.8 ms alone to 7-12 ms (docs/BENCHMARKS.md, issue 19): every engine runs the
-encoder, the decoder and Swin, and the decoder's high-priority stream ranks it only
-against its own process's encoder. `CUDA_MPS_CLIENT_PRIORITY` ranks whole client
-processes; it could favour the decoder only if encoders ran in processes of their own
-(engines split by stage). Before building that split, this measures what it would buy.
+Why: in the service's mix (six engines on one GPU under MPS) a decoder batch's GPU span
+grew from 1.8 ms alone to 7-12 ms (docs/BENCHMARKS.md, issue 19). This measured what
+MPS's client priority (`CUDA_MPS_CLIENT_PRIORITY`, the engines split by stage) would buy,
+and found the cause elsewhere: a CUDA graph's kernels run at the priority of the stream
+it was captured on, whatever stream replays it, and the engines captured every graph on
+a default-priority stream (169 ms beside five encoder processes, 7.1 ms captured at high
+priority; H100, 2026-11-27).
 
 The parent is the probe, as a decoder engine would be: SAM ViT-B's prompt encoder and mask
-decoder in bf16, one CUDA graph for a batch of `--prompts` one-point clicks on as many
-embeddings, replayed every `--period-ms` on a stream of the highest priority, each
-replay's GPU span (events on that stream) and its launch-to-done wall time recorded.
-Loads are other processes (MPS clients started with or without
-`CUDA_MPS_CLIENT_PRIORITY`), each running the compiled, graphed encoder on batches of
-`--batch` back to back on a stream of default priority, as an engine's encoder stage does;
-they report their images per second. `thread` runs one such load in the probe's own
-process instead (stream priority alone, no MPS ranking). A private MPS daemon is started
-for the run (as `server.mps` does) unless CUDA_MPS_PIPE_DIRECTORY is set.
+decoder in bf16, a batch of `--prompts` one-point clicks on as many embeddings, as a CUDA
+graph captured on a stream of the lowest priority, one captured on the highest, and
+eager; each replayed every `--period-ms` on a stream of the highest priority, its GPU span
+(events on that stream) and launch-to-done wall time recorded. Loads are other processes
+(MPS clients started with or without `CUDA_MPS_CLIENT_PRIORITY`), each running the
+compiled, graphed encoder on batches of `--batch` back to back on a stream of default
+priority, as an engine's encoder stage does; they report their images per second.
+`thread` runs one such load in the probe's own process; `workers` captures the decoder
+through the service's own `StageWorkers` as warm-up does, beside a graphed load on the
+encoder's thread. A private MPS daemon is started for the run (as `server.mps` does)
+unless CUDA_MPS_PIPE_DIRECTORY is set.
 
     python -m bench.mps_priority --loads 1 5 --seconds 8
 """
@@ -38,8 +41,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-# the probe's CUDA context must be an MPS client too: the daemon's pipes are set below,
-# before torch first touches CUDA
 PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 BELOW_NORMAL = "1"  # the MPS guide's values: 0 NORMAL (the default), 1 BELOW_NORMAL
 
@@ -209,9 +210,11 @@ def _finish_loads(procs: list[subprocess.Popen[str]]) -> float:
     return total
 
 
-def _daemon() -> tuple[Path | None, dict[str, str]]:
+def _daemon() -> Path | None:
+    """A private MPS daemon, its pipes in this process's environment before torch first
+    touches CUDA (the probe must be an MPS client too); its folder, None if one is set up."""
     if "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
-        return None, {}
+        return None
     folder = Path(tempfile.mkdtemp(prefix="mps-priority-"))
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipes"),
            "CUDA_MPS_LOG_DIRECTORY": str(folder / "logs")}  # fmt: skip
@@ -219,7 +222,7 @@ def _daemon() -> tuple[Path | None, dict[str, str]]:
         Path(path).mkdir()
     os.environ.update(env)
     subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
-    return folder, env
+    return folder
 
 
 def _control(command: str) -> str:
@@ -245,7 +248,7 @@ def main() -> None:
     if args.role == "load":
         _load_main(args)
         return
-    folder, _ = _daemon()
+    folder = _daemon()
     try:
         _run(args)
     finally:

@@ -211,7 +211,7 @@ class Engine:
                 what = f"compiling SAM 2's segment-everything decoder, {points} points"
                 if mode == "aot":
                     what = "warming SAM 2's segment-everything kernels"
-                steps.append((what, partial(self._warm, "sam2_everything", points)))
+                steps.append((what, partial(self._warm, "everything", points)))
         if s.enable_swin:
             for b in warmed(s.buckets_up_to(s.classify_max_batch_size)):
                 steps.append((f"{doing} Swin, batch {b}", partial(self._warm, "swin", b)))
@@ -230,13 +230,13 @@ class Engine:
         Each stage warms on its own stream, so the graphs it captures keep that stream's
         priority (`StageWorkers.on_stream`): captured on the warm-up thread's encoder
         stream, a click's decoder graphs ran at the encoder's priority."""
-        with self.workers.on_stream("everything" if stage == "sam2_everything" else stage):
+        with self.workers.on_stream(stage):  # a stage of STAGES
             if stage == "swin":
                 assert self.swin is not None
                 self.swin.stage.warm(bucket)
             else:
                 assert self.sam is not None
-                if stage == "sam2_everything":
+                if stage == "everything":
                     assert isinstance(self.sam.stages, Sam2Stages)
                     self.sam.stages.warm_everything(bucket)
                 elif stage == "sam_encoder":

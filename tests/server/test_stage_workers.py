@@ -55,8 +55,8 @@ def test_each_stage_has_its_own_thread_per_stage_and_one_shared_otherwise() -> N
         for stage in STAGES:
             with per_stage.on_stream(stage):
                 assert per_stage.streams == {}
-        with pytest.raises(KeyError, match="sam2_everything"):
-            per_stage.on_stream("sam2_everything")
+        with pytest.raises(KeyError, match="sam2_encoder"):
+            per_stage.on_stream("sam2_encoder")
     finally:
         per_stage.shutdown()
         shared.shutdown()

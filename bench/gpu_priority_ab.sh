@@ -6,15 +6,16 @@
 # what it gives the service's clicks, alone and in the mix.
 #
 #   git archive 625a6cb | (rm -rf abtree && mkdir abtree && tar -x -C abtree)   # here, once
-#   TREES="before:abtree" OUT=$OUT bash bench/gpu_priority_ab.sh    # one device call each,
-#   TREES="now:." OUT=$OUT bash bench/gpu_priority_ab.sh            # carry ["abtree", ...]
+#   TREES="now:. before:abtree" OUT=$OUT bash bench/gpu_priority_ab.sh   # carry ["abtree", ...]
 #
-# A cold start of six engines took 220 s on an H100 and these loads about 90 s: one tree a
-# call fits the 10-minute limit; the second call, on the same warm machine, finds the
-# compile cache warm for everything the two trees share. Rates: CLICK_RATES (100,3000) and
+# The first tree starts from a cold compile cache, the second finds it warm for everything
+# the two trees share (the server's SERVE_COMPILE_CACHE_DIR). Rates: CLICK_RATES (100,3000) and
 # MIX (the issue's) by default, segment and classify alone left out unless given. Each
-# tree's rows: $OUT/<name>/openloop.txt; the summary rows print at the end.
-# The mechanics were checked on the CPU (2026-11-28: both trees served, tiny models):
+# tree's files go to $OUT/<name>.tgz (openloop.txt, the JSON rows, the server's log); the
+# summary rows and the per-hop rows print as each tree ends. Both trees in one call took
+# 503 s on an H100 (2026-11-28: ready after 210 s cold, 86 s warm).
+# The mechanics were checked on the CPU (2026-11-28: both trees served, tiny models, each
+# tree's archive written):
 #   TREES="before:abtree now:." EXTRA_ENV="SERVE_DEVICE=cpu SERVE_SAM_MODEL=vit_tiny \
 #   SERVE_SWIN_MODEL=swin_test SERVE_HTTP_WORKERS=1" CLICK_RATES=5 \
 #   MIX="segment=1,click=4,classify=2" SECONDS_PER_RATE=3 WARMUP=1 bash bench/gpu_priority_ab.sh
@@ -37,4 +38,8 @@ for pair in $TREES; do
   # each step's decoder batches, wall time and GPU span (bench/stage_times.py): what the
   # priority changes
   grep -E "stage batches during|sam_decoder" "$OUT/$name/openloop.txt"
+  # each load's p50/p99 per hop (the rows whose third column is a pair)
+  grep -E '^\| [a-z@0-9,]+ \| [a-z]+ \| [0-9.]+/' "$OUT/$name/openloop.txt"
+  # one archive a tree: the device tool brings back only a few files from $OUT
+  tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
 done

@@ -18,10 +18,14 @@ compiled, graphed encoder on batches of `--batch` back to back on a stream of de
 priority, as an engine's encoder stage does; they report their images per second.
 `thread` runs one such load in the probe's own process; `workers` captures the decoder
 through the service's own `StageWorkers` as warm-up does, beside a graphed load on the
-encoder's thread. A private MPS daemon is started for the run (as `server.mps` does)
-unless CUDA_MPS_PIPE_DIRECTORY is set.
+encoder's thread. `green` and `green_thread` run the loads in CUDA green contexts of
+`--load-sms` SMs, so that the rest of the GPU's SMs are always free for the probe (what
+priority alone cannot give: 6-7 ms a batch beside the encoders against 2.0 alone). A
+private MPS daemon is started for the run (as `server.mps` does) unless
+CUDA_MPS_PIPE_DIRECTORY is set.
 
     python -m bench.mps_priority --loads 1 5 --seconds 8
+    python -m bench.mps_priority --configs alone green green_thread --loads 5 --load-sms 112
 """
 
 from __future__ import annotations
@@ -61,19 +65,54 @@ def _sam(batch: int | None = None) -> Any:
     return model
 
 
+def _green_stream(sms: int) -> Any:
+    """A stream whose kernels may use only `sms` of the GPU's SMs (a CUDA green context),
+    current on the calling thread. Why: priority orders the blocks waiting for an SM but
+    never frees one, so a click's kernels still wait for encoder blocks to end (6-7 ms a
+    decoder batch beside the encoders against 2.0 alone). SMs the encoders can never take
+    are free the moment a decoder kernel arrives. Under MPS a green context keeps its SMs
+    only while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset or 100 (NVIDIA's forum answer).
+    A graph's kernel nodes carry the context they were captured in, so a graph captured
+    here should keep to these SMs wherever it is replayed: not yet run on a GPU."""
+    import torch
+    from torch.cuda import green_contexts
+
+    if not green_contexts.SUPPORTED:
+        raise SystemExit("this torch has no green contexts (torch.cuda.green_contexts)")
+    make: Any = green_contexts.GreenContext.create  # its signature changed between releases
+    try:
+        context = make(num_sms=sms, device_id=0)
+    except TypeError:  # the first form took them by position
+        context = make(sms, 0)
+    enter = getattr(context, "set_context", None) or context.make_current
+    enter()  # the calling thread's current context, its default stream the current stream
+    stream = context.Stream() if hasattr(context, "Stream") else torch.cuda.current_stream()
+    print(f"green context of {sms} SMs: stream {stream}", file=sys.stderr, flush=True)
+    _green_contexts.append(context)  # it must outlive every kernel captured in it
+    return stream
+
+
+_green_contexts: list[Any] = []
+
+
 def _encoder_loop(
-    batch: int, ready: Callable[[], None], counting: threading.Event, stop: threading.Event
+    batch: int,
+    ready: Callable[[], None],
+    counting: threading.Event,
+    stop: threading.Event,
+    sms: int | None = None,
 ) -> tuple[int, float]:
     """Encoder batches back to back until `stop`; the images done and the seconds taken
-    while `counting` was set (the probe's window)."""
+    while `counting` was set (the probe's window). `sms`: compiled, captured and run in a
+    green context of that many SMs."""
     import torch
 
     from models.optimize import GraphedBuckets, compile_fn
 
+    stream = _green_stream(sms) if sms else torch.cuda.Stream(priority=0)
     model = _sam(batch)
     fn = GraphedBuckets(compile_fn(model.encode, "default", dynamic=False), enabled=True)
     x = torch.randn(batch, 3, 1024, 1024, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream(priority=0)
     images, started = 0, 0.0
     with torch.inference_mode(), torch.cuda.stream(stream):
         fn.capture(x)
@@ -100,7 +139,11 @@ def _load_main(args: argparse.Namespace) -> None:
         stop.set()
 
     threading.Thread(target=listen, daemon=True).start()
-    images, seconds = _encoder_loop(args.batch, lambda: print("ready", flush=True), counting, stop)
+
+    def announce() -> None:
+        print("ready", flush=True)
+
+    images, seconds = _encoder_loop(args.batch, announce, counting, stop, args.load_sms)
     print(json.dumps({"images": images, "seconds": seconds}), flush=True)
 
 
@@ -173,12 +216,14 @@ def _spread(name: str, values: list[float]) -> dict[str, float]:
 
 
 def _start_loads(
-    n: int, priority: str | None, args: argparse.Namespace
+    n: int, priority: str | None, args: argparse.Namespace, sms: int | None = None
 ) -> list[subprocess.Popen[str]]:
     env = {k: v for k, v in os.environ.items() if k != PRIORITY_ENV}
     if priority is not None:
         env[PRIORITY_ENV] = priority
     cmd = [sys.executable, "-m", "bench.mps_priority", "--role", "load", "--batch", str(args.batch)]
+    if sms:
+        cmd += ["--load-sms", str(sms)]
     procs = [
         subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for _ in range(n)
@@ -241,10 +286,16 @@ def main() -> None:
     parser.add_argument("--period-ms", type=float, default=10.0)
     parser.add_argument(
         "--configs", nargs="+", default=["alone", "normal", "below_normal", "workers", "thread"],
-        choices=["alone", "normal", "below_normal", "workers", "thread"],
+        choices=["alone", "normal", "below_normal", "workers", "thread", "green", "green_thread"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--load-sms", type=int, default=None,
+        help="SMs of the green contexts of configs green, green_thread (H100: 132; 8 a step)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if {"green", "green_thread"} & set(args.configs) and not args.load_sms:
+        parser.error("configs green and green_thread need --load-sms")
     if args.role == "load":
         _load_main(args)
         return
@@ -260,8 +311,12 @@ def main() -> None:
 def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The service's own path: the decoder graph captured on the encoder's thread as the
     engine's warm-up does, inside `StageWorkers.on_stream("sam_decoder")` (now) or not
-    (before), replayed beside a load on the encoder's thread: a graph of large products
-    captured there (so at the encoder's priority), replayed back to back."""
+    (before), replayed beside the graphed encoder running back to back on the encoder's
+    thread, on the encoder stage's stream.
+
+    (Its first form put sixteen 8192^2 products there as the load: the decoder took 36 ms
+    a batch either way, H100, 2026-11-28. Each product is a few long kernels holding every
+    SM, and priority frees no SM, so that load could not show what priority does.)"""
     import torch
 
     from models.cuda_graphs import warm_and_capture
@@ -281,35 +336,51 @@ def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]
         "warmed on the decoder's stream (now)": encoder.submit(capture, True).result(),
         "warmed on the encoder's (before)": encoder.submit(capture, False).result(),
     }
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
 
-    def products() -> None:
-        for _ in range(16):
-            a @ a
+    def load() -> tuple[int, float]:
+        with workers.on_stream("sam_encoder"):
+            return _encoder_loop(args.batch, ready.set, counting, stop)
 
-    load = encoder.submit(lambda: warm_and_capture(products, None, warmup_runs=1)[0]).result()
-    stop = threading.Event()
-
-    def spin() -> int:
-        done = 0
-        while not stop.is_set():
-            load.replay()
-            torch.cuda.current_stream().synchronize()
-            done += 1
-        return done
-
-    spinning = encoder.submit(spin)
+    spinning = encoder.submit(load)
     try:
-        rows = [{"config": "StageWorkers, 16 products of 8192^2 on the encoder's thread",
+        if not ready.wait(timeout=600):
+            raise SystemExit("the encoder load did not start")
+        counting.set()
+        rows = [{"config": "StageWorkers, the graphed encoder on the encoder's thread",
                  "probe": label, **probe.time_form(graph.replay, args.seconds, args.period_ms)}
                 for label, graph in graphs.items()]  # fmt: skip
     finally:
         stop.set()
-        spinning.result()
+        images, seconds = spinning.result()
         workers.shutdown()
     for row in rows:
+        row["load_img_s"] = images / seconds
         print(row, flush=True)
     return rows
+
+
+def _thread_rows(
+    probe: Probe, args: argparse.Namespace, sms: int | None
+) -> tuple[list[dict[str, Any]], float]:
+    """The probe beside one graphed encoder on a thread of this process (in a green
+    context of `sms` SMs if given); the probe's rows and the load's images per second."""
+    ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
+    result: list[tuple[int, float]] = []
+    thread = threading.Thread(
+        target=lambda: result.append(_encoder_loop(args.batch, ready.set, counting, stop, sms))
+    )
+    thread.start()
+    if not ready.wait(timeout=600):
+        stop.set()
+        raise SystemExit("the load thread did not start")
+    counting.set()
+    try:
+        measured = probe.measure(args.seconds, args.period_ms)
+    finally:
+        stop.set()
+        thread.join()
+    return measured, result[0][0] / result[0][1]
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -337,22 +408,20 @@ def _run(args: argparse.Namespace) -> None:
             _tell(procs)  # count from here
             measured = probe.measure(args.seconds, args.period_ms)
             record(f"{n} load processes, {label}", measured, _finish_loads(procs))
+    if "green" in args.configs:
+        for n in args.loads:
+            procs = _start_loads(n, None, args, args.load_sms)
+            _tell(procs)
+            measured = probe.measure(args.seconds, args.period_ms)
+            label = f"{n} load processes, each in a green context of {args.load_sms} SMs"
+            record(label, measured, _finish_loads(procs))
     if "workers" in args.configs:
         rows.extend(_workers_rows(probe, args))
     if "thread" in args.configs:
-        ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
-        result: list[tuple[int, float]] = []
-        thread = threading.Thread(
-            target=lambda: result.append(_encoder_loop(args.batch, ready.set, counting, stop))
-        )
-        thread.start()
-        if not ready.wait(timeout=600):
-            raise SystemExit("the load thread did not start")
-        counting.set()
-        measured = probe.measure(args.seconds, args.period_ms)
-        stop.set()
-        thread.join()
-        record("1 load thread, this process", measured, result[0][0] / result[0][1])
+        record("1 load thread, this process", *_thread_rows(probe, args, None))
+    if "green_thread" in args.configs:
+        label = f"1 load thread, this process, in a green context of {args.load_sms} SMs"
+        record(label, *_thread_rows(probe, args, args.load_sms))
     torch.cuda.synchronize()
     cols = ["config", "probe", "gpu_p50", "gpu_p90", "gpu_p99", "gpu_max", "wall_p50", "wall_p99",
             "batches", "load_img_s"]  # fmt: skip

@@ -6,8 +6,9 @@
 #   WEIGHTS=synthetic  synthetic weights (python -m models.weights synthesize): masks of
 #                      simple shapes, responses and mask strings the size of real ones
 #
-# synthetic trains once per machine into WEIGHTS_DIR (default /tmp/weights; about two to
-# three minutes on an H100 for vit_b) and exports SERVE_SAM_CHECKPOINT, which the servers
+# synthetic trains once per machine into WEIGHTS_DIR (default /tmp/weights; vit_b took 4 min
+# 15 s on an H100 on 2026-11-28, the call's start to the server's: leave a cold start and
+# the loads room in the 10-minute limit) and exports SERVE_SAM_CHECKPOINT, which the servers
 # started after this inherit. SAM_MODEL (default vit_b) must match the served model.
 use_weights() {
   case ${WEIGHTS:-random} in

@@ -312,7 +312,7 @@ def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]
     """The service's own path: the decoder graph captured on the encoder's thread as the
     engine's warm-up does, inside `StageWorkers.on_stream("sam_decoder")` (now) or not
     (before), replayed beside the graphed encoder running back to back on the encoder's
-    thread, on the encoder stage's stream.
+    thread (on a stream of the encoder stage's priority, 0, as `_encoder_loop` makes).
 
     (Its first form put sixteen 8192^2 products there as the load: the decoder took 36 ms
     a batch either way, H100, 2026-11-28. Each product is a few long kernels holding every
@@ -338,11 +338,7 @@ def _workers_rows(probe: Probe, args: argparse.Namespace) -> list[dict[str, Any]
     }
     ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
 
-    def load() -> tuple[int, float]:
-        with workers.on_stream("sam_encoder"):
-            return _encoder_loop(args.batch, ready.set, counting, stop)
-
-    spinning = encoder.submit(load)
+    spinning = encoder.submit(_encoder_loop, args.batch, ready.set, counting, stop)
     try:
         if not ready.wait(timeout=600):
             raise SystemExit("the encoder load did not start")

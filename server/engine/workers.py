@@ -81,8 +81,9 @@ class StageWorkers:
         priority. A graph's kernels run at the priority of the stream they were captured
         on, whatever stream replays them: a decoder graph captured on a stream of the
         lowest priority took 169 ms a batch beside five processes' encoders, captured on
-        one of the highest 7.1 ms (2.0 alone; H100, `bench/mps_priority.py`,
-        docs/BENCHMARKS.md issue 19). A no-op without a stream of the stage's own; a name
+        one of the highest 7.1 ms (2.0 alone; H100, `bench/mps_priority.py`); in the
+        service's mix a decoder batch's GPU time fell from 13.6 to 9.2 ms (docs/BENCHMARKS.md
+        issue 19, twenty-fifth session). A no-op without a stream of the stage's own; a name
         that is no stage is an error, not a silent no-op (warm-up's names are checked on
         the CPU, where no stage has a stream)."""
         if stage not in STAGES:

@@ -8,6 +8,9 @@
 #   git archive 625a6cb | (rm -rf abtree && mkdir abtree && tar -x -C abtree)   # here, once
 #   TREES="now:. before:abtree" OUT=$OUT bash bench/gpu_priority_ab.sh   # carry ["abtree", ...]
 #
+# A third field adds settings to one tree's server (commas between them), so one tree can be
+# A/B'd against itself: TREES="all:. g96:.:SERVE_ENCODER_SMS=96" (issue 19, 2026-11-28).
+#
 # The first tree starts from a cold compile cache, the second finds it warm for everything
 # the two trees share (the server's SERVE_COMPILE_CACHE_DIR). Rates: CLICK_RATES (100,3000) and
 # MIX (the issue's) by default, segment and classify alone left out unless given. Each
@@ -26,13 +29,18 @@ root=$PWD
 for pair in $TREES; do
   name=${pair%%:*}
   tree=${pair#*:}
+  settings=
+  if [[ $tree == *:* ]]; then
+    settings=${tree#*:}
+    tree=${tree%%:*}
+  fi
   [ -f "$tree/bench/gpu_openloop.sh" ] || { echo "$name: no tree at $tree" >&2; exit 1; }
   mkdir -p "$OUT/$name"
-  (cd "$tree" && IMAGES=${IMAGES:-$root/.benchdata/images} SEGMENT_RATES=${SEGMENT_RATES-} \
+  (cd "$tree" && EXTRA_ENV="${EXTRA_ENV:-} ${settings//,/ }" IMAGES=${IMAGES:-$root/.benchdata/images} SEGMENT_RATES=${SEGMENT_RATES-} \
     CLICK_RATES=${CLICK_RATES-100,3000} CLASSIFY_RATES=${CLASSIFY_RATES-} \
     MIX=${MIX-segment=150,click=1000,classify=500} OUT="$OUT/$name" \
     bash bench/gpu_openloop.sh) > "$OUT/$name/run.txt" 2>&1
-  echo "$name ($tree): exit $?"
+  echo "$name ($tree${settings:+, $settings}): exit $?"
   # the summary rows (offered rate in the third column), not the per-hop rows
   grep -E '^ready|^\| [a-z@0-9,]+ \| [a-z]+ \| [0-9]+ \|' "$OUT/$name/openloop.txt"
   # each step's decoder batches, wall time and GPU span (bench/stage_times.py): what the

@@ -77,16 +77,21 @@ def _green_stream(sms: int) -> Any:
     import torch
     from torch.cuda import green_contexts
 
-    if not green_contexts.SUPPORTED:
+    if not getattr(green_contexts, "SUPPORTED", True):
         raise SystemExit("this torch has no green contexts (torch.cuda.green_contexts)")
     make: Any = green_contexts.GreenContext.create  # its signature changed between releases
     try:
         context = make(num_sms=sms, device_id=0)
     except TypeError:  # the first form took them by position
         context = make(sms, 0)
-    enter = getattr(context, "set_context", None) or context.make_current
-    enter()  # the calling thread's current context, its default stream the current stream
-    stream = context.Stream() if hasattr(context, "Stream") else torch.cuda.current_stream()
+    print("green context API:", [n for n in dir(context) if not n.startswith("_")],
+          file=sys.stderr, flush=True)  # fmt: skip
+    if hasattr(context, "Stream"):  # a stream of the green context; this thread's context stays
+        stream = context.Stream()
+    else:  # older: the thread enters the context; a stream made now belongs to it
+        enter = getattr(context, "set_context", None) or context.make_current
+        enter()
+        stream = torch.cuda.Stream()
     print(f"green context of {sms} SMs: stream {stream}", file=sys.stderr, flush=True)
     _green_contexts.append(context)  # it must outlive every kernel captured in it
     return stream
@@ -101,6 +106,7 @@ def _encoder_loop(
     counting: threading.Event,
     stop: threading.Event,
     sms: int | None = None,
+    graphs: bool = True,
 ) -> tuple[int, float]:
     """Encoder batches back to back until `stop`; the images done and the seconds taken
     while `counting` was set (the probe's window). `sms`: compiled, captured and run in a
@@ -111,11 +117,19 @@ def _encoder_loop(
 
     stream = _green_stream(sms) if sms else torch.cuda.Stream(priority=0)
     model = _sam(batch)
-    fn = GraphedBuckets(compile_fn(model.encode, "default", dynamic=False), enabled=True)
+    compiled = compile_fn(model.encode, "default", dynamic=False)
     x = torch.randn(batch, 3, 1024, 1024, device="cuda", dtype=torch.bfloat16)
     images, started = 0, 0.0
     with torch.inference_mode(), torch.cuda.stream(stream):
-        fn.capture(x)
+        if sms and graphs:  # captured on the green stream itself (GraphedBuckets makes its own)
+            from bench.green_confine import graphed_on
+
+            replay = graphed_on(compiled, x, stream)
+            fn: Callable[[Any], object] = lambda _x: replay()  # noqa: E731
+        else:
+            buckets = GraphedBuckets(compiled, enabled=graphs)
+            buckets.capture(x)
+            fn = buckets
         stream.synchronize()
         ready()
         while not stop.is_set():
@@ -143,7 +157,9 @@ def _load_main(args: argparse.Namespace) -> None:
     def announce() -> None:
         print("ready", flush=True)
 
-    images, seconds = _encoder_loop(args.batch, announce, counting, stop, args.load_sms)
+    images, seconds = _encoder_loop(
+        args.batch, announce, counting, stop, args.load_sms, args.load_graphs == "on"
+    )
     print(json.dumps({"images": images, "seconds": seconds}), flush=True)
 
 
@@ -224,6 +240,7 @@ def _start_loads(
     cmd = [sys.executable, "-m", "bench.mps_priority", "--role", "load", "--batch", str(args.batch)]
     if sms:
         cmd += ["--load-sms", str(sms)]
+    cmd += ["--load-graphs", args.load_graphs]
     procs = [
         subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for _ in range(n)
@@ -291,6 +308,10 @@ def main() -> None:
     parser.add_argument(
         "--load-sms", type=int, default=None,
         help="SMs of the green contexts of configs green, green_thread (H100: 132; 8 a step)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--load-graphs", choices=["on", "off"], default="on",
+        help="off: the loads' compiled encoder launched kernel by kernel (no CUDA graph)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -364,7 +385,9 @@ def _thread_rows(
     ready, counting, stop = threading.Event(), threading.Event(), threading.Event()
     result: list[tuple[int, float]] = []
     thread = threading.Thread(
-        target=lambda: result.append(_encoder_loop(args.batch, ready.set, counting, stop, sms))
+        target=lambda: result.append(
+            _encoder_loop(args.batch, ready.set, counting, stop, sms, args.load_graphs == "on")
+        )
     )
     thread.start()
     if not ready.wait(timeout=600):

@@ -20,12 +20,18 @@ T = TypeVar("T")
 def capturing(
     graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None, priority: int | None = None
 ) -> Iterator[None]:
-    """Record `graph` on a side stream, like `torch.cuda.graph` without its cache flushes.
+    """Record `graph` on the current stream, like `torch.cuda.graph` without its cache
+    flushes; on a side stream of `priority` if one is given, or where the current stream
+    is the default stream (which cannot be captured).
 
-    The side stream has the current stream's priority unless `priority` says otherwise,
-    because a graph's kernels keep the priority of the stream they were captured on
-    whatever stream replays them (measured: `bench/mps_priority.py`, docs/BENCHMARKS.md
-    issue 19): a graph captured on a default-priority side stream loses its stage's.
+    A graph's kernels keep what the stream they were captured on had, whatever stream
+    replays them: its priority (measured: `bench/mps_priority.py`, docs/BENCHMARKS.md
+    issue 19: a graph captured on a default-priority side stream loses its stage's) and
+    its CUDA green context, the SMs it may use (a graph captured on a side stream made in
+    the primary context ran on all 132 SMs when replayed on a green context's stream of
+    112; captured on that stream it kept to its SMs: `bench/green_confine.py`). So the
+    stage's own stream, current during warm-up (`StageWorkers.on_stream`), is the one
+    to capture on.
 
     `torch.cuda.graph` empties the device and pinned-host caches before every capture so
     that the graph may take freed memory (and, with a flag set, runs a full `gc.collect`);
@@ -34,9 +40,11 @@ def capturing(
     so the flushes buy nothing here.
     """
     torch.cuda.synchronize()
-    if priority is None:
-        priority = torch.cuda.current_stream().priority
-    stream = torch.cuda.Stream(priority=priority)
+    current = torch.cuda.current_stream()
+    if priority is not None or current == torch.cuda.default_stream(current.device):
+        stream = torch.cuda.Stream(priority=current.priority if priority is None else priority)
+    else:
+        stream = current
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
         try:

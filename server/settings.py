@@ -305,6 +305,14 @@ class Settings(BaseSettings):
     stage_threads: Literal["auto", "one", "per_stage"] = "auto"
     """GPU work threads: per_stage (a thread and CUDA stream per stage), one, or auto
     (per_stage on CUDA, one on the CPU)"""
+    # Priority orders the blocks waiting for an SM but frees none: beside encoder batches a
+    # click's decoder batch waits for their blocks to end (6.9 ms of GPU against 2.1 alone
+    # in the mix, H100). Encoders kept to a CUDA green context of fewer SMs leave the rest
+    # free for decoder and classifier kernels (docs/BENCHMARKS.md, issue 19).
+    encoder_sms: int = Field(0, ge=0)
+    """SMs the encoder stages (SAM's encoder, segment-everything) may use, through a CUDA
+    green context shared by every engine on the GPU; 0: all of them. CUDA only; Hopper
+    rounds up to a multiple of 8"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's

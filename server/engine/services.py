@@ -114,7 +114,7 @@ class Engine:
             )
         self.rle_from_low_res = self.rle_on_device and settings.mask_rle in ("low_res", "auto")
         self.observer = observer or BatchObserver()
-        self.workers = StageWorkers(self.device, settings.stage_threads)
+        self.workers = StageWorkers(self.device, settings.stage_threads, settings.encoder_sms)
         # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
         self.worker = self.workers["sam_encoder"]
         self.cache = EmbeddingCache(

@@ -22,13 +22,13 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from server.threadnames import name_this_thread
 
-__all__ = ["STAGES", "StageWorkers"]
+__all__ = ["CONFINED", "STAGES", "StageWorkers"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 # every kind of GPU work the engine does, with its stream's priority (lower runs first)
 # (PyTorch's streams take priorities 0 to -3 and clamp the rest)
 STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -2, "swin": -1, "everything": 0}
+# the stages of long batches that SERVE_ENCODER_SMS keeps to a share of the SMs
+CONFINED = ("sam_encoder", "everything")
 
 
 def _bind(stream: torch.cuda.Stream | None) -> None:
@@ -49,10 +51,14 @@ def _bind(stream: torch.cuda.Stream | None) -> None:
 class StageWorkers:
     """The executor of each stage: its own thread (and stream) or one shared by all."""
 
-    def __init__(self, device: torch.device, mode: str = "auto") -> None:
+    def __init__(self, device: torch.device, mode: str = "auto", encoder_sms: int = 0) -> None:
         self.device = device
         self.per_stage = mode == "per_stage" or (mode == "auto" and device.type == "cuda")
         self.streams: dict[str, torch.cuda.Stream] = {}
+        self.encoder_sms = 0  # the SMs the confined stages' green context has (0: all)
+        self._green: object | None = None  # kept alive as long as its streams
+        if encoder_sms:
+            self._green = self._confine(encoder_sms)
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self._spans_broken = False  # set when reading a span failed (`handed_over`)
         if not self.per_stage:
@@ -63,7 +69,9 @@ class StageWorkers:
             return
         for stage, priority in STAGES.items():
             stream = None
-            if device.type == "cuda":
+            if device.type == "cuda" and self._green is not None and stage in CONFINED:
+                stream = self.streams[stage] = self._green.Stream()  # type: ignore[attr-defined]
+            elif device.type == "cuda":
                 stream = self.streams[stage] = torch.cuda.Stream(device, priority=priority)
             self._executors[stage] = ThreadPoolExecutor(
                 max_workers=1,
@@ -71,6 +79,42 @@ class StageWorkers:
                 initializer=_bind,
                 initargs=(stream,),
             )
+
+    def _confine(self, sms: int) -> object:
+        """A CUDA green context of `sms` SMs for the encoder stages' streams (`CONFINED`).
+
+        Why: a stream's priority orders the blocks waiting for an SM but frees none, so a
+        click's decoder kernels waited for encoder blocks to end: a decoder batch took
+        6-7 ms beside graphed encoders against 2.0 alone, and 6.9 ms in the service's mix.
+        With five processes' encoders confined to 96 of an H200's 132 SMs the same batch
+        took 3.0-3.3 ms, and the encoders gave up a fifth of their rate (bench
+        `mps_priority`, docs/BENCHMARKS.md issue 19, twenty-sixth session). Every engine
+        on the GPU takes the same SMs (CUDA picks them), so the rest stay free for
+        decoder and classifier kernels whichever engine sends them. Under MPS a green
+        context keeps to its SMs while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset."""
+        where = f"SERVE_ENCODER_SMS={sms}"
+        if self.device.type != "cuda" or not self.per_stage:
+            raise ValueError(
+                f"{where}: confining the encoders to SMs needs a CUDA device and a stream per "
+                "stage (SERVE_STAGE_THREADS=auto or per_stage); set SERVE_ENCODER_SMS=0"
+            )
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).multi_processor_count
+        if sms >= total:
+            raise ValueError(f"{where}: this GPU has {total} SMs; give fewer, or 0 for all")
+        try:
+            from torch.cuda import green_contexts
+
+            make: Any = green_contexts.GreenContext.create
+            try:  # keywords only from torch 2.13; 2.11's binding takes them by position
+                context = make(num_sms=sms, device_id=index)
+            except TypeError:
+                context = make(sms, index)
+        except (ImportError, RuntimeError) as exc:  # no green contexts in this torch/driver
+            raise ValueError(f"{where}: CUDA green contexts are unavailable here: {exc}") from exc
+        self.encoder_sms = sms
+        log.info("encoder stages confined to %d of the GPU's %d SMs", sms, total)
+        return context
 
     def __getitem__(self, stage: str) -> ThreadPoolExecutor:
         return self._executors[stage]

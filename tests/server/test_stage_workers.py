@@ -162,3 +162,20 @@ def test_warm_up_gives_each_bucket_s_transients_back_before_the_next() -> None:
     assert len(released) == steps and engine.warm_released_bytes == steps << 20
     assert set(released) == {warm_thread}
     assert streams == ["sam_encoder", "sam_decoder", "swin"]
+
+
+def test_confining_the_encoders_to_sms_is_refused_where_no_green_context_can_run() -> None:
+    # On CUDA the encoder stages' streams come from a green context of SERVE_ENCODER_SMS SMs
+    # (measured on the GPU: docs/BENCHMARKS.md issue 19). On the CPU, or with one stream for
+    # every stage, there is nothing to confine: start-up names the setting, never a silent
+    # no-op that a load test would read as "confining gained nothing".
+    for mode in ("per_stage", "one"):
+        with pytest.raises(ValueError, match=r"SERVE_ENCODER_SMS=96.*CUDA device"):
+            StageWorkers(torch.device("cpu"), mode, encoder_sms=96)
+    with pytest.raises(ValueError, match="SERVE_ENCODER_SMS=64"):
+        Engine(small_settings(encoder_sms=64))
+    workers = StageWorkers(torch.device("cpu"), "per_stage", encoder_sms=0)  # 0: all SMs
+    try:
+        assert workers.encoder_sms == 0
+    finally:
+        workers.shutdown()

@@ -72,8 +72,9 @@ def _green_stream(sms: int) -> Any:
     decoder batch beside the encoders against 2.0 alone). SMs the encoders can never take
     are free the moment a decoder kernel arrives. Under MPS a green context keeps its SMs
     only while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset or 100 (NVIDIA's forum answer).
-    A graph's kernel nodes carry the context they were captured in, so a graph captured
-    here should keep to these SMs wherever it is replayed: not yet run on a GPU."""
+    A graph keeps to the SMs of the stream it was captured on: captured on a side stream
+    of the primary context and replayed here it used every SM (H100, 2026-11-28), so the
+    loads capture on this stream itself (`bench.green_confine.graphed_on`)."""
     import torch
     from torch.cuda import green_contexts
 

@@ -88,10 +88,12 @@ class StageWorkers:
         6-7 ms beside graphed encoders against 2.0 alone, and 6.9 ms in the service's mix.
         With five processes' encoders confined to 96 of an H200's 132 SMs the same batch
         took 3.0-3.3 ms, and the encoders gave up a fifth of their rate (bench
-        `mps_priority`, docs/BENCHMARKS.md issue 19, twenty-sixth session). Every engine
-        on the GPU takes the same SMs (CUDA picks them), so the rest stay free for
-        decoder and classifier kernels whichever engine sends them. Under MPS a green
-        context keeps to its SMs while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset."""
+        `mps_priority`, docs/BENCHMARKS.md issue 19, twenty-sixth session); in the service's
+        mix at 96 SMs every path's p99 fell 9-15%. The engines' contexts take the same SMs
+        (CUDA picks them; five processes' contexts together left the probe its SMs), so the
+        rest stay free for decoder and classifier kernels whichever engine sends them.
+        Under MPS a green context keeps to its SMs while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+        is unset."""
         where = f"SERVE_ENCODER_SMS={sms}"
         if self.device.type != "cuda" or not self.per_stage:
             raise ValueError(

@@ -312,7 +312,7 @@ class Settings(BaseSettings):
     encoder_sms: int = Field(0, ge=0)
     """SMs the encoder stages (SAM's encoder, segment-everything) may use, through a CUDA
     green context shared by every engine on the GPU; 0: all of them. CUDA only; Hopper
-    rounds up to a multiple of 8"""
+    hands out SMs in groups of 8, so a multiple of 8 is what runs exactly"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's

@@ -66,39 +66,24 @@ def _sam(batch: int | None = None) -> Any:
 
 
 def _green_stream(sms: int) -> Any:
-    """A stream whose kernels may use only `sms` of the GPU's SMs (a CUDA green context),
-    current on the calling thread. Why: priority orders the blocks waiting for an SM but
-    never frees one, so a click's kernels still wait for encoder blocks to end (6-7 ms a
-    decoder batch beside the encoders against 2.0 alone). SMs the encoders can never take
-    are free the moment a decoder kernel arrives. Under MPS a green context keeps its SMs
-    only while CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset or 100 (NVIDIA's forum answer).
-    A graph keeps to the SMs of the stream it was captured on: captured on a side stream
-    of the primary context and replayed here it used every SM (H100, 2026-11-28), so the
-    loads capture on this stream itself (`bench.green_confine.graphed_on`)."""
+    """The engine's encoder stream with SERVE_ENCODER_SMS=`sms` (`StageWorkers`: a stream
+    of a CUDA green context of that many SMs). Why: priority orders the blocks waiting
+    for an SM but never frees one, so a click's kernels still wait for encoder blocks to
+    end (6-7 ms a decoder batch beside the encoders against 2.0 alone). SMs the encoders
+    can never take are free the moment a decoder kernel arrives. A graph keeps to the SMs
+    of the stream it was captured on: captured on a side stream of the primary context
+    and replayed here it used every SM (H100, 2026-11-28); the service's capture now
+    takes the current stream, this one."""
     import torch
-    from torch.cuda import green_contexts
 
-    if not getattr(green_contexts, "SUPPORTED", True):
-        raise SystemExit("this torch has no green contexts (torch.cuda.green_contexts)")
-    make: Any = green_contexts.GreenContext.create  # its signature changed between releases
-    try:
-        context = make(num_sms=sms, device_id=0)
-    except TypeError:  # the first form took them by position
-        context = make(sms, 0)
-    print("green context API:", [n for n in dir(context) if not n.startswith("_")],
-          file=sys.stderr, flush=True)  # fmt: skip
-    if hasattr(context, "Stream"):  # a stream of the green context; this thread's context stays
-        stream = context.Stream()
-    else:  # older: the thread enters the context; a stream made now belongs to it
-        enter = getattr(context, "set_context", None) or context.make_current
-        enter()
-        stream = torch.cuda.Stream()
-    print(f"green context of {sms} SMs: stream {stream}", file=sys.stderr, flush=True)
-    _green_contexts.append(context)  # it must outlive every kernel captured in it
-    return stream
+    from server.engine.workers import StageWorkers
+
+    workers = StageWorkers(torch.device("cuda", 0), "per_stage", encoder_sms=sms)
+    _kept.append(workers)  # its green context must outlive every kernel sent to it
+    return workers.streams["sam_encoder"]
 
 
-_green_contexts: list[Any] = []
+_kept: list[Any] = []
 
 
 def _encoder_loop(
@@ -122,15 +107,8 @@ def _encoder_loop(
     x = torch.randn(batch, 3, 1024, 1024, device="cuda", dtype=torch.bfloat16)
     images, started = 0, 0.0
     with torch.inference_mode(), torch.cuda.stream(stream):
-        if sms and graphs:  # captured on the green stream itself (GraphedBuckets makes its own)
-            from bench.green_confine import graphed_on
-
-            replay = graphed_on(compiled, x, stream)
-            fn: Callable[[Any], object] = lambda _x: replay()  # noqa: E731
-        else:
-            buckets = GraphedBuckets(compiled, enabled=graphs)
-            buckets.capture(x)
-            fn = buckets
+        fn = GraphedBuckets(compiled, enabled=graphs)
+        fn.capture(x)  # on `stream`, current (`models.cuda_graphs.capturing`): its SMs too
         stream.synchronize()
         ready()
         while not stop.is_set():

@@ -36,7 +36,8 @@ for pair in $TREES; do
   fi
   [ -f "$tree/bench/gpu_openloop.sh" ] || { echo "$name: no tree at $tree" >&2; exit 1; }
   mkdir -p "$OUT/$name"
-  (cd "$tree" && EXTRA_ENV="${EXTRA_ENV:-} ${settings//,/ }" IMAGES=${IMAGES:-$root/.benchdata/images} SEGMENT_RATES=${SEGMENT_RATES-} \
+  (cd "$tree" && EXTRA_ENV="${EXTRA_ENV:-} ${settings//,/ }" \
+    IMAGES=${IMAGES:-$root/.benchdata/images} SEGMENT_RATES=${SEGMENT_RATES-} \
     CLICK_RATES=${CLICK_RATES-100,3000} CLASSIFY_RATES=${CLASSIFY_RATES-} \
     MIX=${MIX-segment=150,click=1000,classify=500} OUT="$OUT/$name" \
     bash bench/gpu_openloop.sh) > "$OUT/$name/run.txt" 2>&1

@@ -10,10 +10,10 @@ first run of this script (H200, 66 SMs) had the graph captured on the green cont
 stream at 263 img/s, confined, and the thread made current in the context (its
 `set_context`) confined only eager kernels on that context's NULL stream (239 img/s;
 compiled 403, and a stream made there 384-408: torch's stream pool belongs to the
-primary context). Forms: eager, compiled, `graphed` (captured on the stream by
-`torch.cuda.graph`), `service_graph` (`warm_and_capture` with the stream current, as
-warm-up captures), `side_graph` (captured on a primary-context side stream, as before
-the fix). A confined form slows in proportion to its SMs.
+primary context). The service's capture (`models.cuda_graphs.capturing`) now takes the
+current stream. Forms: eager, compiled, `service_graph` (`warm_and_capture` with the
+stream current, as warm-up captures), `side_graph` (captured on a primary-context side
+stream, as before that change). A confined form slows in proportion to its SMs.
 
     python -m bench.green_confine --sms 66 --seconds 3
 """
@@ -41,24 +41,7 @@ def _rate(fn: Callable[[], object], stream: Any, batch: int, seconds: float) -> 
     return done / (time.perf_counter() - started)
 
 
-FORMS = ["eager", "compiled", "graphed", "service_graph", "side_graph"]
-
-
-def graphed_on(fn: Callable[[Any], Any], x: Any, stream: Any) -> Callable[[], object]:
-    """`fn(x)` as a CUDA graph captured on `stream` itself. Why not the service's
-    `warm_and_capture`: it captures on a side stream of its own, made in the primary
-    context, and a graph's kernels keep what their capture stream had (its priority,
-    measured; its SMs, what this measures)."""
-    import torch
-
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(x)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn(x)
-    return graph.replay
+FORMS = ["eager", "compiled", "service_graph", "side_graph"]
 
 
 def main() -> None:
@@ -87,8 +70,6 @@ def main() -> None:
             out["eager"] = lambda: model.encode(x)
         if "compiled" in args.forms:
             out["compiled"] = lambda: compiled(x)
-        if "graphed" in args.forms:  # captured on `stream` itself
-            out["graphed"] = graphed_on(compiled, x, stream)
         if "service_graph" in args.forms:  # the service's capture path, on `stream` current
             with torch.cuda.stream(stream):
                 graph, _ = warm_and_capture(lambda: compiled(x), None)

@@ -56,7 +56,7 @@ class StageWorkers:
         self.per_stage = mode == "per_stage" or (mode == "auto" and device.type == "cuda")
         self.streams: dict[str, torch.cuda.Stream] = {}
         self.encoder_sms = 0  # the SMs the confined stages' green context has (0: all)
-        self._green: object | None = None  # kept alive as long as its streams
+        self._green: Any = None  # the green context, kept alive as long as its streams
         if encoder_sms:
             self._green = self._confine(encoder_sms)
         self._executors: dict[str, ThreadPoolExecutor] = {}
@@ -70,7 +70,7 @@ class StageWorkers:
         for stage, priority in STAGES.items():
             stream = None
             if device.type == "cuda" and self._green is not None and stage in CONFINED:
-                stream = self.streams[stage] = self._green.Stream()  # type: ignore[attr-defined]
+                stream = self.streams[stage] = self._green.Stream()
             elif device.type == "cuda":
                 stream = self.streams[stage] = torch.cuda.Stream(device, priority=priority)
             self._executors[stage] = ThreadPoolExecutor(
@@ -80,7 +80,7 @@ class StageWorkers:
                 initargs=(stream,),
             )
 
-    def _confine(self, sms: int) -> object:
+    def _confine(self, sms: int) -> Any:
         """A CUDA green context of `sms` SMs for the encoder stages' streams (`CONFINED`).
 
         Why: a stream's priority orders the blocks waiting for an SM but frees none, so a

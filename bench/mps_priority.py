@@ -10,8 +10,10 @@ priority; H100, 2026-11-27).
 
 The parent is the probe, as a decoder engine would be: SAM ViT-B's prompt encoder and mask
 decoder in bf16, a batch of `--prompts` one-point clicks on as many embeddings, as a CUDA
-graph captured on a stream of the lowest priority, one captured on the highest, and
-eager; each replayed every `--period-ms` on a stream of the highest priority, its GPU span
+graph captured on a stream of the lowest priority, one captured on the highest, eager, and
+a graph of as many tiny kernels as the decoder launches (added 2026-11-28, not yet run: does
+a batch beside the encoders pay per kernel?); each replayed every `--period-ms` on a
+stream of the highest priority, its GPU span
 (events on that stream) and launch-to-done wall time recorded. Loads are other processes
 (MPS clients started with or without `CUDA_MPS_CLIENT_PRIORITY`), each running the
 compiled, graphed encoder on batches of `--batch` back to back on a stream of default
@@ -170,10 +172,19 @@ class Probe:
                 model.decode(emb, batch)
 
         self.eager = eager
+        self.kernels = _kernel_count(eager)
+        # as many launches as the decoder's, each next to nothing: if beside the loads this
+        # chain's span grows as the decoder's does, a batch pays per kernel (each waits for
+        # a block of the encoders to leave an SM), not for its work
+        scratch = torch.zeros(256, device="cuda")
+        chain, _ = warm_and_capture(
+            lambda: [scratch.add_(1.0) for _ in range(self.kernels)], None, priority=high
+        )
 
         self.forms: dict[str, Callable[[], object]] = {
             "graph": graph.replay, "graph captured at high priority": graph_hi.replay,
             "eager": eager,
+            f"{self.kernels} tiny kernels, graph at high priority": chain.replay,
         }  # fmt: skip
 
     def measure(self, seconds: float, period_ms: float) -> list[dict[str, Any]]:
@@ -202,6 +213,21 @@ class Probe:
                 gpu.append(start.elapsed_time(end))
                 next_at += period_ms / 1e3
         return {**_spread("gpu", gpu), **_spread("wall", wall), "batches": len(gpu)}
+
+
+def _kernel_count(fn: Callable[[], object]) -> int:
+    """The GPU kernels one call of `fn` launches (the profiler's kernel records; memcpys and
+    memsets are not kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset"))]  # fmt: skip
+    return max(1, len(kernels))
 
 
 def _spread(name: str, values: list[float]) -> dict[str, float]:
@@ -388,7 +414,8 @@ def _run(args: argparse.Namespace) -> None:
 
     probe = Probe(args.prompts)
     print("MPS servers:", _control("get_server_list") or "none", "; stream priorities",
-          probe.priority_range, flush=True)  # fmt: skip
+          probe.priority_range, "; kernels in a decoder batch:", probe.kernels,
+          flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
 
     def record(config: str, measured: list[dict[str, Any]], load_img_s: float | None) -> None:

@@ -442,11 +442,12 @@ def test_every_rejection_reason_moves(make_server):
             for s in after.samples("serve_batch_drops_total")
             if s.value
         }
-        assert drops == {
-            ("sam_encoder", "queue_full"): statuses[429],
-            ("sam_encoder", "deadline"): 1,
-            ("sam_encoder", "cancelled"): 1,
-        }
+        # a burst's 429 comes from the encoder's full queue, or, where the engine's loop read
+        # the call over INTAKE_LAG_S after it was sent (CI's two busy cores did, 2026-11-28),
+        # from its door ("intake"): each counted once, in one place or the other
+        refused = sum(drops.pop((stage, "queue_full"), 0) for stage in ("sam_encoder", "intake"))
+        assert refused == statuses[429]
+        assert drops == {("sam_encoder", "deadline"): 1, ("sam_encoder", "cancelled"): 1}
         assert delta(before, after, "serve_oom_events_total", stage="swin") == 1
         assert delta(before, after, "serve_batch_failures_total", stage="sam_decoder") == 1
         assert delta(before, after, "serve_batch_failures_total", stage="swin") == 0  # split

@@ -13,8 +13,8 @@ decoder in bf16, a batch of `--prompts` one-point clicks on as many embeddings, 
 graph captured on a stream of the lowest priority, one captured on the highest, eager, and
 a graph of as many tiny kernels as the decoder launches (added 2026-11-28, not yet run: does
 a batch beside the encoders pay per kernel?); each replayed every `--period-ms` on a
-stream of the highest priority, its GPU span
-(events on that stream) and launch-to-done wall time recorded. Loads are other processes
+stream of the highest priority, its GPU span (events on that stream) and launch-to-done
+wall time recorded. Loads are other processes
 (MPS clients started with or without `CUDA_MPS_CLIENT_PRIORITY`), each running the
 compiled, graphed encoder on batches of `--batch` back to back on a stream of default
 priority, as an engine's encoder stage does; they report their images per second.

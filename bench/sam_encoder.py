@@ -324,22 +324,25 @@ def _attention_layer(layer: str, batch: int, side: int, iters: int) -> list[dict
             row(f"{name} dyn={dynamic}", ms, None if "floor" in name else out)
     # the kernel's launch shape, swept: the best one goes into KernelConfig's defaults
     cfg = KernelConfig
-    default = (cfg.block_m, cfg.num_warps, cfg.num_stages, dict(cfg.block_n))
-    shapes = [(64, 4, 3, 16), (64, 4, 3, 64), (64, 4, 2, 128), (64, 4, 3, 128)]
-    shapes += [(128, 4, 3, 128), (128, 8, 2, 128), (128, 8, 3, 128)]
+    default = (cfg.block_m, cfg.num_warps, cfg.num_stages, dict(cfg.block_n), dict(cfg.maxnreg))
+    # BLOCK_M, warps, stages, keys a block, a register cap (None: the compiler's choice;
+    # 168 lets three programs of 4 warps share an SM)
+    shapes = [(64, 4, 3, 64, None), (64, 4, 3, 64, 168), (64, 4, 2, 64, 168)]
+    shapes += [(64, 4, 3, 128, None), (64, 4, 3, 128, 168), (128, 8, 3, 64, 168)]
     if side < 32:
-        shapes += [(32, 4, 3, 128), (32, 2, 3, 128), (64, 4, 3, 256)]
+        shapes += [(64, 4, 3, 16, None), (64, 4, 3, 16, 168), (64, 4, 2, 16, None)]
+    width = max(16, 1 << (side - 1).bit_length())
     for shape_ in shapes:
-        cfg.block_m, cfg.num_warps, cfg.num_stages, block_n = shape_
-        cfg.block_n = {max(16, 1 << (side - 1).bit_length()): block_n}
+        cfg.block_m, cfg.num_warps, cfg.num_stages, block_n, maxnreg = shape_
+        cfg.block_n, cfg.maxnreg = {width: block_n}, {width: maxnreg} if maxnreg else {}
         try:
             out = launch(q, k, v, rph, rpw)
             ms = cuda_time_ms(lambda: launch(q, k, v, rph, rpw), iters)
         except Exception as exc:  # a launch shape that does not fit (registers, shared memory)
             print(f"triton {shape_} failed: {exc}", flush=True)
             continue
-        row("triton bm={} w={} s={} n={}".format(*shape_), ms, out)
-    cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n = default
+        row("triton bm={} w={} s={} n={} reg={}".format(*shape_), ms, out)
+    cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n, cfg.maxnreg = default
     return rows
 
 

@@ -9,7 +9,8 @@ terms per score and measured 3.5x slower still on an H100 (docs/BENCHMARKS.md).
 The layout makes the bias nearly free: keys are stored row-major on the `h x w` grid, so a
 block of `w` consecutive keys is exactly one grid row y'. For a block of queries, the
 `rel_w` term is then the same `[BLOCK_M, w]` tile for every key block (loaded once, kept in
-registers), and the `rel_h` term is one column `rel_h[:, y']` per key block. The kernel is
+registers), and the `rel_h` term is one number per query per key row, which rides on the
+row's running maximum rather than on every score. The kernel is
 an online-softmax loop over the `h` key rows, each iteration one `q @ k^T` and one `p @ v`.
 Both terms come from the tables inside the kernel: one product of the block's queries with
 every row of each table before the loop (an einsum outside, with the copies of q it needed,
@@ -55,18 +56,24 @@ MAX_GRID_W = 128
 
 
 class KernelConfig:
-    """Launch shape (bench/sam_encoder.py --flex-kernel sweeps it). A ViT-B global layer at
-    batch 8 (H200, torch 2.11, triton 3.6, rel-pos terms in the kernel, two rows a block)
-    took 1.51 ms with BLOCK_M 64, 4 warps, 3 stages; 1.57 with 2 stages; 1.75 with
-    128/8/3, 1.92 with 128/8/2 and 2.25 with 128/4/3 (docs/BENCHMARKS.md)."""
+    """Launch shape by the width of a key row's slots (w keys take the next power of two,
+    at least 16: 64 for the global grid, 16 for a 14x14 window); bench/sam_encoder.py
+    --flex-kernel sweeps it (docs/BENCHMARKS.md, issue 20's thirteenth session)."""
 
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # keys per block by the width of a row's slots (w keys take the next power of two, at
-    # least 16): two rows of the global 64x64 grid (1.51 ms against 1.60 for one, batch
-    # 8, H200); one row of a 14x14 window (0.29 ms; four rows 0.30, eight 0.36)
-    block_n: ClassVar[dict[int, int]] = {64: 128}
+    # keys a block: one row everywhere (a row's rel_h is then one number per query, added
+    # to its row maximum). Batch 8, H200: a 14x14 window layer 0.30-0.32 ms, as fast as
+    # four rows a block and faster than the terms by the tensor cores (the queries' rel_h
+    # and rel_w times the keys' one-hot rows and columns: 0.31-0.45, tried and dropped);
+    # the global layer only with the cap below
+    block_n: ClassVar[dict[int, int]] = {}
+    # a register cap: at 168 three programs of 4 warps share an SM where the compiler's
+    # 183 registers let two (ncu); the global layer 1.28-1.31 ms against 1.44-1.48
+    # uncapped and 1.41 for two rows a block. Windows run at 91 registers, five programs
+    # an SM, uncapped.
+    maxnreg: ClassVar[dict[int, int]] = {64: 168}
 
 
 @functools.cache
@@ -144,8 +151,7 @@ def _kernel() -> Any:
             bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
             bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
         # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
-        # masked): KernelConfig.block_n says how many rows (two of the global grid, one
-        # of a window by default).
+        # masked): KernelConfig.block_n says how many rows (one by default).
         offs_j = tl.arange(0, ROWS * BLOCK_W)
         col = offs_j % BLOCK_W
         sub = offs_j // BLOCK_W  # which of the block's rows
@@ -163,6 +169,8 @@ def _kernel() -> Any:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if ROWS == 1:  # the next row's rel_h, loaded one iteration ahead
+            rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
         for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
             key_row = row + sub
             mask_n = mask_col & (key_row < GRID_H)
@@ -175,21 +183,33 @@ def _kernel() -> Any:
             if HAS_BIAS:
                 padded = (mask_n & ~inside)[:, None]
                 k = tl.where(padded, bias_k[None, :].to(k.dtype), k)
-            s = tl.dot(q, tl.trans(k)) * QK_SCALE  # log2 units: scale * log2(e) folded in
-            # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
-            block_rows = row + tl.arange(0, ROWS)
-            rh = tl.load(
-                rh_ptrs[:, None] - block_rows[None, :],
-                mask=mask_m[:, None] & (block_rows < GRID_H)[None, :],
-                other=0.0,
-            )
-            rh = tl.broadcast_to(rh.to(tl.float32)[:, :, None], (BLOCK_M, ROWS, BLOCK_W))
-            s = s + tl.reshape(rh, (BLOCK_M, ROWS * BLOCK_W)) * LOG2E + rw
-            if GRID_H % ROWS != 0:  # the last block's rows past the grid
-                s = tl.where((key_row < GRID_H)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE + rw
+            if ROWS == 1:
+                # One key row: rel_h[q, y'] is one number per query for the whole block,
+                # so it rides on the row maximum and the exponent's offset (a [BLOCK_M]
+                # vector) instead of being spread over the [BLOCK_M, w] scores, which
+                # took a pass through shared memory every block (ncu, H200: the stall
+                # at the top of the global kernel's profile).
+                rh = rh_next.to(tl.float32) * LOG2E
+                rh_next = tl.load(rh_ptrs - (row + 1), mask=mask_m & (row + 1 < GRID_H), other=0.0)
+                m_new = tl.maximum(m_i, tl.max(s, 1) + rh)
+                p = tl.exp2(s - (m_new - rh)[:, None])
+            else:
+                # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
+                block_rows = row + tl.arange(0, ROWS)
+                rh2 = tl.load(
+                    rh_ptrs[:, None] - block_rows[None, :],
+                    mask=mask_m[:, None] & (block_rows < GRID_H)[None, :],
+                    other=0.0,
+                )
+                rh2 = tl.broadcast_to(rh2.to(tl.float32)[:, :, None], (BLOCK_M, ROWS, BLOCK_W))
+                s = s + tl.reshape(rh2, (BLOCK_M, ROWS * BLOCK_W)) * LOG2E
+                if GRID_H % ROWS != 0:  # the last block's rows past the grid
+                    s = tl.where((key_row < GRID_H)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
@@ -269,6 +289,7 @@ def launch(
     block_w = max(16, triton.next_power_of_2(grid_w))
     block_n = cfg.block_n.get(block_w, block_w)
     rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
+    maxnreg = cfg.maxnreg.get(block_w)
     q_blocks = triton.cdiv(n_ctx, block_m)
     launch_grid = (windows * q_blocks, B * heads)
     kernel = torch.library.wrap_triton(_kernel()) if traced else _kernel()
@@ -287,6 +308,7 @@ def launch(
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
 

@@ -57,9 +57,10 @@ print(json.dumps(results))
 CASES = [
     # B, heads, grid h, grid w, head dim, BLOCK_M, keys per block (whole rows of the grid)
     (2, 3, 16, 16, 32, 64, 128),  # 4 query blocks, 16 key rows taken 8 at a time
-    (2, 3, 16, 16, 32, 64, 16),  # ... one row at a time
+    (2, 3, 16, 16, 32, 64, 16),  # ... one row at a time (rel_h one number per query)
     (1, 2, 12, 16, 16, 128, 128),  # 192 tokens: the second query block is half masked;
     # 12 rows in blocks of 8: the last block's second half lies past the grid
+    (1, 2, 12, 16, 16, 128, 16),
     (1, 2, 8, 32, 24, 64, 64),  # head dim 24 runs padded to 32 (ViT-H's 80 -> 128 the same way)
     (3, 2, 14, 14, 16, 64, 128),  # SAM's 14x14 windows: rows of 14 keys in slots of 16
     (3, 2, 14, 14, 16, 64, 16),  # ... one row at a time

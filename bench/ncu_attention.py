@@ -37,7 +37,7 @@ def launch(shapes: list[tuple[int, int, int, int | None]]) -> None:
     for batch, side, block_n, maxnreg in shapes:
         width = max(16, 1 << (side - 1).bit_length())
         KernelConfig.block_n = {width: block_n}
-        KernelConfig.maxnreg = {width: maxnreg} if maxnreg else {}
+        KernelConfig.maxnreg = {(width, 64): maxnreg} if maxnreg else {}
         shape = (batch, 12, side * side, 64)
         q, k, v = (_randn(g, *shape) for _ in "qkv")
         rph, rpw = (_randn(g, 2 * side - 1, 64) * 0.1 for _ in "hw")

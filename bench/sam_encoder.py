@@ -334,7 +334,7 @@ def _attention_layer(layer: str, batch: int, side: int, iters: int) -> list[dict
     width = max(16, 1 << (side - 1).bit_length())
     for shape_ in shapes:
         cfg.block_m, cfg.num_warps, cfg.num_stages, block_n, maxnreg = shape_
-        cfg.block_n, cfg.maxnreg = {width: block_n}, {width: maxnreg} if maxnreg else {}
+        cfg.block_n, cfg.maxnreg = {width: block_n}, {(width, 64): maxnreg} if maxnreg else {}
         try:
             out = launch(q, k, v, rph, rpw)
             ms = cuda_time_ms(lambda: launch(q, k, v, rph, rpw), iters)

@@ -69,11 +69,12 @@ class KernelConfig:
     # and rel_w times the keys' one-hot rows and columns: 0.31-0.45, tried and dropped);
     # the global layer only with the cap below
     block_n: ClassVar[dict[int, int]] = {}
-    # a register cap: at 168 three programs of 4 warps share an SM where the compiler's
-    # 183 registers let two (ncu); the global layer 1.28-1.31 ms against 1.44-1.48
-    # uncapped and 1.41 for two rows a block. Windows run at 91 registers, five programs
-    # an SM, uncapped.
-    maxnreg: ClassVar[dict[int, int]] = {64: 168}
+    # a register cap by (row slots, padded head dim): at 168 three programs of 4 warps
+    # share an SM where the compiler's 183 registers let two (ncu; ViT-B's heads of 64);
+    # the global layer 1.28-1.31 ms against 1.44-1.48 uncapped and 1.41 for two rows a
+    # block. Windows run at 91 registers, five programs an SM, uncapped. Wider heads
+    # (ViT-H's 80 run as 128) hold twice the accumulator and were not measured capped.
+    maxnreg: ClassVar[dict[tuple[int, int], int]] = {(64, 64): 168}
 
 
 @functools.cache
@@ -289,7 +290,8 @@ def launch(
     block_w = max(16, triton.next_power_of_2(grid_w))
     block_n = cfg.block_n.get(block_w, block_w)
     rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
-    maxnreg = cfg.maxnreg.get(block_w)
+    head_block = triton.next_power_of_2(max(head_dim, 16))
+    maxnreg = cfg.maxnreg.get((block_w, head_block))
     q_blocks = triton.cdiv(n_ctx, block_m)
     launch_grid = (windows * q_blocks, B * heads)
     kernel = torch.library.wrap_triton(_kernel()) if traced else _kernel()
@@ -303,7 +305,7 @@ def launch(
         *(out_strides or (out.stride(0), out.stride(1), out.stride(2))),
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw, ROWS=rows,
-        HEAD_DIM=triton.next_power_of_2(max(head_dim, 16)), BLOCK_M=block_m,
+        HEAD_DIM=head_block, BLOCK_M=block_m,
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,

@@ -1,0 +1,126 @@
+"""Which of SAM ViT-B's encoder layers fp8 could take at issue 20's mask IoU floor (0.98).
+
+Why: 600 img/s is out of bf16's reach on Hopper (docs/BENCHMARKS.md, issue 20's thirteenth
+session: the attention at SDPA's floor and the GEMMs at the chip's bf16 rate would still
+take 13.9 ms a batch of 8, 575 img/s), so the GEMMs would have to run in fp8 or int8. fp8
+rowwise on every block Linear cost 7.5% embedding error and mask IoU 0.941 on the GPU
+(random weights). This measures, by kind of layer (the attention's qkv and projection, the
+MLP's two products), what fp8 on that kind alone does to the masks, so that the fused fp8
+kernels are built where the fidelity allows them.
+
+The arithmetic is the served fp8 kernel's (`models.fp8_gemm.fp8_linear_reference`: e4m3
+operands, per-row activation and per-channel weight scales, an fp32 product) in fp32,
+through `bench.fp8_sensitivity.Fp8Layers`; fidelity is `models.fidelity.compare_sam`'s
+(five prompts a photo, all four masks of each, against fp32 eager on the same weights).
+Random weights (seed 0, the service's) unless `--weights` names a checkpoint. On a 2-core
+CPU an encoder pass takes about 9 s a photo: `--photos 3 --variants all mlp` is a few
+minutes; every variant on the 7 photos about 10.
+
+    python -m bench.sam_fp8_sensitivity --images .benchdata/images --photos 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
+from bench.fp8_sensitivity import Fp8Layers
+from models.fidelity import (
+    FidelityPrompt,
+    SamOutputs,
+    SamRunner,
+    compare_sam,
+    eager_sam_runner,
+    fidelity_prompts,
+    load_photos,
+)
+from models.sam import SAM_CONFIGS, load_sam
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# a variant: which of each block's Linear layers run in fp8 (the names under blocks.<i>.)
+KINDS = {
+    "all": ("attn.qkv", "attn.proj", "mlp.lin1", "mlp.lin2"),
+    "attention": ("attn.qkv", "attn.proj"),
+    "qkv": ("attn.qkv",),
+    "proj": ("attn.proj",),
+    "mlp": ("mlp.lin1", "mlp.lin2"),
+    "lin1": ("mlp.lin1",),
+    "lin2": ("mlp.lin2",),
+}
+
+
+def layer_names(model: nn.Module, kinds: Sequence[str], skip_ends: bool) -> list[str]:
+    """The encoder's block Linear layers of these kinds (`skip_ends`: not in the first or
+    the last block, which a per-layer choice would keep in float first)."""
+    blocks = len(model.image_encoder.blocks)  # type: ignore[union-attr]
+    ends = {0, blocks - 1} if skip_ends else set()
+    return [
+        f"image_encoder.blocks.{i}.{kind}" for i in range(blocks) if i not in ends for kind in kinds
+    ]
+
+
+def remembered(runner: SamRunner) -> SamRunner:
+    """`runner` computed once per photo: the fp32 reference, which every variant meets."""
+    seen: dict[int, SamOutputs] = {}
+
+    def run(photo: Tensor, prompts: Sequence[FidelityPrompt]) -> SamOutputs:
+        key = id(photo)
+        if key not in seen:
+            seen[key] = runner(photo, prompts)
+        return seen[key]
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
+    p.add_argument("--photos", type=int, default=7, help="at most this many, sorted by name")
+    p.add_argument("--weights", type=Path, default=None, help="a SAM ViT-B checkpoint")
+    p.add_argument("--variants", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument(
+        "--skip-ends", action="store_true", help="also each variant with blocks 0 and 11 float"
+    )
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    started = time.perf_counter()
+    model = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=0).to(DEVICE).eval()
+    photos = load_photos(args.images, args.photos)
+    reference = remembered(eager_sam_runner(model, DEVICE))
+    candidate = eager_sam_runner(model, DEVICE)
+    for photo in photos:  # the reference before any layer is fp8: the model is shared
+        reference(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
+    print(f"fp32 reference: {time.perf_counter() - started:.0f} s", flush=True)
+    rows: list[dict[str, Any]] = []
+    plan = [(v, False) for v in args.variants]
+    plan += [(v, True) for v in args.variants if args.skip_ends]
+    for variant, skip_ends in plan:
+        names = layer_names(model, KINDS[variant], skip_ends)
+        with Fp8Layers(model, names):
+            result = compare_sam(reference, candidate, photos)
+        rows.append(
+            {
+                "variant": variant + (", blocks 1-10" if skip_ends else ""),
+                "fp8_layers": len(names),
+                **result.measures(),
+                "at_s": round(time.perf_counter() - started),
+            }
+        )
+        print(rows[-1], flush=True)
+    cols = ["variant", "fp8_layers", "embedding_rel_error", "mask_iou_mean", "mask_iou_min"]
+    print_table(rows, [*cols, "score_diff_mean"])
+    write_json(
+        args.json,
+        {"environment": environment(), "args": vars(args) | {"json": None}, "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from bench.common import DEFAULT_IMAGES, environment, load_photos, print_table, write_json
 from models.fidelity import swin_views
 from models.fp8_gemm import fp8_linear_reference, quantize_rows_fp8, quantize_weight_fp8
+from models.int8_gemm import int8_linear_reference, quantize_rows
 from models.optimize import OptimizeOptions, prepare_swin
 from models.swin import SWIN_CONFIGS, load_swin
 from models.swin import transforms as swin_tf
@@ -41,28 +42,36 @@ def _logits(model: nn.Module, x: Tensor, step: int = 64) -> Tensor:
         return torch.cat([model(x[i : i + step]) for i in range(0, len(x), step)])
 
 
-def _fp8_hook(layer: nn.Linear) -> Callable[..., Tensor]:
-    """A forward hook that replaces `layer`'s output by its fp8 product."""
-    wq, ws = quantize_weight_fp8(layer.weight.float())
+def _quant_hook(layer: nn.Linear, kind: str) -> Callable[..., Tensor]:
+    """A forward hook that replaces `layer`'s output by its fp8 (or int8) product, the
+    served kernels' arithmetic: per-row activation and per-channel weight scales."""
+    if kind == "int8":
+        wq, ws = quantize_rows(layer.weight.detach().float())
+        quantize, product = quantize_rows, int8_linear_reference
+    else:
+        wq, ws = quantize_weight_fp8(layer.weight.float())
+        quantize, product = quantize_rows_fp8, fp8_linear_reference
 
     def hook(mod: nn.Linear, inputs: tuple[Tensor, ...], out: Tensor) -> Tensor:
-        xq, xs = quantize_rows_fp8(inputs[0].reshape(-1, mod.in_features))
-        y = fp8_linear_reference(xq, xs, wq, ws, mod.bias, None, False, torch.float32)
+        xq, xs = quantize(inputs[0].reshape(-1, mod.in_features))
+        y = product(xq, xs, wq, ws, mod.bias, None, False, torch.float32)
         return y.reshape(out.shape)
 
     return hook
 
 
 class Fp8Layers:
-    """The named Linear layers of `model` computed in fp8 while inside the block."""
+    """The named Linear layers of `model` computed in fp8 (`kind="int8"`: int8) while
+    inside the block."""
 
-    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
+    def __init__(self, model: nn.Module, names: Iterable[str], kind: str = "fp8") -> None:
         wanted = set(names)
         self.layers = [m for n, m in model.named_modules() if n in wanted]
+        self.kind = kind
         self.hooks: list[Any] = []
 
     def __enter__(self) -> Fp8Layers:
-        self.hooks = [m.register_forward_hook(_fp8_hook(m)) for m in self.layers]
+        self.hooks = [m.register_forward_hook(_quant_hook(m, self.kind)) for m in self.layers]
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,7 +14,8 @@ through `bench.fp8_sensitivity.Fp8Layers`; fidelity is `models.fidelity.compare_
 (five prompts a photo, all four masks of each, against fp32 eager on the same weights).
 Random weights (seed 0, the service's) unless `--weights` names a checkpoint. On a 2-core
 CPU an encoder pass takes about 9 s a photo: `--photos 3 --variants all mlp` is a few
-minutes; every variant on the 7 photos about 10.
+minutes; every variant on the 7 photos about 10. `--format int8` puts the served int8
+kernel's arithmetic (per-row and per-channel int8, an exact int32 product) there instead.
 
     python -m bench.sam_fp8_sensitivity --images .benchdata/images --photos 7
 """
@@ -88,6 +89,9 @@ def main() -> None:
     p.add_argument(
         "--skip-ends", action="store_true", help="also each variant with blocks 0 and 11 float"
     )
+    p.add_argument(
+        "--format", choices=["fp8", "int8"], default="fp8", help="int8: the served int8 kernel's"
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -103,18 +107,18 @@ def main() -> None:
     plan += [(v, True) for v in args.variants if args.skip_ends]
     for variant, skip_ends in plan:
         names = layer_names(model, KINDS[variant], skip_ends)
-        with Fp8Layers(model, names):
+        with Fp8Layers(model, names, args.format):
             result = compare_sam(reference, candidate, photos)
         rows.append(
             {
-                "variant": variant + (", blocks 1-10" if skip_ends else ""),
-                "fp8_layers": len(names),
+                "variant": f"{args.format} {variant}" + (", blocks 1-10" if skip_ends else ""),
+                "layers": len(names),
                 **result.measures(),
                 "at_s": round(time.perf_counter() - started),
             }
         )
         print(rows[-1], flush=True)
-    cols = ["variant", "fp8_layers", "embedding_rel_error", "mask_iou_mean", "mask_iou_min"]
+    cols = ["variant", "layers", "embedding_rel_error", "mask_iou_mean", "mask_iou_min"]
     print_table(rows, [*cols, "score_diff_mean"])
     write_json(
         args.json,

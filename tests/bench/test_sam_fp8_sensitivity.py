@@ -1,5 +1,6 @@
 """bench.sam_fp8_sensitivity's parts on SAM's tiny encoder: which layers each variant names,
-and that the fp32 reference is taken before any layer is fp8 (the model is shared)."""
+that the fp32 reference is taken before any layer is quantised (the model is shared), and
+that int8 errs less than fp8."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def test_fp8_moves_the_masks_and_the_reference_stays_fp32() -> None:
     candidate = eager_sam_runner(model, CPU)
     with Fp8Layers(model, layer_names(model, KINDS["all"], skip_ends=False)):
         fp8 = compare_sam(reference, candidate, photos)
+    with Fp8Layers(model, layer_names(model, KINDS["all"], skip_ends=False), "int8"):
+        int8 = compare_sam(reference, candidate, photos)
     exact = compare_sam(reference, candidate, photos)  # the hooks gone: fp32 again
     assert exact.embedding_rel_error == 0.0 and exact.mask_iou_mean == 1.0
     assert 0.0 < fp8.embedding_rel_error < 0.5  # e4m3 errs a few percent a product
     assert fp8.mask_iou_min < 1.0 <= exact.mask_iou_min
+    # int8's 8 bits a value against e4m3's 3 of mantissa: a smaller error, not none
+    assert 0.0 < int8.embedding_rel_error < fp8.embedding_rel_error / 2
     assert fp8.masks == exact.masks == len(photos) * len(fidelity_prompts(96, 128)) * 4

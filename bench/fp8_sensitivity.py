@@ -21,7 +21,7 @@ import copy
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from models.swin import SWIN_CONFIGS, load_swin
 from models.swin import transforms as swin_tf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+Format = Literal["fp8", "int8"]
 
 
 def _logits(model: nn.Module, x: Tensor, step: int = 64) -> Tensor:
@@ -42,7 +43,7 @@ def _logits(model: nn.Module, x: Tensor, step: int = 64) -> Tensor:
         return torch.cat([model(x[i : i + step]) for i in range(0, len(x), step)])
 
 
-def _quant_hook(layer: nn.Linear, kind: str) -> Callable[..., Tensor]:
+def _quant_hook(layer: nn.Linear, kind: Format) -> Callable[..., Tensor]:
     """A forward hook that replaces `layer`'s output by its fp8 (or int8) product, the
     served kernels' arithmetic: per-row activation and per-channel weight scales."""
     if kind == "int8":
@@ -60,17 +61,17 @@ def _quant_hook(layer: nn.Linear, kind: str) -> Callable[..., Tensor]:
     return hook
 
 
-class Fp8Layers:
+class QuantizedLayers:
     """The named Linear layers of `model` computed in fp8 (`kind="int8"`: int8) while
     inside the block."""
 
-    def __init__(self, model: nn.Module, names: Iterable[str], kind: str = "fp8") -> None:
+    def __init__(self, model: nn.Module, names: Iterable[str], kind: Format = "fp8") -> None:
         wanted = set(names)
         self.layers = [m for n, m in model.named_modules() if n in wanted]
         self.kind = kind
         self.hooks: list[Any] = []
 
-    def __enter__(self) -> Fp8Layers:
+    def __enter__(self) -> QuantizedLayers:
         self.hooks = [m.register_forward_hook(_quant_hook(m, self.kind)) for m in self.layers]
         return self
 
@@ -120,12 +121,12 @@ def main() -> None:
     cref = _logits(base, calib)
     harm = {}
     for name in candidates:  # one layer at a time in fp8: its share of the logits' error
-        with Fp8Layers(base, [name]):
+        with QuantizedLayers(base, [name]):
             harm[name] = float((_logits(base, calib) - cref).norm() / cref.norm())
     ranked = sorted(candidates, key=lambda n: -harm[n])
     print("most harmful alone:", [(n, round(harm[n], 5)) for n in ranked[:12]], flush=True)
     for k in args.keep:
-        with Fp8Layers(base, ranked[k:]):
+        with QuantizedLayers(base, ranked[k:]):
             rows.append(row(f"the {k} most harmful kept in fp32", len(ranked) - k, base))
     cols = ["variant", "fp8_layers", "top1_agree", "logit_error"]
     print_table(rows, cols)

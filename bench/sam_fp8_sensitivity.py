@@ -10,7 +10,7 @@ kernels are built where the fidelity allows them.
 
 The arithmetic is the served fp8 kernel's (`models.fp8_gemm.fp8_linear_reference`: e4m3
 operands, per-row activation and per-channel weight scales, an fp32 product) in fp32,
-through `bench.fp8_sensitivity.Fp8Layers`; fidelity is `models.fidelity.compare_sam`'s
+through `bench.fp8_sensitivity.QuantizedLayers`; fidelity is `models.fidelity.compare_sam`'s
 (five prompts a photo, all four masks of each, against fp32 eager on the same weights).
 Random weights (seed 0, the service's) unless `--weights` names a checkpoint. On a 2-core
 CPU an encoder pass takes about 9 s a photo: `--photos 3 --variants all mlp` is a few
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
-from bench.fp8_sensitivity import Fp8Layers
+from bench.fp8_sensitivity import QuantizedLayers
 from models.fidelity import (
     FidelityPrompt,
     SamOutputs,
@@ -42,7 +42,7 @@ from models.fidelity import (
     fidelity_prompts,
     load_photos,
 )
-from models.sam import SAM_CONFIGS, load_sam
+from models.sam import SAM_CONFIGS, Sam, load_sam
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # a variant: which of each block's Linear layers run in fp8 (the names under blocks.<i>.)
@@ -57,10 +57,10 @@ KINDS = {
 }
 
 
-def layer_names(model: nn.Module, kinds: Sequence[str], skip_ends: bool) -> list[str]:
+def layer_names(model: Sam, kinds: Sequence[str], skip_ends: bool) -> list[str]:
     """The encoder's block Linear layers of these kinds (`skip_ends`: not in the first or
     the last block, which a per-layer choice would keep in float first)."""
-    blocks = len(model.image_encoder.blocks)  # type: ignore[union-attr]
+    blocks = len(model.image_encoder.blocks)
     ends = {0, blocks - 1} if skip_ends else set()
     return [
         f"image_encoder.blocks.{i}.{kind}" for i in range(blocks) if i not in ends for kind in kinds
@@ -107,7 +107,7 @@ def main() -> None:
     plan += [(v, True) for v in args.variants if args.skip_ends]
     for variant, skip_ends in plan:
         names = layer_names(model, KINDS[variant], skip_ends)
-        with Fp8Layers(model, names, args.format):
+        with QuantizedLayers(model, names, args.format):
             result = compare_sam(reference, candidate, photos)
         rows.append(
             {

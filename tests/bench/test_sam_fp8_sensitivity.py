@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from bench.fp8_sensitivity import Fp8Layers
+from bench.fp8_sensitivity import QuantizedLayers
 from bench.sam_fp8_sensitivity import KINDS, layer_names, remembered
 from models.fidelity import compare_sam, eager_sam_runner, fidelity_prompts
 from models.sam import SAM_CONFIGS, load_sam
@@ -49,9 +49,9 @@ def test_fp8_moves_the_masks_and_the_reference_stays_fp32() -> None:
     for photo in photos:
         reference(photo, fidelity_prompts(*photo.shape[:2]))
     candidate = eager_sam_runner(model, CPU)
-    with Fp8Layers(model, layer_names(model, KINDS["all"], skip_ends=False)):
+    with QuantizedLayers(model, layer_names(model, KINDS["all"], skip_ends=False)):
         fp8 = compare_sam(reference, candidate, photos)
-    with Fp8Layers(model, layer_names(model, KINDS["all"], skip_ends=False), "int8"):
+    with QuantizedLayers(model, layer_names(model, KINDS["all"], skip_ends=False), "int8"):
         int8 = compare_sam(reference, candidate, photos)
     exact = compare_sam(reference, candidate, photos)  # the hooks gone: fp32 again
     assert exact.embedding_rel_error == 0.0 and exact.mask_iou_mean == 1.0

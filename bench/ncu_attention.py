@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -109,7 +108,6 @@ def main() -> None:
         print(f"kernel {i}: {kernel['samples']} samples, stall reasons (%) {reasons}")
         for line in kernel["top"]:  # type: ignore[attr-defined]
             print(f"  {line['share']:5.1f}%  {line['sass'][:64]:64s}  {line['why']}")
-    print(json.dumps({"shapes": SHAPES}))
 
 
 if __name__ == "__main__":

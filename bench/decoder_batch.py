@@ -51,6 +51,7 @@ from models.optimize import EAGER_ON_RECOMPILE
 from models.sam import PromptSet
 from models.triton_device import runs_triton
 from server.domain import Prompt
+from server.engine.cache import ImageEmbedding
 from server.engine.runs import mask_runs
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.services import Engine
@@ -130,6 +131,41 @@ class _Spinner:
         self._thread.join()
 
 
+def warm_stages(
+    images: Path, model: str | None
+) -> tuple[SamStages, list[ImageEmbedding], Settings]:
+    """The SAM stages built and warmed as `python -m server` does (SAM only), with the
+    photos of `images` encoded: the stages, one embedding per photo, the settings."""
+    settings = Settings(enable_swin=False, **({"sam_model": model} if model else {}))
+    engine = Engine(settings, Metrics())
+    asyncio.run(engine.load())
+    asyncio.run(engine.warmup())
+    assert engine.sam is not None
+    stages = engine.sam.stages
+    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
+    photos = sorted(images.glob("*.jpg"))
+    pixels = [
+        decode_image(p.read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20).pixels
+        for p in photos
+    ]
+    entries = stages.encode(
+        [EncodeItem(f"img-{k}", pixels[k % len(pixels)]) for k in range(len(pixels))]
+    )
+    return stages, entries, settings
+
+
+def click_items(entries: list[ImageEmbedding], n: int, n_max: int, points: int) -> list[DecodeItem]:
+    """`n` one-prompt multimask clicks of `points` points, click k on photo k (cycling),
+    spread across the photo as k runs to `n_max`."""
+    out = []
+    for k in range(n):
+        e = entries[k % len(entries)]
+        h, w = e.original_size
+        xy = tuple((w * (0.3 + 0.4 * k / n_max), h * (0.5 - 0.1 * j)) for j in range(points))
+        out.append(DecodeItem(e, (Prompt(points=xy, labels=(1,) * points),), multimask=True))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
@@ -141,35 +177,11 @@ def main() -> None:
     args = p.parse_args()
     env = environment()
     print(env, flush=True)
-    settings = Settings(enable_swin=False, **({"sam_model": args.model} if args.model else {}))
-    engine = Engine(settings, Metrics())
-    asyncio.run(engine.load())
-    asyncio.run(engine.warmup())
-    assert engine.sam is not None
-    stages = engine.sam.stages
-    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
-
-    photos = sorted(args.images.glob("*.jpg"))
-    pixels = [
-        decode_image(p.read_bytes(), max_pixels=40_000_000, max_bytes=50 << 20).pixels
-        for p in photos
-    ]
+    stages, entries, settings = warm_stages(args.images, args.model)
     n_max = max(args.sizes)
-    entries = stages.encode(
-        [EncodeItem(f"img-{k}", pixels[k % len(pixels)]) for k in range(len(pixels))]
-    )
 
     def clicks(n: int) -> list[DecodeItem]:
-        out = []
-        for k in range(n):
-            e = entries[k % len(entries)]
-            h, w = e.original_size
-            points = tuple(
-                (w * (0.3 + 0.4 * k / n_max), h * (0.5 - 0.1 * j)) for j in range(args.points)
-            )
-            prompt = Prompt(points=points, labels=(1,) * args.points)
-            out.append(DecodeItem(e, (prompt,), multimask=True))
-        return out
+        return click_items(entries, n, n_max, args.points)
 
     rows = []
     run_decoder = _decoder(stages)

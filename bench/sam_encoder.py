@@ -36,6 +36,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
+from models import gemm_persistent
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
@@ -364,7 +365,13 @@ def main() -> None:
         "--profile", nargs="*", default=[], choices=list(VARIANTS), help="profile these variants"
     )
     p.add_argument("--profile-out", type=Path, default=None, help="a folder for the tables")
+    p.add_argument(
+        "--int8-gemm", choices=["auto", "tiled", "persistent"], default="auto",
+        help="the int8/fp8 layers' kernel: models/gemm_persistent.py (auto: on Hopper) or "
+        "the tile-per-program models/gemm_kernel.py",
+    )  # fmt: skip
     args = p.parse_args()
+    gemm_persistent.ENABLED = {"auto": None, "tiled": False, "persistent": True}[args.int8_gemm]
     started = time.perf_counter()
     env = environment()
     print(env, flush=True)

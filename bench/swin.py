@@ -48,6 +48,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
+from models import gemm_persistent
 from models.fidelity import swin_views
 from models.int8_select import calibration_run
 from models.ln_quant import QuantizingLayerNorm
@@ -199,7 +200,13 @@ def main() -> None:
         help="inductor rounds fused intermediates to the dtype eager would hold\n"
         "(emulate_precision_casts): the compiled int8 fault's suspect (docs/BENCHMARKS.md)",
     )
+    p.add_argument(
+        "--int8-gemm", choices=["auto", "tiled", "persistent"], default="auto",
+        help="the int8/fp8 layers' kernel: models/gemm_persistent.py (auto: on Hopper, the\n"
+        "shapes it was measured on) or the tile-per-program models/gemm_kernel.py",
+    )  # fmt: skip
     args = p.parse_args()
+    gemm_persistent.ENABLED = {"auto": None, "tiled": False, "persistent": True}[args.int8_gemm]
     if args.emulate_casts:
         import torch._inductor.config as inductor_config
 

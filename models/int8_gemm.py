@@ -42,6 +42,7 @@ from models.gemm_kernel import (
     launch,
     launch_quant_out,
 )
+from models.gemm_persistent import launch_persistent, persistent_for, served_config
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -146,6 +147,11 @@ def define_linear_op(
         gelu: bool,
         out_dtype: torch.dtype,
     ) -> Tensor:
+        if supported(xq.device) and persistent_for(xq, weight):
+            # Hopper: the persistent TMA kernel, GELU in its tanh form (models.gemm_persistent)
+            return launch_persistent(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
+                                     gelu_tanh=gelu, out_dtype=out_dtype,
+                                     config=served_config(residual is not None))  # fmt: skip
         if supported(xq.device):
             return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
                           out_dtype=out_dtype)  # fmt: skip

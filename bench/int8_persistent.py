@@ -1,0 +1,190 @@
+"""The persistent TMA int8 GEMM (models/gemm_persistent.py) against bf16 (cuBLAS) and the
+tile-per-program int8 kernel (models/gemm_kernel.py) on SAM ViT-B's encoder products.
+
+Why: SAM's encoder needs its GEMMs at well over bf16's rate to reach 600 img/s (issue 20);
+the tile-per-program kernel measured 1.13x bf16. Each product of a ViT-B block at
+`--batch` (windowed blocks: batch x 25 x 196 tokens, global: batch x 4096), with its
+epilogue as the encoder has it (bias; GELU after lin1; lin2's residual), is timed inside a
+CUDA graph of `--reps` calls:
+
+- `bf16`: `F.linear` in bf16 (cuBLAS; bias in its epilogue), then GELU / the residual;
+- `tiled`: models.gemm_kernel.launch, autotuned over its Hopper configs;
+- `persistent`: models.gemm_persistent.launch_persistent, every config of `--configs`
+  (default: `SWEEP`) timed, the fastest kept (its config printed); configs that do not
+  compile or fit are skipped and counted.
+
+The GELU layers run again as `~tanh` rows: GELU's tanh form, ours with tanh as one SFU
+instruction, bf16's as cuBLASLt's GELU_BIAS epilogue (which computes that form too).
+`max_rel` is the persistent kernel's largest difference from the torch reference
+(`int8_linear_reference`, then the row's GELU) relative to the output's largest magnitude.
+
+    python3 -m bench.int8_persistent --batch 8
+    TRITON_INTERPRET=1 python -m bench.int8_persistent --batch 1 --tokens 64 --configs 0
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import environment, print_table, write_json
+from bench.int8_gemm import CUDA, DEVICE, SAM_DIM, SAM_TOKENS, graphed_ms, shapes
+from models.gemm_persistent import (
+    INTERPRETER_CONFIG,
+    SWEEP,
+    PersistentConfig,
+    launch_persistent,
+)
+from models.int8_gemm import int8_linear_reference, launch, quantize_rows
+
+
+def sam_products(batch: int, tokens: dict[str, int]) -> list[dict[str, Any]]:
+    """A ViT-B block's products: layer, M, K, N, GELU after it, residual added in it."""
+    d = SAM_DIM
+    out = []
+    for kind, per_image in tokens.items():
+        m = batch * per_image
+        for layer, k, n, gelu, res in (("qkv", d, 3 * d, False, False),
+                                       ("proj", d, d, False, False),
+                                       ("lin1", d, 4 * d, True, False),
+                                       ("lin2", 4 * d, d, False, True)):  # fmt: skip
+            out.append({"layer": f"{kind}.{layer}", "M": m, "K": k, "N": n,
+                        "gelu": gelu, "residual": res, "tanh": False})  # fmt: skip
+            if gelu:  # GELU's tanh form: ours with tanh by the SFU, bf16's in cuBLASLt
+                out.append({**out[-1], "layer": f"{kind}.{layer}~tanh", "tanh": True})
+    return out
+
+
+def swin_products(batch: int) -> list[dict[str, Any]]:
+    """Swin-T's block products at `batch` (none for 0), as bench.int8_gemm lists them; the
+    GELU layers in the tanh form only (what the persistent kernel serves)."""
+    rows = shapes([batch], []) if batch else []
+    return [{"layer": f"swin b{batch} {r['layer']}" + ("~tanh" if r["gelu"] else ""),
+             "M": r["M"], "K": r["K"], "N": r["N"], "gelu": r["gelu"],
+             "residual": False, "tanh": r["gelu"]} for r in rows]  # fmt: skip
+
+
+def measure(row: dict[str, Any], configs: list[PersistentConfig], reps: int, iters: int) -> None:
+    m, k, n, gelu = row["M"], row["K"], row["N"], row["gelu"]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, generator=g) / k**0.5
+    bias = torch.randn(n, device=DEVICE, generator=g) * 0.1
+    res = (
+        torch.randn(m, n, device=DEVICE, generator=g).to(torch.bfloat16)
+        if row["residual"]
+        else None
+    )
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_rows(w)
+    wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
+    flops = 2 * m * k * n
+
+    def bf16() -> torch.Tensor:
+        if row["tanh"]:  # cuBLASLt's GELU_BIAS epilogue (its GELU is the tanh form)
+            return torch._addmm_activation(bb, x, wb.t(), use_gelu=True)
+        y = F.linear(x, wb, bb)
+        y = F.gelu(y) if gelu else y
+        return y + res if res is not None else y
+
+    def tiled() -> torch.Tensor:
+        return launch(xq, xs, wq, ws, bias, res, gelu=gelu, out_dtype=torch.bfloat16)
+
+    def persistent(cfg: PersistentConfig) -> Callable[[], torch.Tensor]:
+        return lambda: launch_persistent(
+            xq, xs, wq, ws, bias, res, gelu=gelu, gelu_tanh=row["tanh"], config=cfg
+        )
+
+    for name, fn in (("bf16", bf16), ("tiled", tiled)):
+        if name == "tiled" and not CUDA:
+            continue  # the interpreter runs it in tests/models; nothing to time here
+        row[f"{name} ms"] = graphed_ms(fn, reps, iters)
+    best: tuple[float, PersistentConfig] | None = None
+    failed = 0
+    for cfg in configs:
+        try:
+            ms = graphed_ms(persistent(cfg), reps, iters)
+        except Exception as exc:  # out of shared memory, or a form this Triton cannot build
+            failed += 1
+            print(f"  {row['layer']} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        print(f"  {row['layer']} {cfg}: {ms:.4f} ms", flush=True)
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    row["failed configs"] = failed
+    if best is not None:
+        row["persistent ms"], row["config"] = best[0], str(best[1])
+        got = persistent(best[1])()
+        want = int8_linear_reference(xq, xs, wq, ws, bias, res, gelu, torch.bfloat16)
+        if row["tanh"]:  # against the same product through the tanh form in torch
+            want = F.gelu(int8_linear_reference(xq, xs, wq, ws, bias, res, False,
+                                                torch.float32), approximate="tanh")  # fmt: skip
+        row["max_rel"] = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    for name in ("bf16", "tiled", "persistent"):
+        if isinstance(row.get(f"{name} ms"), float):
+            row[f"{name} TFLOP/s"] = flops / row[f"{name} ms"] / 1e9
+    for name in ("tiled", "persistent"):
+        if isinstance(row.get(f"{name} ms"), float):
+            row[f"{name}/bf16"] = row["bf16 ms"] / row[f"{name} ms"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per image for every product (a smoke run); default SAM's",
+    )
+    p.add_argument(
+        "--swin-batch",
+        type=int,
+        default=0,
+        help="also Swin-T's products at this batch (its four stages)",
+    )
+    p.add_argument("--configs", type=int, nargs="+", default=None, help="indices into SWEEP")
+    p.add_argument("--layers", nargs="+", default=None, help="e.g. global.lin1 window.qkv")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    env = environment()
+    print(env, flush=True)
+    tokens = {"tokens": args.tokens} if args.tokens else SAM_TOKENS
+    rows = [r for r in sam_products(args.batch, tokens) + swin_products(args.swin_batch)
+            if args.layers is None or r["layer"] in args.layers]  # fmt: skip
+    if args.configs is not None:
+        configs = [SWEEP[i] for i in args.configs]
+    else:
+        configs = list(SWEEP) if CUDA else [INTERPRETER_CONFIG]
+    for row in rows:
+        measure(row, configs, args.reps, args.iters)
+        row.pop("tanh")
+        print(row, flush=True)
+    total = {"layer": "block (sum, exact GELU)", "M": "", "K": "", "N": ""}
+    for name in ("bf16", "tiled", "persistent"):
+        times = [r.get(f"{name} ms") for r in rows if "~" not in r["layer"]]
+        if times and all(isinstance(t, float) for t in times):
+            total[f"{name} ms"] = sum(times)
+    if "persistent ms" in total and "bf16 ms" in total:
+        total["persistent/bf16"] = total["bf16 ms"] / total["persistent ms"]
+    if "tiled ms" in total and "bf16 ms" in total:
+        total["tiled/bf16"] = total["bf16 ms"] / total["tiled ms"]
+    rows.append(total)
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, batch {args.batch}")
+    cols = ["layer", "M", "K", "N", "bf16 ms", "tiled ms", "persistent ms", "tiled/bf16",
+            "persistent/bf16", "persistent TFLOP/s", "config", "max_rel",
+            "failed configs"]  # fmt: skip
+    print_table(rows, [c for c in cols if any(c in r for r in rows)])
+    if args.json:
+        write_json(Path(args.json), {"environment": env, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

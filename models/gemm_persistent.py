@@ -1,0 +1,317 @@
+"""A persistent int8 / e4m3 GEMM for Hopper: operands through TMA descriptors, the same fused
+epilogue as models/gemm_kernel.py (per-row and per-column scales, bias, GELU, residual),
+the output stored by TMA.
+
+Why another kernel: the tile-per-program kernel (models/gemm_kernel.py) runs SAM ViT-B's
+products only 1.13x bf16's speed on an H100, where Hopper's int8 tensor cores run at twice
+bf16's rate (docs/BENCHMARKS.md, issue 20, third session). Compiled for sm_90, its fastest
+tiles (128x256) hold one program of 8 warps an SM at 231-241 registers, and that program
+does its epilogue (scales, bias, GELU, a bf16 store of 32K values) while the tensor cores
+idle; with SAM's K of 768 the main loop is only 6-12 steps, so the epilogue is a large
+share of every tile (`bench/gemm_resources.py`). Here one program per SM walks the tiles
+(`tl.range(..., flatten=True)`: Triton pipelines the next tile's loads under this tile's
+epilogue), the loads are TMA copies into swizzled shared memory (no address arithmetic in
+registers), and the epilogue may be split in two halves of the tile (`subtile`) so that
+GELU's fp32 temporaries fit beside the accumulator.
+
+Operands as models/gemm_kernel.py takes them: `xq [M, K]` and `weight [N, K]`, both
+K-major; TMA also needs K * 1 byte and N * 2 bytes (the bf16 output's rows) to be multiples
+of 16 and 16-byte aligned bases, which every SAM and Swin layer meets; `x_scale` may be
+strided (a packed activation's scales, models.ln_quant), but the packed activation itself
+is not TMA-aligned (its rows are K + 4 bytes apart), so it is refused here.
+
+Measured on the GPU beside bf16 and the tile-per-program kernel by `bench/int8_persistent.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SWEEP",
+    "PersistentConfig",
+    "launch_persistent",
+    "persistent_for",
+    "persistent_supported",
+    "served_config",
+]
+
+# Whether `serve::int8_linear` / `serve::fp8_linear` run this kernel on CUDA: None decides by
+# the device (Hopper: sm_90, where it was measured), True / False force it (bench/sam_encoder.py
+# `--int8-gemm`, to compare it with the tile-per-program kernel in one process).
+ENABLED: bool | None = None
+
+
+@dataclass(frozen=True)
+class PersistentConfig:
+    """One launch shape: the tile, pipeline depth, warps; `subtile` stores the tile as two
+    halves of BLOCK_N / 2 columns; `warp_specialize` asks Triton for producer and consumer
+    warps (where this Triton supports it on the device; else the compile fails and the
+    bench says so)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 128
+    num_stages: int = 3
+    num_warps: int = 8
+    subtile: bool = True
+    warp_specialize: bool = False
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} "
+                f"w{self.num_warps}{' sub' if self.subtile else ''}"
+                f"{' ws' if self.warp_specialize else ''}")  # fmt: skip
+
+
+# what bench/int8_persistent.py sweeps on the GPU (a config that exceeds shared memory or
+# fails to compile is reported and skipped there): 128-row tiles, 8 warps (two consumer
+# warp groups) and the deep pipelines Hopper's GEMMs use; 4 warps for the narrower tile;
+# Triton's warp specialisation on the two likeliest
+P = PersistentConfig
+SWEEP: tuple[PersistentConfig, ...] = (
+    P(128, 256, 128, 3, 8, True),
+    P(128, 256, 128, 3, 8, False),
+    P(128, 256, 128, 4, 8, True),
+    P(128, 256, 64, 3, 8, True),
+    P(128, 256, 64, 3, 8, False),
+    P(128, 256, 64, 4, 8, True),
+    P(128, 256, 64, 4, 8, False),
+    P(128, 128, 128, 3, 8, True),
+    P(128, 128, 128, 4, 8, True),
+    P(128, 128, 128, 4, 8, False),
+    P(128, 128, 64, 4, 8, True),
+    P(128, 128, 128, 4, 4, True),
+    P(128, 128, 64, 4, 4, True),
+    P(128, 256, 128, 3, 8, True, True),
+    P(128, 128, 128, 4, 8, True, True),
+)
+del P
+INTERPRETER_CONFIG = PersistentConfig(32, 32, 32, 2, 4, True, False)
+
+
+_tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
+_epilogue: Any = None
+tl: Any = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def persistent_supported(xq: Tensor, weight: Tensor) -> str | None:
+    """None where TMA can carry the operands, else why not (for the caller's fallback)."""
+    k = xq.shape[1]
+    n = weight.shape[0]
+    if xq.stride(1) != 1 or weight.stride(1) != 1:
+        return "operands must be K-major"
+    if (xq.stride(0) % 16) or (weight.stride(0) % 16):
+        return f"row strides {xq.stride(0)}, {weight.stride(0)} bytes: TMA needs multiples of 16"
+    if k % 16 or n % 8:
+        return f"K = {k} (a multiple of 16) and N = {n} (of 8, for the bf16 rows) needed"
+    return None
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+# `ENABLED=None` sends a product here from this K and N on (Hopper): every product of SAM
+# ViT-B's blocks (K and N of 768 or more) ran 1.0-1.7x the tile-per-program kernel at batch
+# 8 and within 3% of it at batch 1, while Swin-T's first stages (K of 96 and 192, N down to
+# 96) ran up to 1.6x slower here (H200, 2026-11-29, bench/int8_persistent.py)
+AUTO_MIN_K = 768
+AUTO_MIN_N = 768
+
+
+def persistent_for(xq: Tensor, weight: Tensor) -> bool:
+    """Whether a Linear on these operands runs here rather than in models/gemm_kernel.py."""
+    if xq.device.type != "cuda" or ENABLED is False:
+        return False
+    if ENABLED is None and not (
+        _hopper(xq.device.index or 0)
+        and xq.shape[1] >= AUTO_MIN_K
+        and weight.shape[0] >= AUTO_MIN_N
+    ):
+        return False
+    return persistent_supported(xq, weight) is None
+
+
+def served_config(residual: bool) -> PersistentConfig:
+    """The launch shape the served layers take: 128x256 tiles, K steps of 128, three stages,
+    8 warps, the fastest for every SAM ViT-B product at batch 8 on an H200 (2026-11-29,
+    bench/int8_persistent.py); with a residual to read, the tile stored in two halves (the
+    whole tile's store and residual buffers exceed shared memory at three stages)."""
+    return PersistentConfig(128, 256, 128, 3, 8, subtile=residual)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Built on first use: importing this module never needs Triton."""
+    # module globals: Triton resolves a kernel's callees, and the names their code uses,
+    # among its module's globals
+    global _tile, _epilogue, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+        # grouped order, as the tile-per-program kernel: GROUP_M row tiles share B in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _epilogue(
+        acc, xs, om, on, N, WS, BIAS, r_desc, c_desc,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):  # fmt: skip
+        # in fp32, in the order of int8_linear_reference (models.int8_gemm)
+        offs_n = on + tl.arange(0, WIDTH)
+        mask_n = offs_n < N
+        ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
+        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GELU == 1:  # exact, as nn.GELU()
+            y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+        elif GELU > 1:  # the tanh form; 2: tanh by the SFU's one instruction, 3: by exp
+            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            if GELU == 2:
+                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
+                                              dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+            else:
+                t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+            y = 0.5 * y * (1.0 + t)
+        if HAS_RES:
+            y = y + r_desc.load([om, on]).to(tl.float32)
+        c_desc.store([om, on], y.to(c_desc.dtype))  # rows and columns past the end: clipped
+
+    @triton.jit
+    def persistent_gemm(
+        a_desc, b_desc, c_desc, r_desc, XS, WS, BIAS,
+        M, N, K, stride_xs, num_programs,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+        IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SUBTILE: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
+    ):  # fmt: skip
+        start = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        num_tiles = num_pid_m * num_pid_n
+        num_pid_in_group = GROUP_M * num_pid_n
+        # the epilogue's own tile counter: it trails the loads' by one tile once flattened
+        tile_c = start - num_programs
+        for tile_id in tl.range(start, num_tiles, num_programs, flatten=True,
+                                warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+            pid_m, pid_n = _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            om = pid_m * BLOCK_M
+            on = pid_n * BLOCK_N
+            # int8 accumulates exactly in int32, e4m3 in fp32
+            if IS_FP8:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for ki in range(k_tiles):
+                a = a_desc.load([om, ki * BLOCK_K])  # K past the end reads zeros
+                b = b_desc.load([on, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, out_dtype=acc.dtype)
+
+            tile_c += num_programs
+            pid_m, pid_n = _tile(tile_c, num_pid_in_group, num_pid_m, GROUP_M)
+            om = pid_m * BLOCK_M
+            on = pid_n * BLOCK_N
+            offs_m = om + tl.arange(0, BLOCK_M)
+            xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=offs_m < M, other=0.0)
+            if SUBTILE:
+                halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                acc0, acc1 = tl.split(halves)
+                _epilogue(acc0, xs, om, on, N, WS, BIAS, r_desc, c_desc,
+                          HAS_BIAS, HAS_RES, GELU, BLOCK_N // 2)  # fmt: skip
+                _epilogue(acc1, xs, om, on + BLOCK_N // 2, N, WS, BIAS, r_desc, c_desc,
+                          HAS_BIAS, HAS_RES, GELU, BLOCK_N // 2)  # fmt: skip
+            else:
+                _epilogue(acc, xs, om, on, N, WS, BIAS, r_desc, c_desc,
+                          HAS_BIAS, HAS_RES, GELU, BLOCK_N)  # fmt: skip
+
+    return persistent_gemm
+
+
+def _programs(device: torch.device) -> int:
+    """One program per SM (four under the interpreter, enough for several tiles each)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_persistent(
+    xq: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    residual: Tensor | None = None,
+    *,
+    gelu: bool = False,
+    gelu_tanh: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: PersistentConfig | None = None,
+) -> Tensor:
+    """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]` in `out_dtype`, scaled by
+    `x_scale [M]` (may be strided) and `w_scale [N]`, then bias, GELU and residual, as
+    models.gemm_kernel.launch computes it. Raises ValueError where TMA cannot carry the
+    operands (`persistent_supported`). `gelu_tanh`: GELU's tanh approximation (within about
+    3e-4 of the exact one, far inside int8's own error) with tanh as one SFU instruction,
+    where the exact erf made lin1's epilogue a third of its time (bench/int8_persistent.py)."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    why = persistent_supported(xq, weight)
+    if why is not None:
+        raise ValueError(f"persistent GEMM: {why}")
+    if xq.dtype != weight.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"operands {xq.dtype} x {weight.dtype}: both int8 or both float8_e4m3fn")
+    c = config or (INTERPRETER_CONFIG if _interpreting() else PersistentConfig())
+    M, K = xq.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"activation [{M}, {K}] and weight {tuple(weight.shape)} differ in K")
+    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M == 0:
+        return out
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    width = c.block_n // 2 if c.subtile else c.block_n
+    a_desc = TensorDescriptor.from_tensor(xq, [c.block_m, c.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+    c_desc = TensorDescriptor.from_tensor(out, [c.block_m, width])
+    r_desc = TensorDescriptor.from_tensor(residual if residual is not None else out,
+                                          [c.block_m, width])  # fmt: skip
+    x_scale = x_scale if x_scale.dtype == torch.float32 else x_scale.float()
+    w_scale = w_scale.float().contiguous()
+    tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
+    programs = min(tiles, _programs(xq.device))
+    _kernel()[(programs,)](
+        a_desc, b_desc, c_desc, r_desc, x_scale, w_scale,
+        bias if bias is not None else w_scale,  # a placeholder pointer, never read
+        M, N, K, x_scale.stride(0), programs,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        GELU=(3 if _interpreting() else 2) if gelu and gelu_tanh else int(gelu),
+        IS_FP8=xq.dtype == torch.float8_e4m3fn,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=8,
+        SUBTILE=c.subtile, WARP_SPECIALIZE=c.warp_specialize,
+        num_stages=c.num_stages, num_warps=c.num_warps,
+    )  # fmt: skip
+    return out

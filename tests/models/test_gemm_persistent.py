@@ -1,0 +1,160 @@
+"""The persistent TMA GEMM (models.gemm_persistent) against its torch reference, where the
+served op sends a product, and what it compiles to for Hopper.
+
+No GPU in CI: the kernel runs in Triton's interpreter (a subprocess, `TRITON_INTERPRET=1`),
+TMA descriptors included, with four programs that each walk several tiles, so the
+persistent loop's tile order and the epilogue's trailing tile counter are exercised; speed
+is measured on the GPU by bench/int8_persistent.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from models import gemm_persistent
+from models.gemm_persistent import (
+    SWEEP,
+    PersistentConfig,
+    persistent_for,
+    persistent_supported,
+    served_config,
+)
+from tests.models.interpreter import run_interpreted
+
+SCRIPT = r"""
+import json, sys
+import torch
+import torch.nn.functional as F
+from models.gemm_persistent import PersistentConfig, launch_persistent
+from models.int8_gemm import int8_linear_reference, quantize_rows
+from models.ln_quant import pack_rows, unpack_rows
+
+results = []
+for seed, case in enumerate(json.loads(sys.argv[1])):
+    M, K, N, bias, gelu, tanh, residual, dtype, packed, cfg = case
+    g = torch.Generator().manual_seed(seed)
+    out_dtype = getattr(torch, dtype)
+    xq, xs = quantize_rows(torch.randn(M, K, generator=g))
+    if packed:  # the layer norm's packed rows: K + 16 bytes apart, the scale in the padding
+        xq, xs = unpack_rows(pack_rows(xq, xs), False)
+    wq, ws = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    b = torch.randn(N, generator=g) if bias else None
+    r = torch.randn(M, N, generator=g).to(out_dtype) if residual else None
+    out = launch_persistent(xq, xs, wq, ws, b, r, gelu=gelu, gelu_tanh=tanh,
+                            out_dtype=out_dtype, config=PersistentConfig(*cfg))
+    if tanh:
+        ref = int8_linear_reference(xq, xs, wq, ws, b, None, False, torch.float32)
+        ref = F.gelu(ref, approximate="tanh") + (r.float() if r is not None else 0)
+    else:
+        ref = int8_linear_reference(xq, xs, wq, ws, b, r, gelu, torch.float32)
+    diff = (out.float() - ref).abs().max()
+    results.append({"shape": list(out.shape), "dtype": str(out.dtype), "max_abs": float(diff),
+                    "scale": float(ref.abs().max())})
+print(json.dumps(results))
+"""
+
+CASES = [
+    # M, K, N, bias, GELU, tanh form, residual, out dtype, packed input,
+    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, subtile, warp_specialize)
+    (200, 96, 96, True, False, False, False, "float32", False, (32, 32, 32, 2, 4, True, False)),
+    (77, 64, 80, True, True, False, True, "float32", False, (32, 32, 32, 2, 4, False, False)),
+    (130, 48, 64, False, True, True, False, "bfloat16", True, (32, 64, 32, 2, 4, True, False)),
+    (45, 128, 48, True, False, False, True, "bfloat16", True, (16, 16, 64, 2, 4, True, False)),
+    (64, 32, 32, True, True, True, True, "float16", False, (32, 32, 32, 2, 4, False, False)),
+]
+
+
+def test_kernel_matches_the_torch_reference_in_the_interpreter() -> None:
+    results = run_interpreted(SCRIPT, CASES)
+    for r, case in zip(results, CASES, strict=True):
+        m, _, n, _, _, _, _, dtype, _, _ = case
+        assert r["shape"] == [m, n] and r["dtype"] == f"torch.{dtype}", r
+        # fp32 out: the same epilogue up to the erf's and tanh's last bits; bf16 / fp16 out:
+        # at most one rounding step of the output apart
+        limit = 1e-5 if dtype == "float32" else 2**-7
+        assert r["max_abs"] <= limit * r["scale"], r
+
+
+def test_what_the_served_op_sends_here() -> None:
+    """TMA needs K-major operands and rows 16 bytes apart; `ENABLED=None` keeps the CPU and
+    Swin's narrow early products on the tile-per-program kernel."""
+    xq = torch.zeros(64, 768, dtype=torch.int8)
+    w = torch.zeros(2304, 768, dtype=torch.int8)
+    assert persistent_supported(xq, w) is None
+    assert "16" in (persistent_supported(torch.zeros(64, 776, dtype=torch.int8)[:, :770],
+                                         torch.zeros(8, 770, dtype=torch.int8)) or "")  # fmt: skip
+    assert persistent_supported(xq.t(), w) is not None  # column-major
+    assert not persistent_for(xq, w)  # the CPU: never, whatever ENABLED says
+    was = gemm_persistent.ENABLED
+    try:
+        gemm_persistent.ENABLED = True
+        assert not persistent_for(xq, w)
+    finally:
+        gemm_persistent.ENABLED = was
+    assert served_config(residual=True).subtile and not served_config(residual=False).subtile
+
+
+def test_launch_refuses_operands_tma_cannot_carry() -> None:
+    from models.gemm_persistent import launch_persistent
+
+    xq = torch.zeros(32, 24, dtype=torch.int8)  # K = 24: rows of 24 bytes
+    with pytest.raises(ValueError, match="persistent GEMM"):
+        launch_persistent(xq, torch.ones(32), torch.zeros(16, 24, dtype=torch.int8),
+                          torch.ones(16))  # fmt: skip
+
+
+def _compile_for_hopper(c: PersistentConfig, gelu: int, residual: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(dtype: torch.dtype, block: list[int]) -> str:
+        return mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), block))
+
+    width = c.block_n // 2 if c.subtile else c.block_n
+    fn = gemm_persistent._kernel()
+    signature = {
+        "a_desc": desc(torch.int8, [c.block_m, c.block_k]),
+        "b_desc": desc(torch.int8, [c.block_n, c.block_k]),
+        "c_desc": desc(torch.bfloat16, [c.block_m, width]),
+        "r_desc": desc(torch.bfloat16, [c.block_m, width]),
+        "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xs": "i32", "num_programs": "i32",
+    }  # fmt: skip
+    constexprs = {"HAS_BIAS": True, "HAS_RES": residual, "GELU": gelu, "IS_FP8": False,
+                  "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                  "GROUP_M": 8, "SUBTILE": c.subtile,
+                  "WARP_SPECIALIZE": c.warp_specialize}  # fmt: skip
+    names = fn.arg_names
+    source = ASTSource(
+        fn,
+        {**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("N", "K")},
+    )
+    options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_served_shapes_compile_for_hopper_to_int8_wgmma_tma_and_the_sfu_tanh() -> None:
+    """The served launch shapes, for an H100 (sm_90): int8 warpgroup MMAs fed by TMA
+    (`cp.async.bulk.tensor`), stored by TMA, within 227 KiB of shared memory; GELU's tanh
+    form as the one `tanh.approx.f32` instruction."""
+    for residual, gelu in ((False, 0), (False, 2), (True, 0)):
+        compiled = _compile_for_hopper(served_config(residual), gelu, residual)
+        ptx = compiled.asm["ptx"]
+        mma = set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
+        assert mma and all(m.endswith(".s32.s8.s8") for m in mma), mma
+        assert "cp.async.bulk.tensor" in ptx
+        assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+        assert ("tanh.approx.f32" in ptx) == (gelu == 2)
+
+
+def test_sweep_is_distinct_and_holds_the_served_shapes() -> None:
+    assert len(set(SWEEP)) == len(SWEEP)
+    assert served_config(False) in SWEEP and served_config(True) in SWEEP

@@ -37,6 +37,7 @@ __all__ = [
     "SWEEP",
     "PersistentConfig",
     "launch_persistent",
+    "launch_persistent_quant_out",
     "persistent_for",
     "persistent_supported",
     "served_config",
@@ -98,6 +99,7 @@ INTERPRETER_CONFIG = PersistentConfig(32, 32, 32, 2, 4, True, False)
 _tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
 _epilogue: Any = None
 tl: Any = None
+quantize_rows_tile: Any = None
 
 
 def _interpreting() -> bool:
@@ -143,12 +145,13 @@ def persistent_for(xq: Tensor, weight: Tensor) -> bool:
     return persistent_supported(xq, weight) is None
 
 
-def served_config(residual: bool) -> PersistentConfig:
+def served_config(residual: bool, quant_out: bool = False) -> PersistentConfig:
     """The launch shape the served layers take: 128x256 tiles, K steps of 128, three stages,
     8 warps, the fastest for every SAM ViT-B product at batch 8 on an H200 (2026-11-29,
     bench/int8_persistent.py); with a residual to read, the tile stored in two halves (the
-    whole tile's store and residual buffers exceed shared memory at three stages)."""
-    return PersistentConfig(128, 256, 128, 3, 8, subtile=residual)
+    whole tile's store and residual buffers exceed shared memory at three stages), and so
+    with a quantised output, whose groups are half a tile (`HOP_GROUP`) wide."""
+    return PersistentConfig(128, 256, 128, 3, 8, subtile=residual or quant_out)
 
 
 @functools.cache
@@ -156,9 +159,11 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     # module globals: Triton resolves a kernel's callees, and the names their code uses,
     # among its module's globals
-    global _tile, _epilogue, tl
+    global _tile, _epilogue, tl, quantize_rows_tile
     import triton
     import triton.language as tl
+
+    from models.triton_quant import quantize_rows_tile
 
     @triton.jit
     def _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
@@ -172,15 +177,20 @@ def _kernel() -> Any:
 
     @triton.jit
     def _epilogue(
-        acc, xs, om, on, N, WS, BIAS, r_desc, c_desc,
+        acc, xs, om, on, M, N, WS, BIAS, OS, stride_os, r_desc, c_desc,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+        IS_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
         WIDTH: tl.constexpr,
     ):  # fmt: skip
-        # in fp32, in the order of int8_linear_reference (models.int8_gemm)
+        # in fp32, in the order of int8_linear_reference (models.int8_gemm); `xs` is None
+        # where the input's scales are in the sum already (GROUP_K)
         offs_n = on + tl.arange(0, WIDTH)
         mask_n = offs_n < N
         ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
-        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+        if xs is None:
+            y = acc * ws[None, :]
+        else:
+            y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
         if HAS_BIAS:
             y = y + tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GELU == 1:  # exact, as nn.GELU()
@@ -195,14 +205,24 @@ def _kernel() -> Any:
             y = 0.5 * y * (1.0 + t)
         if HAS_RES:
             y = y + r_desc.load([om, on]).to(tl.float32)
-        c_desc.store([om, on], y.to(c_desc.dtype))  # rows and columns past the end: clipped
+        if QUANT_OUT:
+            # quantised per row of these WIDTH (= HOP_GROUP) columns, for the next GEMM
+            # (models.mlp_hop): int8, or e4m3's bytes as int8; the scales at [row, group]
+            offs_m = om + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            q, q_scale = quantize_rows_tile(y, mask_m[:, None] & mask_n[None, :], IS_FP8)
+            c_desc.store([om, on], q)
+            tl.store(OS + offs_m.to(tl.int64) * stride_os + on // WIDTH, q_scale, mask=mask_m)
+        else:
+            c_desc.store([om, on], y.to(c_desc.dtype))  # rows, columns past the end: clipped
 
     @triton.jit
     def persistent_gemm(
-        a_desc, b_desc, c_desc, r_desc, XS, WS, BIAS,
-        M, N, K, stride_xs, num_programs,
+        a_desc, b_desc, c_desc, r_desc, XS, WS, BIAS, OS,
+        M, N, K, stride_xs, stride_os, num_programs,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
-        IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, QUANT_OUT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SUBTILE: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):  # fmt: skip
@@ -219,32 +239,50 @@ def _kernel() -> Any:
             pid_m, pid_n = _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             om = pid_m * BLOCK_M
             on = pid_n * BLOCK_N
-            # int8 accumulates exactly in int32, e4m3 in fp32
-            if IS_FP8:
+            # int8 accumulates exactly in int32; e4m3, and inputs scaled per row and GROUP_K
+            # columns (models.mlp_hop), in fp32
+            if IS_FP8 or GROUP_K > 0:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            rows = (om + tl.arange(0, BLOCK_M)).to(tl.int64)
             for ki in range(k_tiles):
                 a = a_desc.load([om, ki * BLOCK_K])  # K past the end reads zeros
                 b = b_desc.load([on, ki * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, out_dtype=acc.dtype)
+                if GROUP_K > 0:
+                    # each block's product times its group's scales (BLOCK_K divides GROUP_K)
+                    if IS_FP8:
+                        part = tl.dot(a, b.T, out_dtype=tl.float32)
+                    else:
+                        part = tl.dot(a, b.T, out_dtype=tl.int32).to(tl.float32)
+                    gs = tl.load(XS + rows * stride_xs + (ki * BLOCK_K) // GROUP_K,
+                                 mask=rows < M, other=0.0)  # fmt: skip
+                    acc += part * gs[:, None]
+                else:
+                    acc = tl.dot(a, b.T, acc, out_dtype=acc.dtype)
 
             tile_c += num_programs
             pid_m, pid_n = _tile(tile_c, num_pid_in_group, num_pid_m, GROUP_M)
             om = pid_m * BLOCK_M
             on = pid_n * BLOCK_N
             offs_m = om + tl.arange(0, BLOCK_M)
-            xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=offs_m < M, other=0.0)
+            if GROUP_K > 0:
+                xs = None
+            else:
+                xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=offs_m < M, other=0.0)
             if SUBTILE:
                 halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
                 acc0, acc1 = tl.split(halves)
-                _epilogue(acc0, xs, om, on, N, WS, BIAS, r_desc, c_desc,
-                          HAS_BIAS, HAS_RES, GELU, BLOCK_N // 2)  # fmt: skip
-                _epilogue(acc1, xs, om, on + BLOCK_N // 2, N, WS, BIAS, r_desc, c_desc,
-                          HAS_BIAS, HAS_RES, GELU, BLOCK_N // 2)  # fmt: skip
+                _epilogue(acc0, xs, om, on, M, N, WS, BIAS, OS, stride_os, r_desc, c_desc,
+                          HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
+                          BLOCK_N // 2)  # fmt: skip
+                _epilogue(acc1, xs, om, on + BLOCK_N // 2, M, N, WS, BIAS, OS, stride_os,
+                          r_desc, c_desc, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT,
+                          BLOCK_M, BLOCK_N // 2)  # fmt: skip
             else:
-                _epilogue(acc, xs, om, on, N, WS, BIAS, r_desc, c_desc,
-                          HAS_BIAS, HAS_RES, GELU, BLOCK_N)  # fmt: skip
+                _epilogue(acc, xs, om, on, M, N, WS, BIAS, OS, stride_os, r_desc, c_desc,
+                          HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
+                          BLOCK_N)  # fmt: skip
 
     return persistent_gemm
 
@@ -268,15 +306,59 @@ def launch_persistent(
     gelu_tanh: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     config: PersistentConfig | None = None,
+    group_k: int = 0,
 ) -> Tensor:
     """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]` in `out_dtype`, scaled by
     `x_scale [M]` (may be strided) and `w_scale [N]`, then bias, GELU and residual, as
-    models.gemm_kernel.launch computes it. Raises ValueError where TMA cannot carry the
-    operands (`persistent_supported`). `gelu_tanh`: GELU's tanh approximation (within about
-    3e-4 of the exact one, far inside int8's own error) with tanh as one SFU instruction,
-    where the exact erf made lin1's epilogue a third of its time (bench/int8_persistent.py)."""
+    models.gemm_kernel.launch computes it; with `group_k`, `x_scale` is `[M, K / group_k]`,
+    one scale per row and group of columns (models.mlp_hop). Raises ValueError where TMA
+    cannot carry the operands (`persistent_supported`). `gelu_tanh`: GELU's tanh
+    approximation (within about 3e-4 of the exact one, far inside int8's own error) with
+    tanh as one SFU instruction, where the exact erf made lin1's epilogue a third of its
+    time (bench/int8_persistent.py)."""
+    out, _ = _launch(xq, x_scale, weight, w_scale, bias, residual, gelu, gelu_tanh, out_dtype,
+                     config, group_k=group_k, quant_out=False)  # fmt: skip
+    return out
+
+
+def launch_persistent_quant_out(
+    xq: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    *,
+    gelu: bool = False,
+    gelu_tanh: bool = False,
+    config: PersistentConfig | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`launch_persistent` whose output leaves quantised like its input (`[M, N]` int8 or
+    e4m3), with one fp32 scale per row and `HOP_GROUP` columns (`[M, N / HOP_GROUP]`), as
+    models.gemm_kernel.launch_quant_out writes it: the stored tile (or half tile) is
+    `HOP_GROUP` wide."""
+    return _launch(xq, x_scale, weight, w_scale, bias, None, gelu, gelu_tanh, torch.float32,
+                   config, group_k=0, quant_out=True)  # fmt: skip
+
+
+def _launch(
+    xq: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    gelu: bool,
+    gelu_tanh: bool,
+    out_dtype: torch.dtype,
+    config: PersistentConfig | None,
+    *,
+    group_k: int,
+    quant_out: bool,
+) -> tuple[Tensor, Tensor]:
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from models.gemm_kernel import HOP_GROUP
 
     why = persistent_supported(xq, weight)
     if why is not None:
@@ -288,12 +370,18 @@ def launch_persistent(
     N = weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"activation [{M}, {K}] and weight {tuple(weight.shape)} differ in K")
-    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    width = c.block_n // 2 if c.subtile else c.block_n
+    if group_k and (K % group_k or group_k % c.block_k):
+        raise ValueError(f"group_k {group_k}: it must divide K = {K} and BLOCK_K must divide it")
+    if quant_out and (width != HOP_GROUP or N % HOP_GROUP or residual is not None):
+        raise ValueError(f"a quantised output: stored tiles {HOP_GROUP} wide (got {width}), "
+                         f"N % {HOP_GROUP} == 0 (N = {N}), no residual")  # fmt: skip
+    out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)
+    out_scale = torch.empty(M, N // HOP_GROUP if quant_out else 0, device=xq.device)
     if M == 0:
-        return out
+        return (out.view(xq.dtype) if quant_out else out), out_scale
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    width = c.block_n // 2 if c.subtile else c.block_n
     a_desc = TensorDescriptor.from_tensor(xq, [c.block_m, c.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
     c_desc = TensorDescriptor.from_tensor(out, [c.block_m, width])
@@ -305,13 +393,14 @@ def launch_persistent(
     programs = min(tiles, _programs(xq.device))
     _kernel()[(programs,)](
         a_desc, b_desc, c_desc, r_desc, x_scale, w_scale,
-        bias if bias is not None else w_scale,  # a placeholder pointer, never read
-        M, N, K, x_scale.stride(0), programs,
+        bias if bias is not None else w_scale,  # placeholder pointers, never read
+        out_scale if quant_out else w_scale,
+        M, N, K, x_scale.stride(0), out_scale.stride(0) if quant_out else 0, programs,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GELU=(3 if _interpreting() else 2) if gelu and gelu_tanh else int(gelu),
-        IS_FP8=xq.dtype == torch.float8_e4m3fn,
+        IS_FP8=xq.dtype == torch.float8_e4m3fn, GROUP_K=group_k, QUANT_OUT=quant_out,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=8,
         SUBTILE=c.subtile, WARP_SPECIALIZE=c.warp_specialize,
         num_stages=c.num_stages, num_warps=c.num_warps,
     )  # fmt: skip
-    return out
+    return (out.view(xq.dtype) if quant_out else out), out_scale

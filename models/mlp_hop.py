@@ -25,6 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from models.fp8_gemm import FP8, fp8_linear_reference, fp8_supported, quantize_rows_fp8
+from models.gemm_persistent import (
+    launch_persistent,
+    launch_persistent_quant_out,
+    persistent_for,
+    served_config,
+)
 from models.int8_gemm import (
     HOP_GROUP,
     epilogue_reference,
@@ -108,6 +114,10 @@ def linear_to_groups(
     (`x_scale` None). The Triton kernel where it runs, the torch reference elsewhere."""
     if x_scale is None:
         x, x_scale = unpack_rows(x, weight.dtype == FP8)
+    if _kernel_runs(weight) and persistent_for(x, weight):  # Hopper, SAM-sized products
+        return launch_persistent_quant_out(x, x_scale, weight, w_scale, bias, gelu=gelu,
+                                           gelu_tanh=gelu,
+                                           config=served_config(False, quant_out=True))  # fmt: skip
     if _kernel_runs(weight):
         return launch_quant_out(x, x_scale, weight, w_scale, bias, gelu=gelu)
     return linear_to_groups_reference(x, x_scale, weight, w_scale, bias, gelu)
@@ -139,6 +149,10 @@ def linear_from_groups(
 ) -> Tensor:
     """`q` (`[M, K]`, scales per row and 128 columns, from `linear_to_groups`) times
     `weight^T`, + bias + residual, as `out_dtype`."""
+    if _kernel_runs(weight) and persistent_for(q, weight):
+        return launch_persistent(q, group_scale, weight, w_scale, bias, residual,
+                                 out_dtype=out_dtype, group_k=HOP_GROUP,
+                                 config=served_config(residual is not None))  # fmt: skip
     if _kernel_runs(weight):
         return launch(q, group_scale, weight, w_scale, bias, residual, out_dtype=out_dtype,
                       group_k=HOP_GROUP)  # fmt: skip

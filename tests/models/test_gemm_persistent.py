@@ -78,6 +78,53 @@ def test_kernel_matches_the_torch_reference_in_the_interpreter() -> None:
         assert r["max_abs"] <= limit * r["scale"], r
 
 
+HOP_SCRIPT = r"""
+import json, sys
+import torch
+from models.gemm_persistent import (PersistentConfig, launch_persistent,
+                                    launch_persistent_quant_out)
+from models.int8_gemm import quantize_rows
+from models.ln_quant import pack_rows, unpack_rows
+from models.mlp_hop import linear_from_groups_reference, linear_to_groups_reference
+
+results = []
+for seed, (M, K, N, N2, packed) in enumerate(json.loads(sys.argv[1])):
+    g = torch.Generator().manual_seed(seed)
+    xq, xs = quantize_rows(torch.randn(M, K, generator=g))
+    if packed:
+        xq, xs = unpack_rows(pack_rows(xq, xs), False)
+    w1q, w1s = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    b1 = torch.randn(N, generator=g)
+    # lin1 with its output quantised per row and 128 columns: halves of a 256-wide tile
+    q, qs = launch_persistent_quant_out(xq, xs, w1q, w1s, b1, gelu=True,
+                                        config=PersistentConfig(32, 256, 32, 2, 4, True))
+    rq, rqs = linear_to_groups_reference(xq, xs, w1q, w1s, b1, True)
+    # lin2 from those groups, its residual fused
+    w2q, w2s = quantize_rows(torch.randn(N2, N, generator=g) / N**0.5)
+    b2, r = torch.randn(N2, generator=g), torch.randn(M, N2, generator=g)
+    out = launch_persistent(rq, rqs, w2q, w2s, b2, r, out_dtype=torch.float32, group_k=128,
+                            config=PersistentConfig(32, 32, 64, 2, 4, True))
+    ref = linear_from_groups_reference(rq, rqs, w2q, w2s, b2, r, torch.float32)
+    results.append({"q_shape": list(q.shape), "scale_shape": list(qs.shape),
+                    "q_off": int((q.int() - rq.int()).abs().max()),
+                    "scale_rel": float(((qs - rqs).abs().max() / rqs.abs().max())),
+                    "out_rel": float((out - ref).abs().max() / ref.abs().max())})
+print(json.dumps(results))
+"""
+HOP_CASES = [(70, 96, 256, 64, False), (33, 48, 512, 40, True)]
+
+
+def test_the_mlp_hop_matches_models_mlp_hop_in_the_interpreter() -> None:
+    """lin1's epilogue quantises each row's 128 columns as models.mlp_hop's reference does
+    (a value at most one step off: the GELU's last bits at a rounding edge), and lin2 sums
+    each 128-column group's product times its scales."""
+    for r, (m, _, n, _, _) in zip(run_interpreted(HOP_SCRIPT, HOP_CASES), HOP_CASES,
+                                  strict=True):  # fmt: skip
+        assert r["q_shape"] == [m, n] and r["scale_shape"] == [m, n // 128], r
+        assert r["q_off"] <= 1 and r["scale_rel"] < 1e-5, r
+        assert r["out_rel"] < 1e-5, r
+
+
 def test_what_the_served_op_sends_here() -> None:
     """TMA needs K-major operands and rows 16 bytes apart; `ENABLED=None` keeps the CPU and
     Swin's narrow early products on the tile-per-program kernel."""
@@ -106,7 +153,9 @@ def test_launch_refuses_operands_tma_cannot_carry() -> None:
                           torch.ones(16))  # fmt: skip
 
 
-def _compile_for_hopper(c: PersistentConfig, gelu: int, residual: bool):
+def _compile_for_hopper(
+    c: PersistentConfig, gelu: int, residual: bool, group_k: int = 0, quant_out: bool = False
+):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -123,10 +172,14 @@ def _compile_for_hopper(c: PersistentConfig, gelu: int, residual: bool):
         "b_desc": desc(torch.int8, [c.block_n, c.block_k]),
         "c_desc": desc(torch.bfloat16, [c.block_m, width]),
         "r_desc": desc(torch.bfloat16, [c.block_m, width]),
-        "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32",
-        "M": "i32", "N": "i32", "K": "i32", "stride_xs": "i32", "num_programs": "i32",
+        "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32", "OS": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xs": "i32", "stride_os": "i32",
+        "num_programs": "i32",
     }  # fmt: skip
+    if quant_out:
+        signature["c_desc"] = desc(torch.int8, [c.block_m, width])
     constexprs = {"HAS_BIAS": True, "HAS_RES": residual, "GELU": gelu, "IS_FP8": False,
+                  "GROUP_K": group_k, "QUANT_OUT": quant_out,
                   "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                   "GROUP_M": 8, "SUBTILE": c.subtile,
                   "WARP_SPECIALIZE": c.warp_specialize}  # fmt: skip
@@ -145,8 +198,14 @@ def test_served_shapes_compile_for_hopper_to_int8_wgmma_tma_and_the_sfu_tanh() -
     """The served launch shapes, for an H100 (sm_90): int8 warpgroup MMAs fed by TMA
     (`cp.async.bulk.tensor`), stored by TMA, within 227 KiB of shared memory; GELU's tanh
     form as the one `tanh.approx.f32` instruction."""
-    for residual, gelu in ((False, 0), (False, 2), (True, 0)):
-        compiled = _compile_for_hopper(served_config(residual), gelu, residual)
+    shapes = [(served_config(False), 0, False, 0, False),
+              (served_config(False), 2, False, 0, False),
+              (served_config(True), 0, True, 0, False),
+              # the MLP hop: lin1 writes int8 per 128 columns, lin2 reads them
+              (served_config(False, quant_out=True), 2, False, 0, True),
+              (served_config(True), 0, True, 128, False)]  # fmt: skip
+    for config, gelu, residual, group_k, quant_out in shapes:
+        compiled = _compile_for_hopper(config, gelu, residual, group_k, quant_out)
         ptx = compiled.asm["ptx"]
         mma = set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
         assert mma and all(m.endswith(".s32.s8.s8") for m in mma), mma

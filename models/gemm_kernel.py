@@ -22,6 +22,7 @@ __all__ = [
     "HOP_CONFIGS",
     "HOP_GROUP",
     "GemmConfig",
+    "check_operands",
     "launch",
     "launch_quant_out",
 ]
@@ -214,6 +215,17 @@ def _m_bucket(m: int) -> int:
     return 1 << max(10, (m - 1).bit_length())
 
 
+def check_operands(xq: Tensor, weight: Tensor) -> tuple[int, int, int]:
+    """M, K, N of `xq [M, K]` x `weight [N, K]`, both int8 or both e4m3 (this kernel's and
+    models.gemm_persistent's operands), else why not."""
+    m, k = xq.shape
+    if weight.shape[1] != k:
+        raise ValueError(f"activation [{m}, {k}] and weight {tuple(weight.shape)} differ in K")
+    if xq.dtype != weight.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"operands {xq.dtype} x {weight.dtype}: both int8 or both float8_e4m3fn")
+    return m, k, weight.shape[0]
+
+
 def launch(
     xq: Tensor,
     x_scale: Tensor,
@@ -279,12 +291,7 @@ def _launch(
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    M, K = xq.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"activation [{M}, {K}] and weight {tuple(weight.shape)} differ in K")
-    if xq.dtype != weight.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
-        raise TypeError(f"operands {xq.dtype} x {weight.dtype}: both int8 or both float8_e4m3fn")
+    M, K, N = check_operands(xq, weight)
     fp8 = xq.dtype == torch.float8_e4m3fn
     if group_k and (group_k % 128 or K % group_k):
         raise ValueError(f"group_k {group_k}: a multiple of 128 (every BLOCK_K divides it) "

@@ -358,18 +358,13 @@ def _launch(
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from models.gemm_kernel import HOP_GROUP
+    from models.gemm_kernel import HOP_GROUP, check_operands
 
+    M, K, N = check_operands(xq, weight)
     why = persistent_supported(xq, weight)
     if why is not None:
         raise ValueError(f"persistent GEMM: {why}")
-    if xq.dtype != weight.dtype or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
-        raise TypeError(f"operands {xq.dtype} x {weight.dtype}: both int8 or both float8_e4m3fn")
     c = config or (INTERPRETER_CONFIG if _interpreting() else PersistentConfig())
-    M, K = xq.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"activation [{M}, {K}] and weight {tuple(weight.shape)} differ in K")
     width = c.block_n // 2 if c.subtile else c.block_n
     if group_k and (K % group_k or group_k % c.block_k):
         raise ValueError(f"group_k {group_k}: it must divide K = {K} and BLOCK_K must divide it")

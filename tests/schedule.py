@@ -53,6 +53,7 @@ MODULE_SECONDS: dict[str, int] = {
     "tests/server/test_sam2_everything.py": 20,
     "tests/server/test_fidelity_check.py": 20,
     "tests/models/test_int8_gemm.py": 20,
+    "tests/models/test_gemm_persistent.py": 18,
     "tests/server/test_reliability.py": 19,
     "tests/bench/test_frontend_cpu.py": 19,
     "tests/server/test_tracing.py": 17,

@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 # Whether `serve::int8_linear` / `serve::fp8_linear` run this kernel on CUDA: None decides by
-# the device (Hopper: sm_90, where it was measured), True / False force it (bench/sam_encoder.py
-# `--int8-gemm`, to compare it with the tile-per-program kernel in one process).
+# the device, the operands and the shape (`persistent_for`), True / False force it
+# (bench/sam_encoder.py `--int8-gemm`, to compare it with the tile-per-program kernel).
 ENABLED: bool | None = None
 
 
@@ -138,6 +138,7 @@ def persistent_for(xq: Tensor, weight: Tensor) -> bool:
         return False
     if ENABLED is None and not (
         _hopper(xq.device.index or 0)
+        and xq.dtype == torch.int8  # e4m3 through this kernel has not run on a GPU yet
         and xq.shape[1] >= AUTO_MIN_K
         and weight.shape[0] >= AUTO_MIN_N
     ):

@@ -12,8 +12,10 @@ def test_paced_calls_keep_their_period_and_back_to_back_calls_do_not_wait() -> N
     calls: list[float] = []
     row = paced(lambda: calls.append(time.perf_counter()), 5.0, 0.2, gpu=False)
     assert 30 <= row["calls"] <= 41, row  # 0.2 s at one call per 5 ms
-    gaps = [b - a for a, b in itertools.pairwise(calls)]
-    assert min(gaps) > 0.003, min(gaps)  # asleep between calls, not back to back
+    gaps = sorted(b - a for a, b in itertools.pairwise(calls))
+    # asleep between calls, not back to back (a late call goes at once, open loop, so on a
+    # loaded machine a few gaps are short: the median holds the period)
+    assert 0.004 < gaps[len(gaps) // 2] < 0.006, gaps
     assert set(row) == {"calls", "wall_p50", "wall_p99"}
     spun = paced(lambda: None, 5.0, 0.1, gpu=False, idle="spin")
     assert 15 <= spun["calls"] <= 21, spun

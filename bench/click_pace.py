@@ -26,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def main() -> None:
     stages, entries, settings = warm_stages(args.images, None)
     items = click_items(entries, args.clicks, args.clicks, 1)
     gpu = stages.device.type == "cuda"
-    forms = {"decode": lambda: stages.decode(items)}
+    forms: dict[str, Callable[[], object]] = {"decode": lambda: stages.decode(items)}
     graphs = stages._graphs
     if "graph" in args.forms and graphs is not None:  # the click's bucket, as it replays
         bucket = graphs.bucket(args.clicks, 2)

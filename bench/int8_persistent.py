@@ -19,6 +19,7 @@ instruction, bf16's as cuBLASLt's GELU_BIAS epilogue (which computes that form t
 (`int8_linear_reference`, then the row's GELU) relative to the output's largest magnitude.
 
     python3 -m bench.int8_persistent --batch 8
+    python3 -m bench.int8_persistent --batch 8 --mlp     # the MLP: bf16, int8, the hop
     TRITON_INTERPRET=1 python -m bench.int8_persistent --batch 1 --tokens 64 --configs 0
 """
 
@@ -34,11 +35,14 @@ import torch.nn.functional as F
 
 from bench.common import environment, print_table, write_json
 from bench.int8_gemm import CUDA, DEVICE, SAM_DIM, SAM_TOKENS, graphed_ms, shapes
+from models.gemm_kernel import HOP_GROUP
 from models.gemm_persistent import (
     INTERPRETER_CONFIG,
     SWEEP,
     PersistentConfig,
     launch_persistent,
+    launch_persistent_quant_out,
+    served_config,
 )
 from models.int8_gemm import int8_linear_reference, launch, quantize_rows
 
@@ -133,6 +137,66 @@ def measure(row: dict[str, Any], configs: list[PersistentConfig], reps: int, ite
             row[f"{name}/bf16"] = row["bf16 ms"] / row[f"{name} ms"]
 
 
+def mlp_forms(m: int, d: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """SAM's MLP on `m` tokens of width `d` (lin1 with GELU's tanh form to 4d, lin2 back with
+    the residual), three ways: `bf16` (cuBLASLt's GELU epilogue, then F.linear and the
+    add), `int8` (the persistent kernel twice, lin1's bf16 output quantised per row between
+    them by a compiled `quantize_rows`, as inductor does in the encoder), `hop` (lin1
+    writes int8 per 128 columns, lin2 reads those groups: models.mlp_hop's path), and
+    `hop lin2 128-wide` (the same with lin2's tiles 128 columns wide: fewer registers for
+    its fp32 sum)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(m, d, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    w1 = torch.randn(4 * d, d, device=DEVICE, generator=g) / d**0.5
+    w2 = torch.randn(d, 4 * d, device=DEVICE, generator=g) / (4 * d) ** 0.5
+    b1, b2 = (torch.randn(n, device=DEVICE, generator=g) * 0.1 for n in (4 * d, d))
+    res = torch.randn(m, d, device=DEVICE, generator=g).to(torch.bfloat16)
+    xq, xs = quantize_rows(x)
+    (w1q, w1s), (w2q, w2s) = quantize_rows(w1), quantize_rows(w2)
+    w1b, w2b, b1b, b2b = (t.to(torch.bfloat16) for t in (w1, w2, b1, b2))
+    quantize = torch.compile(quantize_rows, dynamic=False) if CUDA else quantize_rows
+
+    def bf16() -> torch.Tensor:
+        h = torch._addmm_activation(b1b, x, w1b.t(), use_gelu=True)
+        return F.linear(h, w2b, b2b) + res
+
+    def int8() -> torch.Tensor:
+        h = launch_persistent(xq, xs, w1q, w1s, b1, gelu=True, gelu_tanh=True,
+                              config=served_config(False))  # fmt: skip
+        hq, hs = quantize(h)
+        return launch_persistent(hq, hs, w2q, w2s, b2, res, config=served_config(True))
+
+    def hop(lin2: PersistentConfig) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            lin1 = served_config(False, quant_out=True)
+            q, qs = launch_persistent_quant_out(xq, xs, w1q, w1s, b1, gelu=True, gelu_tanh=True,
+                                                config=lin1)  # fmt: skip
+            return launch_persistent(q, qs, w2q, w2s, b2, res, group_k=HOP_GROUP, config=lin2)
+
+        return run
+
+    narrow = PersistentConfig(128, 128, 128, 4, 8, subtile=False)
+    return {"bf16": bf16, "int8": int8, "hop": hop(served_config(True)),
+            "hop lin2 128-wide": hop(narrow)}  # fmt: skip
+
+
+def measure_mlp(batch: int, reps: int, iters: int) -> list[dict[str, Any]]:
+    """`mlp_forms` on a window block's and a global block's tokens at `batch`: ms each, and
+    each form's largest difference from `int8` relative to its output's magnitude."""
+    rows = []
+    for kind, per_image in SAM_TOKENS.items():
+        forms = mlp_forms(batch * per_image, SAM_DIM)
+        want = forms["int8"]().float()
+        for name, fn in forms.items():
+            got = fn().float()
+            off = float((got - want).abs().max() / want.abs().max())
+            rows.append({"layer": f"{kind}.mlp {name}", "M": batch * per_image,
+                         "K": SAM_DIM, "N": 4 * SAM_DIM,
+                         "ms": graphed_ms(fn, reps, iters), "vs int8 max_rel": off})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -153,9 +217,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--mlp", action="store_true", help="the MLP's forms only (`mlp_forms`)")
     args = p.parse_args()
     env = environment()
     print(env, flush=True)
+    if args.mlp:
+        mlp = measure_mlp(args.batch, args.reps, args.iters)
+        print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, batch {args.batch}")
+        print_table(mlp, list(mlp[0]))
+        if args.json:
+            write_json(Path(args.json), {"environment": env, "rows": mlp})
+        return
     tokens = {"tokens": args.tokens} if args.tokens else SAM_TOKENS
     rows = [r for r in sam_products(args.batch, tokens) + swin_products(args.swin_batch)
             if args.layers is None or r["layer"] in args.layers]  # fmt: skip
@@ -167,7 +239,7 @@ def main() -> None:
         measure(row, configs, args.reps, args.iters)
         row.pop("tanh")
         print(row, flush=True)
-    total = {"layer": "block (sum, exact GELU)", "M": "", "K": "", "N": ""}
+    total: dict[str, Any] = {"layer": "block (sum, exact GELU)", "M": "", "K": "", "N": ""}
     for name in ("bf16", "tiled", "persistent"):
         times = [r.get(f"{name} ms") for r in rows if "~" not in r["layer"]]
         if times and all(isinstance(t, float) for t in times):

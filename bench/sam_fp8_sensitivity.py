@@ -17,6 +17,16 @@ CPU an encoder pass takes about 9 s a photo: `--photos 3 --variants all mlp` is 
 minutes; every variant on the 7 photos about 10. `--format int8` puts the served int8
 kernel's arithmetic (per-row and per-channel int8, an exact int32 product) there instead.
 
+`--format int8-static` and `int8-static-tensor`: int8 whose activation scales are not
+measured per token but fixed in advance, per input channel or one per layer, from the
+largest value each layer's input reached on the photos mirrored left to right (a
+calibration set the measured photos are not; `calibrate`). Why: a per-token scale needs the
+whole row's maximum, which no GEMM tile sees, so lin2's input (lin1's 3,072-wide output)
+and proj's (the attention's output) each take a pass of their own over memory; a fixed
+scale lets the op before write int8 directly (a per-channel scale folds into the next
+layer's weight columns, SmoothQuant's way), leaving the GEMM a plain int8 product with one
+scale per output channel (`StaticInt8Layers`).
+
     python -m bench.sam_fp8_sensitivity --images .benchdata/images --photos 7
 """
 
@@ -67,6 +77,79 @@ def layer_names(model: Sam, kinds: Sequence[str], skip_ends: bool) -> list[str]:
     ]
 
 
+def calibrate(model: Sam, names: Sequence[str], photos: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Each named layer's largest input magnitude per input channel, over `photos` run
+    through `model` (fp32, its encoder and decoder as the fidelity check runs them)."""
+    wanted = set(names)
+    amax: dict[str, Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if name not in wanted:
+            continue
+
+        def record(mod: torch.nn.Module, inputs: tuple[Tensor, ...], name: str = name) -> None:
+            seen = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(0).float()
+            amax[name] = torch.maximum(amax[name], seen) if name in amax else seen
+
+        hooks.append(module.register_forward_pre_hook(record))
+    runner = eager_sam_runner(model, DEVICE)
+    try:
+        for photo in photos:
+            runner(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return amax
+
+
+class StaticInt8Layers:
+    """The named Linear layers computed in int8 with fixed activation scales while inside
+    the block: per input channel (`per_channel`; folded into the weight's columns before
+    the weight is quantised per output channel) or one for the layer, from `amax`. The
+    arithmetic a fused kernel would run: x rounded by its fixed scales and clamped to
+    +-127 (inputs past the calibration saturate), an exact int32 product, one scale per
+    output channel, the bias."""
+
+    def __init__(
+        self, model: Sam, names: Sequence[str], amax: dict[str, Tensor], per_channel: bool
+    ) -> None:
+        self.hooks: list[Any] = []
+        self.plan: list[tuple[torch.nn.Module, Tensor, Tensor, Tensor, Tensor | None]] = []
+        for name, module in model.named_modules():
+            if name not in set(names):
+                continue
+            peak = amax[name] if per_channel else amax[name].max().expand_as(amax[name])
+            x_scale = torch.clamp(peak, min=1e-8) / 127.0  # [K]
+            folded = module.weight.detach().float() * x_scale[None, :]
+            w_scale = folded.abs().amax(1).clamp(min=1e-12) / 127.0  # [N]
+            wq = torch.round(folded / w_scale[:, None]).clamp(-127, 127).to(torch.int8)
+            bias = module.bias.detach().float() if isinstance(module.bias, Tensor) else None
+            self.plan.append((module, x_scale, wq, w_scale, bias))
+
+    def __enter__(self) -> StaticInt8Layers:
+        for module, x_scale, wq, w_scale, bias in self.plan:
+
+            def hook(
+                mod: torch.nn.Module, inputs: tuple[Tensor, ...], out: Tensor,
+                x_scale: Tensor = x_scale, wq: Tensor = wq, w_scale: Tensor = w_scale,
+                bias: Tensor | None = bias,
+            ) -> Tensor:  # fmt: skip
+                x = inputs[0].reshape(-1, x_scale.shape[0]).float()
+                xq = torch.round(x / x_scale).clamp(-127, 127).to(torch.int8)
+                y = torch._int_mm(xq, wq.t()).float() * w_scale  # the exact int32 product
+                if bias is not None:
+                    y = y + bias
+                return y.reshape(out.shape).to(out.dtype)
+
+            self.hooks.append(module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
 def remembered(runner: SamRunner) -> SamRunner:
     """`runner` computed once per photo: the fp32 reference, which every variant meets."""
     seen: dict[int, SamOutputs] = {}
@@ -90,8 +173,9 @@ def main() -> None:
         "--skip-ends", action="store_true", help="also each variant with blocks 0 and 11 float"
     )
     p.add_argument(
-        "--format", choices=["fp8", "int8"], default="fp8", help="int8: the served int8 kernel's"
-    )
+        "--format", choices=["fp8", "int8", "int8-static", "int8-static-tensor"], default="fp8",
+        help="int8: the served int8 kernel's; int8-static(-tensor): fixed activation scales",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -102,12 +186,22 @@ def main() -> None:
     for photo in photos:  # the reference before any layer is fp8: the model is shared
         reference(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
     print(f"fp32 reference: {time.perf_counter() - started:.0f} s", flush=True)
+    amax: dict[str, Tensor] = {}
+    if args.format.startswith("int8-static"):  # on the photos mirrored: not the measured ones
+        every = layer_names(model, KINDS["all"], False)
+        amax = calibrate(model, every, [photo.flip(1) for photo in photos])
+        print(f"calibrated: {time.perf_counter() - started:.0f} s", flush=True)
     rows: list[dict[str, Any]] = []
     plan = [(v, False) for v in args.variants]
     plan += [(v, True) for v in args.variants if args.skip_ends]
     for variant, skip_ends in plan:
         names = layer_names(model, KINDS[variant], skip_ends)
-        with QuantizedLayers(model, names, args.format):
+        if args.format.startswith("int8-static"):
+            per_channel = args.format == "int8-static"
+            quantized: Any = StaticInt8Layers(model, names, amax, per_channel)
+        else:
+            quantized = QuantizedLayers(model, names, args.format)
+        with quantized:
             result = compare_sam(reference, candidate, photos)
         rows.append(
             {

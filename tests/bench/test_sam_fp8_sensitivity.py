@@ -60,3 +60,33 @@ def test_fp8_moves_the_masks_and_the_reference_stays_fp32() -> None:
     # int8's 8 bits a value against e4m3's 3 of mantissa: a smaller error, not none
     assert 0.0 < int8.embedding_rel_error < fp8.embedding_rel_error / 2
     assert fp8.masks == exact.masks == len(photos) * len(fidelity_prompts(96, 128)) * 4
+
+
+def test_static_int8_is_the_folded_product_and_calibration_sees_each_input() -> None:
+    """`calibrate` records each layer's per-channel input peak; `StaticInt8Layers` computes
+    the folded product (x over its fixed scales, rounded; the weight's columns times those
+    scales, quantised per output channel), and leaves the model as it was on exit."""
+    from bench.sam_fp8_sensitivity import StaticInt8Layers, calibrate
+
+    model = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    names = layer_names(model, ("mlp.lin2",), skip_ends=False)
+    amax = calibrate(model, names, [_photo(2)])
+    layer = dict(model.named_modules())[names[0]]
+    assert set(amax) == set(names) and amax[names[0]].shape == (layer.in_features,)
+    assert bool((amax[names[0]] > 0).all())
+    x = torch.randn(5, layer.in_features) * amax[names[0]] / 3
+    plain = layer(x)
+    for per_channel in (True, False):
+        peak = amax[names[0]] if per_channel else amax[names[0]].max()
+        scale = peak.clamp(min=1e-8) / 127.0 * torch.ones(layer.in_features)
+        folded = layer.weight.detach() * scale[None, :]
+        w_scale = folded.abs().amax(1) / 127.0
+        wq = torch.round(folded / w_scale[:, None]).clamp(-127, 127)
+        xq = torch.round(x / scale).clamp(-127, 127)
+        want = (xq.double() @ wq.double().t()).float() * w_scale + layer.bias.detach()
+        with StaticInt8Layers(model, names, amax, per_channel), torch.inference_mode():
+            got = layer(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+        assert 0 < float((got - plain).abs().max()) < 0.2 * float(plain.abs().max())
+    with torch.inference_mode():
+        assert torch.equal(layer(x), plain)  # the hooks gone

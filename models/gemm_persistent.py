@@ -38,6 +38,7 @@ __all__ = [
     "PersistentConfig",
     "launch_persistent",
     "launch_persistent_quant_out",
+    "launch_persistent_static_out",
     "persistent_for",
     "persistent_supported",
     "served_config",
@@ -206,7 +207,14 @@ def _kernel() -> Any:
             y = 0.5 * y * (1.0 + t)
         if HAS_RES:
             y = y + r_desc.load([om, on]).to(tl.float32)
-        if QUANT_OUT:
+        if QUANT_OUT == 2:
+            # int8 by fixed per-column scales (OS holds their inverses): no row's maximum
+            # needed, so any tile can write it (`launch_persistent_static_out`); rounded half
+            # to even as torch.round, then clamped
+            inv = tl.load(OS + offs_n, mask=mask_n, other=0.0)
+            v = (y * inv[None, :] + 12582912.0) - 12582912.0
+            c_desc.store([om, on], tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8))
+        elif QUANT_OUT == 1:
             # quantised per row of these WIDTH (= HOP_GROUP) columns, for the next GEMM
             # (models.mlp_hop): int8, or e4m3's bytes as int8; the scales at [row, group]
             offs_m = om + tl.arange(0, BLOCK_M)
@@ -223,7 +231,7 @@ def _kernel() -> Any:
         M, N, K, stride_xs, stride_os, num_programs,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
         IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, QUANT_OUT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        X_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SUBTILE: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):  # fmt: skip
@@ -267,7 +275,7 @@ def _kernel() -> Any:
             om = pid_m * BLOCK_M
             on = pid_n * BLOCK_N
             offs_m = om + tl.arange(0, BLOCK_M)
-            if GROUP_K > 0:
+            if GROUP_K > 0 or not X_SCALED:  # the input's scales in the sum, or in the weight
                 xs = None
             else:
                 xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=offs_m < M, other=0.0)
@@ -297,7 +305,7 @@ def _programs(device: torch.device) -> int:
 
 def launch_persistent(
     xq: Tensor,
-    x_scale: Tensor,
+    x_scale: Tensor | None,
     weight: Tensor,
     w_scale: Tensor,
     bias: Tensor | None = None,
@@ -312,13 +320,40 @@ def launch_persistent(
     """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]` in `out_dtype`, scaled by
     `x_scale [M]` (may be strided) and `w_scale [N]`, then bias, GELU and residual, as
     models.gemm_kernel.launch computes it; with `group_k`, `x_scale` is `[M, K / group_k]`,
-    one scale per row and group of columns (models.mlp_hop). Raises ValueError where TMA
+    one scale per row and group of columns (models.mlp_hop); None where the input was
+    quantised by fixed per-channel scales folded into `weight` (`launch_persistent_static_out`
+    writes such inputs). Raises ValueError where TMA
     cannot carry the operands (`persistent_supported`). `gelu_tanh`: GELU's tanh
     approximation (within about 3e-4 of the exact one, far inside int8's own error) with
     tanh as one SFU instruction, where the exact erf made lin1's epilogue a third of its
     time (bench/int8_persistent.py)."""
     out, _ = _launch(xq, x_scale, weight, w_scale, bias, residual, gelu, gelu_tanh, out_dtype,
-                     config, group_k=group_k, quant_out=False)  # fmt: skip
+                     config, group_k=group_k, quant_out=0)  # fmt: skip
+    return out
+
+
+def launch_persistent_static_out(
+    xq: Tensor,
+    x_scale: Tensor | None,
+    weight: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    *,
+    out_inv_scale: Tensor,
+    gelu: bool = False,
+    gelu_tanh: bool = False,
+    config: PersistentConfig | None = None,
+) -> Tensor:
+    """`launch_persistent` whose output leaves as int8 `[M, N]` by fixed per-column scales:
+    `round(y * out_inv_scale[col])`, clamped to +-127. Why: with scales calibrated in
+    advance, SAM's lin1 can hand lin2 its input quantised without any row's maximum (which
+    no tile sees); the scales fold into lin2's weight columns, so lin2 is a plain int8
+    product (`x_scale=None`). On SAM ViT-B's random weights fixed per-channel scales kept
+    the masks as well as per-token ones (docs/BENCHMARKS.md, issue 20; a CPU measurement)."""
+    if xq.dtype != torch.int8:
+        raise TypeError("a fixed-scale int8 output needs int8 operands")
+    out, _ = _launch(xq, x_scale, weight, w_scale, bias, None, gelu, gelu_tanh, torch.float32,
+                     config, group_k=0, quant_out=2, out_inv_scale=out_inv_scale)  # fmt: skip
     return out
 
 
@@ -338,12 +373,12 @@ def launch_persistent_quant_out(
     models.gemm_kernel.launch_quant_out writes it: the stored tile (or half tile) is
     `HOP_GROUP` wide."""
     return _launch(xq, x_scale, weight, w_scale, bias, None, gelu, gelu_tanh, torch.float32,
-                   config, group_k=0, quant_out=True)  # fmt: skip
+                   config, group_k=0, quant_out=1)  # fmt: skip
 
 
 def _launch(
     xq: Tensor,
-    x_scale: Tensor,
+    x_scale: Tensor | None,
     weight: Tensor,
     w_scale: Tensor,
     bias: Tensor | None,
@@ -354,8 +389,11 @@ def _launch(
     config: PersistentConfig | None,
     *,
     group_k: int,
-    quant_out: bool,
+    quant_out: int,
+    out_inv_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """quant_out: 0 a float output, 1 int8 / e4m3 per row and HOP_GROUP columns, 2 int8 by
+    fixed per-column scales (`out_inv_scale`)."""
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -369,13 +407,17 @@ def _launch(
     width = c.block_n // 2 if c.subtile else c.block_n
     if group_k and (K % group_k or group_k % c.block_k):
         raise ValueError(f"group_k {group_k}: it must divide K = {K} and BLOCK_K must divide it")
-    if quant_out and (width != HOP_GROUP or N % HOP_GROUP or residual is not None):
+    if quant_out == 1 and (width != HOP_GROUP or N % HOP_GROUP or residual is not None):
         raise ValueError(f"a quantised output: stored tiles {HOP_GROUP} wide (got {width}), "
                          f"N % {HOP_GROUP} == 0 (N = {N}), no residual")  # fmt: skip
+    if quant_out == 2 and (out_inv_scale is None or out_inv_scale.shape != (N,)):
+        raise ValueError(f"a fixed-scale output needs out_inv_scale [{N}]")
+    if group_k and x_scale is None:
+        raise ValueError("group_k needs the input's group scales")
     out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)
-    out_scale = torch.empty(M, N // HOP_GROUP if quant_out else 0, device=xq.device)
+    out_scale = torch.empty(M, N // HOP_GROUP if quant_out == 1 else 0, device=xq.device)
     if M == 0:
-        return (out.view(xq.dtype) if quant_out else out), out_scale
+        return (out.view(xq.dtype) if quant_out == 1 else out), out_scale
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     a_desc = TensorDescriptor.from_tensor(xq, [c.block_m, c.block_k])
@@ -383,20 +425,26 @@ def _launch(
     c_desc = TensorDescriptor.from_tensor(out, [c.block_m, width])
     r_desc = TensorDescriptor.from_tensor(residual if residual is not None else out,
                                           [c.block_m, width])  # fmt: skip
-    x_scale = x_scale if x_scale.dtype == torch.float32 else x_scale.float()
     w_scale = w_scale.float().contiguous()
+    x_scaled = x_scale is not None
+    x_scale = w_scale if x_scale is None else x_scale  # None: a placeholder, never read
+    x_scale = x_scale if x_scale.dtype == torch.float32 else x_scale.float()
+    if quant_out == 2:
+        assert out_inv_scale is not None
+        out_scale = out_inv_scale.float().contiguous()
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
     programs = min(tiles, _programs(xq.device))
     _kernel()[(programs,)](
         a_desc, b_desc, c_desc, r_desc, x_scale, w_scale,
         bias if bias is not None else w_scale,  # placeholder pointers, never read
         out_scale if quant_out else w_scale,
-        M, N, K, x_scale.stride(0), out_scale.stride(0) if quant_out else 0, programs,
+        M, N, K, x_scale.stride(0), out_scale.stride(0) if quant_out == 1 else 0, programs,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GELU=(3 if _interpreting() else 2) if gelu and gelu_tanh else int(gelu),
         IS_FP8=xq.dtype == torch.float8_e4m3fn, GROUP_K=group_k, QUANT_OUT=quant_out,
+        X_SCALED=x_scaled,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=8,
         SUBTILE=c.subtile, WARP_SPECIALIZE=c.warp_specialize,
         num_stages=c.num_stages, num_warps=c.num_warps,
     )  # fmt: skip
-    return (out.view(xq.dtype) if quant_out else out), out_scale
+    return (out.view(xq.dtype) if quant_out == 1 else out), out_scale

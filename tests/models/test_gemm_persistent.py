@@ -125,6 +125,47 @@ def test_the_mlp_hop_matches_models_mlp_hop_in_the_interpreter() -> None:
         assert r["out_rel"] < 1e-5, r
 
 
+STATIC_SCRIPT = r"""
+import json, sys
+import torch
+from models.gemm_persistent import (PersistentConfig, launch_persistent,
+                                    launch_persistent_static_out)
+from models.int8_gemm import int8_linear_reference, quantize_rows
+
+results = []
+for seed, (M, K, N, N2, subtile) in enumerate(json.loads(sys.argv[1])):
+    g = torch.Generator().manual_seed(seed)
+    xq, xs = quantize_rows(torch.randn(M, K, generator=g))
+    w1q, w1s = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    b1 = torch.randn(N, generator=g)
+    inv = 127.0 / (torch.rand(N, generator=g) * 3 + 0.5)  # fixed per-column scales
+    q = launch_persistent_static_out(xq, xs, w1q, w1s, b1, out_inv_scale=inv, gelu=True,
+                                     config=PersistentConfig(32, 64, 32, 2, 4, subtile))
+    y = int8_linear_reference(xq, xs, w1q, w1s, b1, None, True, torch.float32)
+    ref = torch.round(y * inv).clamp(-127, 127).to(torch.int8)
+    # lin2 on it: the scales folded into its weight's columns, no row scales
+    w2q, w2s = quantize_rows(torch.randn(N2, N, generator=g) / N**0.5 / inv[None, :])
+    out = launch_persistent(ref, None, w2q, w2s, None, None, out_dtype=torch.float32,
+                            config=PersistentConfig(32, 32, 32, 2, 4, subtile))
+    want = (ref.float() @ w2q.float().t()) * w2s
+    results.append({"dtype": str(q.dtype), "off": int((q.int() - ref.int()).abs().max()),
+                    "saturated": int((ref.abs() == 127).sum()),
+                    "out_rel": float((out - want).abs().max() / want.abs().max())})
+print(json.dumps(results))
+"""
+STATIC_CASES = [(70, 96, 96, 48, True), (45, 64, 128, 32, False)]
+
+
+def test_fixed_scale_int8_out_and_an_input_without_row_scales_in_the_interpreter() -> None:
+    """lin1 writes int8 by fixed per-column scales exactly as torch rounds and clamps them
+    (some values saturate), and lin2 reads it as a plain int8 product (no row scales)."""
+    results = run_interpreted(STATIC_SCRIPT, STATIC_CASES)
+    for r in results:
+        assert r["dtype"] == "torch.int8" and r["off"] == 0, r
+        assert r["out_rel"] < 1e-6, r
+    assert any(r["saturated"] for r in results)
+
+
 def test_what_the_served_op_sends_here() -> None:
     """TMA needs K-major operands and rows 16 bytes apart; `ENABLED=None` keeps the CPU and
     Swin's narrow early products on the tile-per-program kernel."""
@@ -154,7 +195,12 @@ def test_launch_refuses_operands_tma_cannot_carry() -> None:
 
 
 def _compile_for_hopper(
-    c: PersistentConfig, gelu: int, residual: bool, group_k: int = 0, quant_out: bool = False
+    c: PersistentConfig,
+    gelu: int,
+    residual: bool,
+    group_k: int = 0,
+    quant_out: int = 0,
+    x_scaled: bool = True,
 ):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -179,7 +225,7 @@ def _compile_for_hopper(
     if quant_out:
         signature["c_desc"] = desc(torch.int8, [c.block_m, width])
     constexprs = {"HAS_BIAS": True, "HAS_RES": residual, "GELU": gelu, "IS_FP8": False,
-                  "GROUP_K": group_k, "QUANT_OUT": quant_out,
+                  "GROUP_K": group_k, "QUANT_OUT": quant_out, "X_SCALED": x_scaled,
                   "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                   "GROUP_M": 8, "SUBTILE": c.subtile,
                   "WARP_SPECIALIZE": c.warp_specialize}  # fmt: skip
@@ -198,14 +244,17 @@ def test_served_shapes_compile_for_hopper_to_int8_wgmma_tma_and_the_sfu_tanh() -
     """The served launch shapes, for an H100 (sm_90): int8 warpgroup MMAs fed by TMA
     (`cp.async.bulk.tensor`), stored by TMA, within 227 KiB of shared memory; GELU's tanh
     form as the one `tanh.approx.f32` instruction."""
-    shapes = [(served_config(False), 0, False, 0, False),
-              (served_config(False), 2, False, 0, False),
-              (served_config(True), 0, True, 0, False),
+    shapes = [(served_config(False), 0, False, 0, 0, True),
+              (served_config(False), 2, False, 0, 0, True),
+              (served_config(True), 0, True, 0, 0, True),
               # the MLP hop: lin1 writes int8 per 128 columns, lin2 reads them
-              (served_config(False, quant_out=True), 2, False, 0, True),
-              (served_config(True), 0, True, 128, False)]  # fmt: skip
-    for config, gelu, residual, group_k, quant_out in shapes:
-        compiled = _compile_for_hopper(config, gelu, residual, group_k, quant_out)
+              (served_config(False, quant_out=True), 2, False, 0, 1, True),
+              (served_config(True), 0, True, 128, 0, True),
+              # fixed scales: lin1 writes int8 by column, lin2 reads it with no row scales
+              (served_config(False), 2, False, 0, 2, True),
+              (served_config(True), 0, True, 0, 0, False)]  # fmt: skip
+    for config, gelu, residual, group_k, quant_out, x_scaled in shapes:
+        compiled = _compile_for_hopper(config, gelu, residual, group_k, quant_out, x_scaled)
         ptx = compiled.asm["ptx"]
         mma = set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
         assert mma and all(m.endswith(".s32.s8.s8") for m in mma), mma

@@ -42,6 +42,7 @@ from models.gemm_persistent import (
     PersistentConfig,
     launch_persistent,
     launch_persistent_quant_out,
+    launch_persistent_static_out,
     served_config,
 )
 from models.int8_gemm import int8_linear_reference, launch, quantize_rows
@@ -144,7 +145,8 @@ def mlp_forms(m: int, d: int) -> dict[str, Callable[[], torch.Tensor]]:
     them by a compiled `quantize_rows`, as inductor does in the encoder), `hop` (lin1
     writes int8 per 128 columns, lin2 reads those groups: models.mlp_hop's path), and
     `hop lin2 128-wide` (the same with lin2's tiles 128 columns wide: fewer registers for
-    its fp32 sum)."""
+    its fp32 sum), and `static` (lin1 writes int8 by fixed per-column scales, lin2 reads it
+    with those scales folded into its weight: models.gemm_persistent's fixed-scale path)."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(m, d, device=DEVICE, generator=g, dtype=torch.bfloat16)
     w1 = torch.randn(4 * d, d, device=DEVICE, generator=g) / d**0.5
@@ -175,9 +177,22 @@ def mlp_forms(m: int, d: int) -> dict[str, Callable[[], torch.Tensor]]:
 
         return run
 
+    # fixed per-column scales for lin1's output (its peaks here; a calibration in a model),
+    # folded into lin2's weight columns: no row maximum anywhere, lin2 a plain int8 product
+    h = launch_persistent(xq, xs, w1q, w1s, b1, gelu=True, gelu_tanh=True,
+                          config=served_config(False)).float()  # fmt: skip
+    peak = h.abs().amax(0).clamp(min=1e-6)
+    inv = 127.0 / peak
+    w2fq, w2fs = quantize_rows(w2 * (peak / 127.0)[None, :])
+
+    def static() -> torch.Tensor:
+        q = launch_persistent_static_out(xq, xs, w1q, w1s, b1, out_inv_scale=inv, gelu=True,
+                                         gelu_tanh=True, config=served_config(False))  # fmt: skip
+        return launch_persistent(q, None, w2fq, w2fs, b2, res, config=served_config(True))
+
     narrow = PersistentConfig(128, 128, 128, 4, 8, subtile=False)
     return {"bf16": bf16, "int8": int8, "hop": hop(served_config(True)),
-            "hop lin2 128-wide": hop(narrow)}  # fmt: skip
+            "hop lin2 128-wide": hop(narrow), "static": static}  # fmt: skip
 
 
 def measure_mlp(batch: int, reps: int, iters: int) -> list[dict[str, Any]]:

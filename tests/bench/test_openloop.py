@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +74,7 @@ def test_arrivals_merge_kinds_each_on_its_own_schedule() -> None:
 def test_latency_counts_from_the_scheduled_time_when_the_client_stalls() -> None:
     """The first send blocks the event loop for 0.3 s (a stalled client): the requests due
     meanwhile go out late, and their latency includes the wait, down to their schedule."""
-    schedule = [(k * 0.05, "segment") for k in range(10)]  # 0.00, 0.05, ... 0.45
+    schedule = [(k * 0.05, "segment") for k in range(20)]  # 0.00, 0.05, ... 0.95
 
     async def stalling(kind: str, seq: int) -> Outcome:
         sent = asyncio.get_running_loop().time()
@@ -90,8 +91,11 @@ def test_latency_counts_from_the_scheduled_time_when_the_client_stalls() -> None
     for s in samples[1:6]:  # due at 0.05 .. 0.25, inside the stall: sent at 0.3 at the earliest
         assert s.lag_s >= 0.3 - s.scheduled_s - 0.005, s
         assert s.latency_s >= 0.3 - s.scheduled_s - 0.005, s
-    for s in samples[7:]:  # due after the stall: on time again (a busy machine's slack)
-        assert s.lag_s < 0.1, s
+    # due well after the stall: on time again. The median, so that one pause of a loaded
+    # machine (0.28 s once, on two busy cores) is not taken for a loop that never recovered,
+    # whose every request would still be about 0.3 s late
+    after = [s.lag_s for s in samples if s.scheduled_s >= 0.5]
+    assert statistics.median(after) < 0.1, after
 
 
 def test_requests_go_out_on_schedule_while_earlier_ones_are_still_waiting() -> None:

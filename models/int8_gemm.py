@@ -149,12 +149,12 @@ def define_linear_op(
         gelu: bool,
         out_dtype: torch.dtype,
     ) -> Tensor:
-        if supported(xq.device) and persistent_for(xq, weight):
-            # Hopper: the persistent TMA kernel, GELU in its tanh form (models.gemm_persistent)
-            return launch_persistent(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
-                                     gelu_tanh=gelu, out_dtype=out_dtype,
-                                     config=served_config(residual is not None))  # fmt: skip
         if supported(xq.device):
+            if persistent_for(xq, weight):
+                # Hopper: the persistent TMA kernel, GELU in its tanh form
+                return launch_persistent(xq, x_scale, weight, w_scale, bias, residual,
+                                         gelu=gelu, gelu_tanh=gelu, out_dtype=out_dtype,
+                                         config=served_config(residual is not None))  # fmt: skip
             return launch(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
                           out_dtype=out_dtype)  # fmt: skip
         return reference(xq, x_scale, weight, w_scale, bias, residual, gelu, out_dtype)

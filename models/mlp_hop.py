@@ -114,11 +114,11 @@ def linear_to_groups(
     (`x_scale` None). The Triton kernel where it runs, the torch reference elsewhere."""
     if x_scale is None:
         x, x_scale = unpack_rows(x, weight.dtype == FP8)
-    if _kernel_runs(weight) and persistent_for(x, weight):  # Hopper, SAM-sized products
-        return launch_persistent_quant_out(x, x_scale, weight, w_scale, bias, gelu=gelu,
-                                           gelu_tanh=gelu,
-                                           config=served_config(False, quant_out=True))  # fmt: skip
     if _kernel_runs(weight):
+        if persistent_for(x, weight):  # Hopper, SAM-sized products
+            config = served_config(False, quant_out=True)
+            return launch_persistent_quant_out(x, x_scale, weight, w_scale, bias, gelu=gelu,
+                                               gelu_tanh=gelu, config=config)  # fmt: skip
         return launch_quant_out(x, x_scale, weight, w_scale, bias, gelu=gelu)
     return linear_to_groups_reference(x, x_scale, weight, w_scale, bias, gelu)
 
@@ -149,11 +149,11 @@ def linear_from_groups(
 ) -> Tensor:
     """`q` (`[M, K]`, scales per row and 128 columns, from `linear_to_groups`) times
     `weight^T`, + bias + residual, as `out_dtype`."""
-    if _kernel_runs(weight) and persistent_for(q, weight):
-        return launch_persistent(q, group_scale, weight, w_scale, bias, residual,
-                                 out_dtype=out_dtype, group_k=HOP_GROUP,
-                                 config=served_config(residual is not None))  # fmt: skip
     if _kernel_runs(weight):
+        if persistent_for(q, weight):
+            return launch_persistent(q, group_scale, weight, w_scale, bias, residual,
+                                     out_dtype=out_dtype, group_k=HOP_GROUP,
+                                     config=served_config(residual is not None))  # fmt: skip
         return launch(q, group_scale, weight, w_scale, bias, residual, out_dtype=out_dtype,
                       group_k=HOP_GROUP)  # fmt: skip
     return linear_from_groups_reference(q, group_scale, weight, w_scale, bias, residual, out_dtype)

@@ -47,12 +47,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-inplace]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
     the LayerNorm writing qkv's and lin1's input quantised (models.ln_quant), `-hop` lin1's
-    output handed to lin2 quantised (models.mlp_hop), `-gelu` GELU in lin1's cuBLASLt
+    output handed to lin2 quantised (models.mlp_hop), `-static` by fixed per-channel scales
+    calibrated at load (models.mlp_static), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
@@ -74,6 +75,7 @@ def _variant(name: str) -> OptimizeOptions:
         cuda_graphs=compile_mode != "none",
         norm_quant="lnq" in parts,
         mlp_hop="hop" in parts,
+        mlp_static="static" in parts,
         gelu_epilogue="gelu" in parts,
     )
 
@@ -93,6 +95,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-compile-triton-win",
         "bf16-gelu-compile-triton-win",  # GELU in lin1's cuBLASLt epilogue
         "bf16-gelu-int8-lnq-compile-triton-win",  # SERVE_QUANTIZATION=int8 on CUDA now
+        "bf16-gelu-int8-lnq-static-compile-triton-win",  # lin2's input by fixed scales
+        "bf16-gelu-int8-lnq-compile-triton-win-inplace",  # windows read in place
+        "bf16-gelu-int8-lnq-static-compile-triton-win-inplace",
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
@@ -166,12 +171,24 @@ def official_baseline(batch_sizes: list[int], iters: int) -> list[dict[str, Any]
     return rows
 
 
-def run_variant(
-    static: bool, name: str, base: Sam, photos, fid, ref_embed, ref_masks, batch_sizes, iters
-) -> list[dict[str, Any]]:
+def prepared(name: str, base: Sam) -> tuple[OptimizeOptions, Sam]:
+    """A copy of `base` prepared as the variant says; `-inplace`: the windowed blocks read
+    their windows where they lie in the grid with quantised layers too (the service does
+    so for float layers only: `prepare_sam_encoder`), no partition copies and no padded
+    tokens projected."""
     opts = VARIANTS[name]
     model = copy.deepcopy(base).to(dtype=opts.dtype)
     prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
+    if "inplace" in name.split("-"):
+        for block in model.image_encoder.blocks:
+            block.windows_in_place = block.window > 0 and block.attn.impl == "triton"
+    return opts, model
+
+
+def run_variant(
+    static: bool, name: str, base: Sam, photos, fid, ref_embed, ref_masks, batch_sizes, iters
+) -> list[dict[str, Any]]:
+    opts, model = prepared(name, base)
     if opts.compile_mode == "aot":
         # one package with a dynamic batch, built into a fresh folder (its build time is
         # the first batch size's prepare_s), as `python -m server compile` builds it
@@ -242,9 +259,7 @@ def profile_variant(name: str, base: Sam, batch: int, out: Path | None) -> None:
     five calls under the profiler, the 40 costliest kernels printed."""
     from torch.profiler import ProfilerActivity, profile
 
-    opts = VARIANTS[name]
-    model = copy.deepcopy(base).to(dtype=opts.dtype)
-    prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
+    opts, model = prepared(name, base)
     fn = compile_fn(model.encode, opts.compile_mode, dynamic=False)
     side = base.config.image_size
     x = torch.randn(batch, 3, side, side, device=DEVICE, dtype=opts.dtype)
@@ -332,6 +347,10 @@ def _attention_layer(layer: str, batch: int, side: int, iters: int) -> list[dict
     shapes += [(64, 4, 3, 128, None), (64, 4, 3, 128, 168), (128, 8, 3, 64, 168)]
     if side < 32:
         shapes += [(64, 4, 3, 16, None), (64, 4, 3, 16, 168), (64, 4, 2, 16, None)]
+        # a whole window's keys in one block (16 rows of 16 slots, two rows masked): one
+        # softmax, no online rescaling, products 256 keys long
+        shapes += [(64, 4, 2, 256, None), (64, 8, 2, 256, None), (128, 8, 2, 256, None),
+                   (32, 4, 2, 256, None), (64, 8, 1, 256, None)]  # fmt: skip
     width = max(16, 1 << (side - 1).bit_length())
     for shape_ in shapes:
         cfg.block_m, cfg.num_warps, cfg.num_stages, block_n, maxnreg = shape_

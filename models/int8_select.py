@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from models.fp8_gemm import quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import quantize_rows
+from models.mlp_static import quantize_static, static_scale
 
 __all__ = [
     "Int8Choice",
@@ -66,13 +67,17 @@ def measure_int8(
     hessians: bool = False,
     kind: str = "int8",
     grouped: frozenset[str] = frozenset(),
+    static: dict[str, Tensor] | None = None,
 ) -> Int8Measure:
     """`||q(x) W_q^T - x W^T|| / ||x W^T||` for each candidate Linear of `module`, over
     the inputs it receives while `run()` runs the float `module` (no grad), in float64;
     each layer's mean input, and with `hessians` its input's `X^T X`. `kind`: the
     quantisation measured, "int8" or "fp8" (e4m3, `models.fp8_gemm`'s scales); the layers
     named in `grouped` have their input quantised per row and 128 columns, as the MLP's
-    second Linear gets it from the first (`models.mlp_hop`)."""
+    second Linear gets it from the first (`models.mlp_hop`); those in `static` (their
+    input's largest magnitude per channel, `models.mlp_static.input_amax`) by those fixed
+    scales folded into the weight, and their mean input and `X^T X` are the scaled
+    input's, as `Int8DynamicLinear(input_scale=...)` takes them."""
     layers = {
         name: layer
         for name, layer in module.named_modules()
@@ -84,13 +89,22 @@ def measure_int8(
     counts = dict.fromkeys(layers, 0)
     hooks = []
 
+    fixed = static or {}
+    if fixed and kind != "int8":
+        raise ValueError("fixed input scales: int8 only")
+
     def hook_for(name: str, layer: nn.Linear) -> Callable[..., None]:
-        wq, ws = _quantize_weight(layer.weight, kind)
+        inv = 1.0 / static_scale(fixed[name]) if name in fixed else None
+        weight = layer.weight if inv is None else layer.weight.float() / inv[None, :]
+        wq, ws = _quantize_weight(weight, kind)
         rows = quantize_rows_fp8 if kind == "fp8" else quantize_rows
 
         def measure(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
             x = inputs[0].reshape(-1, layer.in_features)
-            if name in grouped:
+            if inv is not None:  # models.mlp_static: the product in the scaled input's terms
+                got = (quantize_static(x, inv).float() @ wq.float().t()) * ws[None, :]
+                x = x.float() * inv  # the statistics below: the scaled input's
+            elif name in grouped:
                 from models.mlp_hop import HOP_GROUP, quantize_groups
 
                 gq, gs = quantize_groups(x, kind == "fp8")
@@ -101,7 +115,7 @@ def measure_int8(
                 # the int8 (or fp8) product in fp32 (exact but for the rounding of sums past
                 # 2^24; no kernel to tune, any device), then the kernel's dequantisation
                 got = (xq.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
-            want = torch.nn.functional.linear(x.float(), layer.weight.float())
+            want = torch.nn.functional.linear(x.float(), weight.float())
             sums[name][0] += float((got.double() - want.double()).square().sum())
             sums[name][1] += float(want.double().square().sum())
             total = x.double().sum(dim=0)
@@ -169,11 +183,12 @@ def int8_include(
     hessians: bool = False,
     kind: str = "int8",
     grouped: frozenset[str] = frozenset(),
+    static: dict[str, Tensor] | None = None,
 ) -> tuple[Callable[[str, nn.Linear], bool], Int8Choice]:
     """A filter for `quantize_linears`: `candidates` less the layers whose int8 error on
     `run()`'s inputs is past `max_error` (see `choose_float_layers`); and the choice."""
     measured = measure_int8(module, run, candidates, hessians=hessians, kind=kind,
-                            grouped=grouped)  # fmt: skip
+                            grouped=grouped, static=static)  # fmt: skip
     errors = measured.errors
     kept = choose_float_layers(errors, max_error=max_error, max_kept=max_kept)
     chosen = tuple(name for name in errors if name not in kept)

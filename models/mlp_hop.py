@@ -21,6 +21,8 @@ first Linear's `hop_out`; the second takes a pair wherever it gets one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -49,6 +51,7 @@ __all__ = [
     "linear_from_groups_reference",
     "linear_to_groups",
     "linear_to_groups_reference",
+    "mlp_pairs",
     "mlp_second_layers",
     "quantize_groups",
 ]
@@ -179,18 +182,24 @@ def _mlp_pairs() -> dict[type, tuple[str, str]]:
     return {Mlp: ("fc1", "fc2"), MLPBlock: ("lin1", "lin2")}
 
 
+def mlp_pairs(module: nn.Module) -> Iterator[tuple[str, nn.Module, tuple[str, str]]]:
+    """(name, the MLP, (its first Linear's attribute, its second's)) for each of Swin's
+    `Mlp` and SAM's `MLPBlock` in `module`."""
+    pairs = _mlp_pairs()
+    for name, child in module.named_modules():
+        attrs = pairs.get(type(child))
+        if attrs is not None:
+            yield name, child, attrs
+
+
 def mlp_second_layers(module: nn.Module) -> frozenset[str]:
     """The names of the MLPs' second Linears whose input could come in groups (hidden width
     a multiple of 128): what the per-layer choice measures so (`measure_int8(grouped=)`)."""
     names = set()
-    pairs = _mlp_pairs()
-    for name, child in module.named_modules():
-        pair = pairs.get(type(child))
-        if pair is None:
-            continue
-        second = getattr(child, pair[1])
+    for name, child, (_, attr) in mlp_pairs(module):
+        second = getattr(child, attr)
         if isinstance(second, nn.Linear) and second.in_features % HOP_GROUP == 0:
-            names.add(f"{name}.{pair[1]}" if name else pair[1])
+            names.add(f"{name}.{attr}" if name else attr)
     return frozenset(names)
 
 
@@ -201,12 +210,8 @@ def fuse_mlp_hop(module: nn.Module) -> list[str]:
     Returns the first Linears' names."""
     from models.quantize import DynamicQuantLinear
 
-    pairs = _mlp_pairs()
     fused = []
-    for name, child in module.named_modules():
-        names = pairs.get(type(child))
-        if names is None:
-            continue
+    for name, child, names in mlp_pairs(module):
         first, second = (getattr(child, n) for n in names)
         if (
             isinstance(first, DynamicQuantLinear)
@@ -216,6 +221,7 @@ def fuse_mlp_hop(module: nn.Module) -> list[str]:
             and first.gelu
             and isinstance(child.act, nn.Identity)
             and first.out_features % HOP_GROUP == 0
+            and getattr(second, "input_inv_scale", None) is None
         ):
             first.hop_out = True
             fused.append(f"{name}.{names[0]}" if name else names[0])

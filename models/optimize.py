@@ -72,6 +72,8 @@ class OptimizeOptions:
     norm_quant: bool = False
     # ... and the MLP's hidden activation goes from fc1 to fc2 quantised (models.mlp_hop)
     mlp_hop: bool = False
+    # ... or by fixed per-channel scales calibrated at load (int8; models.mlp_static)
+    mlp_static: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -95,7 +97,15 @@ class OptimizeOptions:
             if self.quantization_backend != "core":
                 parts.append(self.quantization_backend)
             # other graphs, other rounding: named (AOT packages are keyed by the variant)
-            parts += [name for name, on in (("lnq", self.norm_quant), ("hop", self.mlp_hop)) if on]
+            parts += [
+                name
+                for name, on in (
+                    ("lnq", self.norm_quant),
+                    ("hop", self.mlp_hop),
+                    ("static", self.mlp_static),
+                )
+                if on
+            ]
         if self.gelu_epilogue:
             parts.append("tanh_gelu")  # other numbers, another AOT package
         if self.sparsity != "none":
@@ -173,7 +183,7 @@ def _quantize(
     return quantize_linears(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
-        norm_quant=options.norm_quant, mlp_hop=options.mlp_hop,
+        norm_quant=options.norm_quant, mlp_hop=options.mlp_hop, mlp_static=options.mlp_static,
     )  # fmt: skip
 
 

@@ -6,7 +6,8 @@ time, to int8 or float8 e4m3.
   product is our kernel (`models.int8_gemm`, `models.fp8_gemm`) with the dequantisation,
   bias and GELU in its epilogue; its input may arrive already quantised, packed by the
   LayerNorm before (`models.ln_quant`) or as the MLP's hidden activation in groups
-  (`models.mlp_hop`), and its output may leave in groups for the next Linear.
+  (`models.mlp_hop`) or by fixed per-channel scales (`models.mlp_static`), and its output
+  may leave in either form for the next Linear.
 - `Fp8RowwiseLinear`: the earlier fp8 through `torch._scaled_mm`, for comparison.
 """
 
@@ -23,6 +24,7 @@ from models.int8_gemm import epilogue_reference, int8_linear, quantize_rows
 from models.int8_gptq import gptq_int8
 from models.ln_quant import PACK_PAD, packed_linear
 from models.mlp_hop import linear_from_groups, linear_to_groups
+from models.mlp_static import linear_from_static, linear_to_static, quantize_static
 
 __all__ = [
     "DynamicQuantLinear",
@@ -66,6 +68,12 @@ class DynamicQuantLinear(nn.Module):
 
     `x` is a float activation, or packed quantised rows from a `QuantizingLayerNorm`
     (int8 `[..., K + 16]`, models.ln_quant), taken as they are.
+
+    `input_scale [K]` (int8 only): the input is quantised by these fixed per-channel scales
+    instead of per token, and they are folded into the weight's columns before it is
+    quantised (`models.mlp_static`); `input_mean` and `hessian` are then the scaled
+    input's. The input arrives int8 from the Linear before (`output_inv_scale`, set by
+    `fuse_mlp_static`) or in float, quantised here.
     """
 
     kind: ClassVar[Literal["int8", "fp8"]] = "int8"
@@ -75,6 +83,8 @@ class DynamicQuantLinear(nn.Module):
     weight_q: Tensor
     weight_scale: Tensor
     bias: Tensor | None
+    input_inv_scale: Tensor | None
+    output_inv_scale: Tensor | None
 
     def __init__(
         self,
@@ -84,9 +94,19 @@ class DynamicQuantLinear(nn.Module):
         gelu: bool = False,
         input_mean: Tensor | None = None,
         hessian: Tensor | None = None,
+        input_scale: Tensor | None = None,
     ) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [N, K]
+        if input_scale is not None:
+            if self.kind != "int8" or kernel != "fused":
+                raise ValueError("fixed input scales: int8 and the fused kernel only")
+            weight = weight * input_scale.float().to(weight.device)[None, :]  # x W^T = (x/s)(Ws)^T
+        self.register_buffer(
+            "input_inv_scale", None if input_scale is None else 1.0 / input_scale.float()
+        )
+        # set by models.mlp_static.fuse_mlp_static: the output leaves int8 by these
+        self.register_buffer("output_inv_scale", None)
         if self.kind == "fp8":
             if kernel != "fused" or hessian is not None:
                 raise ValueError("fp8: the fused kernel, weights rounded to nearest only")
@@ -117,7 +137,8 @@ class DynamicQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"kind={self.kind}, kernel={self.kernel}, gelu={self.gelu}, "
-                f"hop_out={self.hop_out}")  # fmt: skip
+                f"hop_out={self.hop_out}, static_in={self.input_inv_scale is not None}, "
+                f"static_out={self.output_inv_scale is not None}")  # fmt: skip
 
     def forward(
         self, x: Tensor | tuple[Tensor, Tensor], residual: Tensor | None = None
@@ -128,6 +149,15 @@ class DynamicQuantLinear(nn.Module):
         `residual` `[..., N]` is added to the output in the epilogue."""
         n = self.out_features
         res = residual.reshape(-1, n) if residual is not None else None
+        if self.input_inv_scale is not None:  # models.mlp_static: fixed input scales
+            if isinstance(x, tuple):
+                raise TypeError("a fixed-scale layer takes its input int8 or float, not groups")
+            lead = x.shape[:-1]
+            flat = x.reshape(-1, self.in_features)
+            q = flat if flat.dtype == torch.int8 else quantize_static(flat, self.input_inv_scale)
+            y = linear_from_static(q, self.weight_q, self.weight_scale, self.bias, res,
+                                   self.out_dtype)  # fmt: skip
+            return y.reshape(*lead, n)
         if isinstance(x, tuple):  # models.mlp_hop
             q, scales = x
             lead = q.shape[:-1]
@@ -143,6 +173,12 @@ class DynamicQuantLinear(nn.Module):
             xq, x_scale = quantize_rows_fp8(x.reshape(-1, self.in_features))
         else:
             xq, x_scale = quantize_rows(x.reshape(-1, self.in_features))  # [M, K] int8, [M]
+        if self.output_inv_scale is not None:  # models.mlp_static: int8 by fixed scales
+            if residual is not None:
+                raise ValueError("a quantised output takes no residual")
+            q = linear_to_static(xq, x_scale, self.weight_q, self.weight_scale, self.bias,
+                                 self.gelu, self.output_inv_scale)  # fmt: skip
+            return q.reshape(*lead, n)
         if self.hop_out:  # models.mlp_hop: the output quantised per row and 128 columns
             if residual is not None:
                 raise ValueError("a quantised output (hop_out) takes no residual")
@@ -229,6 +265,8 @@ def linear_reference(layer: nn.Module, x: Tensor) -> Tensor:
     if isinstance(layer, DynamicQuantLinear):
         w = layer.weight_q.float() * layer.weight_scale[:, None]
         gelu = layer.gelu
+        if layer.input_inv_scale is not None:  # the scales folded into w's columns
+            x = x.float() * layer.input_inv_scale
     elif isinstance(layer, Fp8RowwiseLinear):
         w = layer.weight_fp8.float() * layer.weight_scale.t()
     else:

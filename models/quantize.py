@@ -132,6 +132,7 @@ def quantize_linears(
     max_kept: float = INT8_MAX_KEPT,
     norm_quant: bool = False,
     mlp_hop: bool = False,
+    mlp_static: bool = False,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
@@ -145,7 +146,10 @@ def quantize_linears(
     comparison. With the fused kernel an MLP's GELU moves into its first product
     (`fuse_gelu`), and with `norm_quant` the LayerNorm before qkv and the MLP quantises
     their input (`models.ln_quant.fuse_norm_quant`), with `mlp_hop` the MLP's first Linear
-    hands its output quantised to the second (`models.mlp_hop`). Refuses
+    hands its output quantised to the second (`models.mlp_hop`), with `mlp_static` (int8,
+    `calibrate` needed) the second takes its input by fixed per-channel scales, measured on
+    `calibrate`'s inputs and folded into its weight, and the first writes it so
+    (`models.mlp_static`). Refuses
     (NotImplementedError) a kind the module's device cannot run
     (`quantization_unsupported`).
     """
@@ -165,15 +169,25 @@ def quantize_linears(
     accepted: Callable[[str, nn.Linear], bool] = quantizable
     means: dict[str, Tensor] = {}
     hessians: dict[str, Tensor] = {}
+    scales: dict[str, Tensor] = {}
+    if mlp_static and (kind != "int8" or backend != "core" or calibrate is None or mlp_hop):
+        raise ValueError("mlp_static: int8 on the core backend, with calibrate, without mlp_hop")
     if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
         from models.mlp_hop import mlp_second_layers
+        from models.mlp_static import input_amax, static_scale
 
+        amax: dict[str, Tensor] = {}
+        if mlp_static:  # one more pass: the scales before the errors they cause
+            seconds = [n for n, m in module.named_modules()
+                       if n in mlp_second_layers(module) and quantizable(n, m)]  # fmt: skip
+            amax = input_amax(module, lambda: calibrate(module), seconds)
+            scales = {name: static_scale(peak) for name, peak in amax.items()}
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
             max_error=INT8_MAX_ERROR if kind == "int8" else FP8_MAX_ERROR,
             max_kept=max_kept, hessians=kind == "int8", kind=kind,
-            grouped=mlp_second_layers(module) if mlp_hop else frozenset(),
+            grouped=mlp_second_layers(module) if mlp_hop else frozenset(), static=amax,
         )  # fmt: skip
         means, hessians = choice.input_means, choice.hessians
     kernel: Int8Kernel = "int_mm" if backend == "int_mm" else "fused"
@@ -186,7 +200,8 @@ def quantize_linears(
             mean, hessian = means.get(full), hessians.pop(full, None)
             new: nn.Module
             if kind == "int8":
-                new = Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian)
+                new = Int8DynamicLinear(layer, kernel=kernel, input_mean=mean, hessian=hessian,
+                                        input_scale=scales.get(full))  # fmt: skip
             elif backend == "int_mm":
                 new = Fp8RowwiseLinear(layer)
             else:
@@ -202,6 +217,10 @@ def quantize_linears(
         from models.mlp_hop import fuse_mlp_hop
 
         fuse_mlp_hop(module)
+    if mlp_static:
+        from models.mlp_static import fuse_mlp_static
+
+        fuse_mlp_static(module)
     return swapped
 
 

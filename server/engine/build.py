@@ -80,6 +80,12 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # an H100: 10,700 img/s at 99.41% top-1 agreement, where quantising in each GEMM
         # measured 10,570 at 89.3% (docs/BENCHMARKS.md, issue 20)
         norm_quant=cuda and settings.quantization == "int8" and backend == "core",
+        # ... and SAM's MLPs hand lin2 its input int8 by fixed per-channel scales
+        # calibrated at load (models.mlp_static): the ViT-B encoder 469.5 / 474.6 img/s
+        # against 444.1 / 445.1 at batch 8 / 16 on an H200, mask IoU 0.9845 against 0.988
+        # (docs/BENCHMARKS.md, issue 20, fifteenth session). Swin keeps per-token scales
+        # (`swin_options`): it was not measured so.
+        mlp_static=cuda and settings.quantization == "int8" and backend == "core",
         gelu_epilogue=gelu_epilogue,
     )
 
@@ -93,7 +99,9 @@ def swin_options(settings: Settings, options: OptimizeOptions) -> OptimizeOption
     2026-11-27). bf16's 7-bit mantissa moves labels whose logits are close; fp16's 10 bits
     keep them, and Swin's activations stay far inside fp16's range. SAM keeps bf16 (its
     masks are measured in bf16; fp16 was not measured there). A precision set explicitly
-    is both models'."""
+    is both models'. Swin's MLPs keep per-token int8 scales: fixed ones
+    (`OptimizeOptions.mlp_static`) were measured on SAM only."""
+    options = replace(options, mlp_static=False)
     if settings.precision == "auto" and options.precision == "bf16":
         return replace(options, precision="fp16")
     return options

@@ -74,7 +74,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-quantize_rows_tile: Any = None  # models.triton_quant's, set when the kernel is built
+# models.triton_quant's, set when the kernel is built
+quantize_rows_tile: Any = None
+dequantize_bias_gelu: Any = None
 
 
 @functools.cache
@@ -84,8 +86,8 @@ def _kernel() -> Any:
     import triton.language as tl
 
     # a module global: Triton resolves a kernel's callees among its module's globals
-    global quantize_rows_tile
-    from models.triton_quant import quantize_rows_tile
+    global quantize_rows_tile, dequantize_bias_gelu
+    from models.triton_quant import dequantize_bias_gelu, quantize_rows_tile
 
     @triton.jit
     def int8_gemm_epilogue(
@@ -149,17 +151,12 @@ def _kernel() -> Any:
         # the epilogue, in fp32, in the order of int8_linear_reference
         mask_m = offs_m < M
         mask_n = offs_n < N
-        # strided: a packed activation (models.ln_quant) keeps each scale after its row
-        ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
-        if GROUP_K > 0:  # the input's scales are in the sum already
-            y = acc * ws[None, :]
-        else:
-            xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=mask_m, other=0.0)
-            y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GELU:
-            y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+        # strided: a packed activation (models.ln_quant) keeps each scale after its row;
+        # with GROUP_K the input's scales are in the sum already
+        xs = tl.load(XS + offs_m.to(tl.int64) * stride_xs, mask=mask_m & (GROUP_K == 0),
+                     other=0.0)  # fmt: skip
+        y = dequantize_bias_gelu(acc, xs, WS, BIAS, offs_n, mask_n, GROUP_K == 0, HAS_BIAS,
+                                 GELU)  # fmt: skip
         mask = mask_m[:, None] & mask_n[None, :]
         if HAS_RES:
             r_ptrs = RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]

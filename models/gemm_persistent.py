@@ -101,6 +101,7 @@ _tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
 _epilogue: Any = None
 tl: Any = None
 quantize_rows_tile: Any = None
+dequantize_bias_gelu: Any = None
 
 
 def _interpreting() -> bool:
@@ -161,11 +162,11 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     # module globals: Triton resolves a kernel's callees, and the names their code uses,
     # among its module's globals
-    global _tile, _epilogue, tl, quantize_rows_tile
+    global _tile, _epilogue, tl, quantize_rows_tile, dequantize_bias_gelu
     import triton
     import triton.language as tl
 
-    from models.triton_quant import quantize_rows_tile
+    from models.triton_quant import dequantize_bias_gelu, quantize_rows_tile
 
     @triton.jit
     def _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
@@ -184,27 +185,12 @@ def _kernel() -> Any:
         IS_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
         WIDTH: tl.constexpr,
     ):  # fmt: skip
-        # in fp32, in the order of int8_linear_reference (models.int8_gemm); `xs` is None
-        # where the input's scales are in the sum already (GROUP_K)
+        # `xs` is None where the input's scales are in the sum already (GROUP_K) or in
+        # the weight (X_SCALED off)
         offs_n = on + tl.arange(0, WIDTH)
         mask_n = offs_n < N
-        ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
-        if xs is None:
-            y = acc * ws[None, :]
-        else:
-            y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GELU == 1:  # exact, as nn.GELU()
-            y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-        elif GELU > 1:  # the tanh form; 2: tanh by the SFU's one instruction, 3: by exp
-            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-            if GELU == 2:
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
-                                              dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-            else:
-                t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
-            y = 0.5 * y * (1.0 + t)
+        y = dequantize_bias_gelu(acc, xs, WS, BIAS, offs_n, mask_n, xs is not None, HAS_BIAS,
+                                 GELU)  # fmt: skip
         if HAS_RES:
             y = y + r_desc.load([om, on]).to(tl.float32)
         if QUANT_OUT == 2:

@@ -1,6 +1,7 @@
-"""Triton device functions that quantise a tile of fp32 rows to int8 or e4m3, shared by the
-kernels that write quantised activations (models.ln_quant's LayerNorm, models.int8_gemm's
-epilogue for the MLP hop). Imported only by code that already has Triton.
+"""Triton device functions shared by our kernels: a tile of fp32 rows quantised to int8 or
+e4m3 (models.ln_quant's LayerNorm, the GEMMs' epilogues for the MLP hop), and the GEMMs'
+dequantisation, bias and GELU (models.gemm_kernel, models.gemm_persistent: one arithmetic,
+so the two kernels cannot drift apart). Imported only by code that already has Triton.
 
 Rounding is done in fp32 and is torch's, half to even: int8 by adding and subtracting
 1.5 * 2^23; e4m3 by rounding onto its grid (step 2^(exponent - 3), 2^-9 under the smallest
@@ -14,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_rows_tile"]
+__all__ = ["dequantize_bias_gelu", "quantize_rows_tile"]
 
 
 @triton.jit
@@ -34,3 +35,34 @@ def quantize_rows_tile(y, mask, IS_FP8: tl.constexpr):  # noqa: ANN001, ANN201, 
         v = (y / scale[:, None] + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
     return q, scale
+
+
+@triton.jit
+def dequantize_bias_gelu(  # noqa: ANN201
+    acc, xs, WS, BIAS, offs_n, mask_n,  # noqa: ANN001, N803
+    HAS_XS: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,  # noqa: N803
+):  # fmt: skip
+    """A GEMM tile's epilogue arithmetic in fp32, in the order of
+    models.int8_gemm.int8_linear_reference: `acc [R, C]` (int32 or fp32) times the rows'
+    scales `xs [R]` (where `HAS_XS`; otherwise they are in the sum or the weight already)
+    and the columns' `WS[offs_n]`, plus `BIAS[offs_n]`, then GELU: 1 the exact erf, 2 the
+    tanh form with tanh as the SFU's one instruction, 3 the tanh form by exp (what
+    Triton's interpreter can run)."""
+    ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
+    if HAS_XS:  # noqa: SIM108 (a constexpr branch: xs may be None)
+        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+    else:
+        y = acc * ws[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GELU == 1:  # exact, as nn.GELU()
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    elif GELU > 1:
+        u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        if GELU == 2:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
+                                          dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+        else:
+            t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+        y = 0.5 * y * (1.0 + t)
+    return y

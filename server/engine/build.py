@@ -83,8 +83,9 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # ... and SAM's MLPs hand lin2 its input int8 by fixed per-channel scales
         # calibrated at load (models.mlp_static): the ViT-B encoder 469.5 / 474.6 img/s
         # against 444.1 / 445.1 at batch 8 / 16 on an H200, mask IoU 0.9845 against 0.988
-        # (docs/BENCHMARKS.md, issue 20, fifteenth session). Swin keeps per-token scales
-        # (`swin_options`): it was not measured so.
+        # with scales from 2 images and no headroom; from 8 with 1.5x headroom (served now)
+        # as good as per-token scales on the CPU (docs/BENCHMARKS.md, issue 20, fifteenth
+        # session). Swin keeps per-token scales (`swin_options`): it was not measured so.
         mlp_static=cuda and settings.quantization == "int8" and backend == "core",
         gelu_epilogue=gelu_epilogue,
     )

@@ -136,6 +136,10 @@ def test_calibration_images_are_normalised_and_seeded() -> None:
     model = tiny_swin().to(torch.bfloat16)
     out = calibration_run(64, 2)(model)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 10) and out.dtype == torch.bfloat16
+    # in chunks (SAM at 1024 px): the same images, a few a call
+    chunks = calibration_run(64, 3, chunk=2)(model)
+    assert isinstance(chunks, list) and [c.shape[0] for c in chunks] == [2, 1]
+    torch.testing.assert_close(torch.cat(chunks), calibration_run(64, 3)(model))
 
 
 def test_bias_correction_takes_the_weights_rounding_out_of_the_mean_output() -> None:

@@ -1,0 +1,39 @@
+"""bench.sam_static_calibration's preparation on SAM's tiny encoder: the service's int8 form
+on a copy, the headroom widening the fixed scales and put back after."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.sam_static_calibration import prepared
+from models import mlp_static
+from models.int8_select import calibration_run
+from models.quantize import DynamicQuantLinear
+from models.sam import SAM_CONFIGS, load_sam
+
+
+def _fixed_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: 1.0 / m.input_inv_scale for name, m in model.named_modules()
+            if isinstance(m, DynamicQuantLinear) and m.input_inv_scale is not None}  # fmt: skip
+
+
+def test_the_headroom_widens_each_fixed_scale_and_is_put_back() -> None:
+    base = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    calibrate = calibration_run(base.config.image_size, 1)
+    per_token = prepared(base, False, calibrate, 1.0)
+    assert not _fixed_scales(per_token)
+    assert any(isinstance(m, DynamicQuantLinear) for m in per_token.modules())
+    encoder = base.image_encoder
+    lin2 = [f"blocks.{i}.mlp.lin2" for i in range(len(encoder.blocks))]
+    peaks = mlp_static.input_amax(encoder, lambda: calibrate(encoder), lin2)
+    for headroom in (1.0, 2.0):
+        # the per-layer choice may keep another lin2 in float at another headroom
+        fixed = _fixed_scales(prepared(base, True, calibrate, headroom))
+        assert fixed and all(name.endswith("mlp.lin2") for name in fixed)
+        for name, scale in fixed.items():
+            want = peaks[name.removeprefix("image_encoder.")] * headroom / 127
+            torch.testing.assert_close(scale, want)
+    assert mlp_static.HEADROOM == 1.5  # the served one, put back
+    after = base.state_dict()  # the copies were quantised, not the model
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -29,6 +29,7 @@ from models.mlp_static import quantize_static, static_scale
 __all__ = [
     "Int8Choice",
     "Int8Measure",
+    "calibration_on",
     "calibration_run",
     "choose_float_layers",
     "int8_include",
@@ -232,9 +233,22 @@ def calibration_run(
 
     def run(module: nn.Module) -> object:
         weight = next(module.parameters())
-        x = smooth_images(images, size, seed=seed, device=weight.device).to(weight.dtype)
-        step = chunk or images
-        outs = [module(x[i : i + step]) for i in range(0, images, step)]
+        x = smooth_images(images, size, seed=seed, device=weight.device)
+        return calibration_on(x, chunk)(module)
+
+    return run
+
+
+def calibration_on(images: Tensor, chunk: int | None = None) -> Callable[[nn.Module], object]:
+    """`calibration_run` on given model inputs (`[B, 3, S, S]`, pre-processed photos like
+    the served ones: `SERVE_CALIBRATION_IMAGES`), moved to the device and dtype of the
+    model's weights, `chunk` a call."""
+
+    def run(module: nn.Module) -> object:
+        weight = next(module.parameters())
+        x = images.to(weight.device, weight.dtype)
+        step = chunk or len(x)
+        outs = [module(x[i : i + step]) for i in range(0, len(x), step)]
         return outs[0] if len(outs) == 1 else outs
 
     return run

@@ -160,6 +160,10 @@ class Settings(BaseSettings):
     everything_work_bytes: int = Field(256 * 1024**2, ge=1)
     """float logits upscaled at once (segment everything, and segment's full-size masks)"""
 
+    calibration_images: Path | None = None  # .jpg/.png photos like the ones you serve
+    """int8/fp8 calibrate on these photos (at most 8) instead of synthetic images: which
+    layers stay in float, GPTQ rounding, bias correction, SAM's fixed MLP scales"""
+
     # Fidelity check at start-up, opt-in: after warm-up, the served variant (its compiled
     # stages) against the fp32 eager model on the same weights, over the photos in
     # `fidelity_images`; start-up fails when a measure is past its floor (models.fidelity).

@@ -117,7 +117,7 @@ def model_problems(settings: Settings) -> list[str]:
             "SERVE_ATTENTION='flex': AOT packages (SERVE_COMPILE_MODE=aot) are not built with "
             "it; use auto, sdpa or triton"
         )
-    for name in ("sam_checkpoint", "swin_checkpoint", "fidelity_images"):
+    for name in ("sam_checkpoint", "swin_checkpoint", "fidelity_images", "calibration_images"):
         path = getattr(settings, name)
         if path is not None and not path.exists():
             problems.append(f"{env_name(name)}={str(path)!r}: no such file or folder")

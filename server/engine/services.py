@@ -21,12 +21,15 @@ from typing import Any
 import torch
 
 from models.aot import AotStore, PackageKey, device_name, weights_hash
+from models.fidelity import load_photos
 from models.optimize import EAGER_ON_RECOMPILE, OptimizeOptions, prepare_sam_encoder, prepare_swin
 from models.provenance import SYNTHETIC, weights_label
 from models.sam import SAM_CONFIGS, load_sam
+from models.sam import transforms as sam_tf
 from models.sam2 import SAM2_CONFIGS, Sam2Encoder, default_decoder_paths, load_sam2
 from models.sam2.automatic import Sam2AutomaticMaskSettings
 from models.swin import SWIN_CONFIGS, WindowAttention, load_swin
+from models.swin import transforms as swin_tf
 from models.triton_device import runs_triton
 from server.domain import (
     ClassifyResult,
@@ -79,7 +82,27 @@ from server.settings_cli import sam2_problems, sam_model_names
 
 log = logging.getLogger(__name__)
 
+# photos of SERVE_CALIBRATION_IMAGES used at most: as many as the synthetic set's
+CALIBRATION_PHOTOS = 8
+
 Step = tuple[str, Callable[[], None]]  # a start-up step: its label and the worker's call
+
+
+def calibration_inputs(
+    settings: Settings,
+    opts: OptimizeOptions,
+    preprocess: Callable[[list[torch.Tensor]], torch.Tensor],
+) -> torch.Tensor | None:
+    """A model's inputs from SERVE_CALIBRATION_IMAGES (at most `CALIBRATION_PHOTOS`
+    photos through the model's `preprocess`), for int8 and fp8 to calibrate on; None
+    without the setting or without quantisation (synthetic images then:
+    models.int8_select.smooth_images)."""
+    folder = settings.calibration_images
+    if folder is None or opts.quantization == "none":
+        return None
+    photos = load_photos(folder, CALIBRATION_PHOTOS)
+    log.info("int8/fp8 calibrate on %d photos from %s", len(photos), folder)
+    return preprocess(photos)
 
 
 def _item_cost(item: object) -> int:
@@ -323,7 +346,10 @@ class Engine:
         config = SAM_CONFIGS[s.sam_model]
         opts = self.options
         model = load_sam(config, s.sam_checkpoint, seed=s.seed).to(self.device, opts.dtype)
-        prepare_sam_encoder(model.image_encoder, opts, self.device)
+        calibration = calibration_inputs(
+            s, opts, lambda photos: sam_tf.preprocess_images(photos, config, "cpu")[0]
+        )
+        prepare_sam_encoder(model.image_encoder, opts, self.device, calibration)
         if s.sam_checkpoint is None:
             log.warning(
                 "SAM %s has seeded RANDOM weights (seed %d): masks mean nothing",
@@ -425,7 +451,10 @@ class Engine:
         for module in model.modules():
             if isinstance(module, WindowAttention):
                 module.form = form
-        prepare_swin(model, opts)
+        calibration = calibration_inputs(
+            s, opts, lambda photos: swin_tf.preprocess_images(photos, config, "cpu")
+        )
+        prepare_swin(model, opts, calibration)
         if s.swin_checkpoint is None:
             log.warning(
                 "Swin %s has seeded RANDOM weights (seed %d): labels mean nothing",

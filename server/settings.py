@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     tensor-core matmuls: a CUDA GPU of compute capability 8.0 or newer), bf16, fp16"""
     quantization: Literal["none", "int8", "fp8"] = "none"  # SAM encoder and Swin blocks
     """int8 or fp8 (rowwise, Hopper) Linear layers in the SAM encoder and Swin blocks"""
+    swin_quantization: Literal["same", "none", "int8", "fp8"] = "same"
+    """Swin's own: same (as SERVE_QUANTIZATION), none, int8 or fp8; e.g. int8 SAM beside
+    fp16 Swin"""
     # core: our layers (measured, docs/BENCHMARKS.md); torchao: torchao's quantize_ where it
     # is installed and can (fp8 needs CUDA 8.9+), else core with a warning
     quantization_backend: Literal["core", "torchao"] = "core"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from models.optimize import OptimizeOptions
-from models.quantize import torchao_unsupported
+from models.quantize import Quantization, torchao_unsupported
 from models.sam.fused_attention import triton_available
 from models.swin.window_kernel import kernel_compiles
 from server.settings import Settings
@@ -31,9 +31,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def optimize_options(settings: Settings, device: torch.device) -> OptimizeOptions:
-    """Resolve the `auto` settings for the device: bf16, compiled, flex, graphed on CUDA."""
+def optimize_options(
+    settings: Settings, device: torch.device, quantization: Quantization | None = None
+) -> OptimizeOptions:
+    """Resolve the `auto` settings for the device: bf16, compiled, flex, graphed on CUDA.
+    `quantization` in place of SERVE_QUANTIZATION (Swin's own, `swin_options`)."""
     cuda = device.type == "cuda"
+    kind: Quantization = settings.quantization if quantization is None else quantization
     compile_mode = settings.compile_mode
     if compile_mode == "auto":
         compile_mode = "default" if cuda else "none"
@@ -59,15 +63,15 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # the exact erf (it exists for fidelity), and the CPU gains nothing from it
         gelu_epilogue = cuda and precision in ("bf16", "fp16")
     backend = settings.quantization_backend
-    if backend == "torchao" and settings.quantization != "none":
-        why_not = torchao_unsupported(settings.quantization, device)
+    if backend == "torchao" and kind != "none":
+        why_not = torchao_unsupported(kind, device)
         if why_not is not None:
             log.warning("SERVE_QUANTIZATION_BACKEND=torchao: %s; core torch's %s layers "
-                        "instead", why_not, settings.quantization)  # fmt: skip
+                        "instead", why_not, kind)  # fmt: skip
             backend = "core"
     return OptimizeOptions(
         precision=precision,
-        quantization=settings.quantization,
+        quantization=kind,
         quantization_backend=backend,
         sparsity=settings.sparsity,
         attention=attention,
@@ -79,20 +83,23 @@ def optimize_options(settings: Settings, device: torch.device) -> OptimizeOption
         # int8 on a GPU: the layer norms write the next GEMM's quantised input. Swin-T on
         # an H100: 10,700 img/s at 99.41% top-1 agreement, where quantising in each GEMM
         # measured 10,570 at 89.3% (docs/BENCHMARKS.md, issue 20)
-        norm_quant=cuda and settings.quantization == "int8" and backend == "core",
+        norm_quant=cuda and kind == "int8" and backend == "core",
         # ... and SAM's MLPs hand lin2 its input int8 by fixed per-channel scales
         # calibrated at load (models.mlp_static): the ViT-B encoder 469.5 / 474.6 img/s
         # against 444.1 / 445.1 at batch 8 / 16 on an H200, mask IoU 0.9845 against 0.988
         # with scales from 2 images and no headroom; from 8 with 1.5x headroom (served now)
         # as good as per-token scales on the CPU (docs/BENCHMARKS.md, issue 20, fifteenth
         # session). Swin keeps per-token scales (`swin_options`): it was not measured so.
-        mlp_static=cuda and settings.quantization == "int8" and backend == "core",
+        mlp_static=cuda and kind == "int8" and backend == "core",
         gelu_epilogue=gelu_epilogue,
     )
 
 
-def swin_options(settings: Settings, options: OptimizeOptions) -> OptimizeOptions:
-    """Swin's own precision where `SERVE_PRECISION=auto` chose bf16: fp16.
+def swin_options(
+    settings: Settings, options: OptimizeOptions, device: torch.device
+) -> OptimizeOptions:
+    """Swin's own quantisation where SERVE_SWIN_QUANTIZATION names one, and its own
+    precision where `SERVE_PRECISION=auto` chose bf16: fp16.
 
     Swin-T's top-1 agreement with fp32 on 1,024 views of the photos, H100, batch 256, the
     window kernel: bf16 99.32% at 20,990 img/s, fp16 99.90% at 21,040; with int8 layers
@@ -102,6 +109,9 @@ def swin_options(settings: Settings, options: OptimizeOptions) -> OptimizeOption
     masks are measured in bf16; fp16 was not measured there). A precision set explicitly
     is both models'. Swin's MLPs keep per-token int8 scales: fixed ones
     (`OptimizeOptions.mlp_static`) were measured on SAM only."""
+    own = settings.swin_quantization
+    if own != "same" and own != options.quantization:
+        options = optimize_options(settings, device, own)
     options = replace(options, mlp_static=False)
     if settings.precision == "auto" and options.precision == "bf16":
         return replace(options, precision="fp16")
@@ -200,8 +210,10 @@ def variant_refusal(
 ) -> VariantUnsupportedError | None:
     """The start-up error for `exc`, raised by the start-up `step`, when a quantized or
     sparse variant is the likely cause (None otherwise: the error stands as it is)."""
-    variant = {"quantization": settings.quantization, "sparsity": settings.sparsity}
-    chosen = [f"SERVE_{name.upper()}={value}" for name, value in variant.items() if value != "none"]
+    variant = {"quantization": settings.quantization, "sparsity": settings.sparsity,
+               "swin_quantization": settings.swin_quantization}  # fmt: skip
+    chosen = [f"SERVE_{name.upper()}={value}" for name, value in variant.items()
+              if value not in ("none", "same")]  # fmt: skip
     message = str(exc)
     if not chosen or not any(marker in message for marker in _REFUSALS):
         return None
@@ -209,7 +221,8 @@ def variant_refusal(
     first = message.strip().splitlines()[0][:300] if message.strip() else type(exc).__name__
     return VariantUnsupportedError(
         f"{' and '.join(chosen)} cannot run on this device ({where}): {step} failed with "
-        f"{first}. Start with SERVE_QUANTIZATION=none and SERVE_SPARSITY=none (the default, "
+        f"{first}. Start with SERVE_QUANTIZATION=none, SERVE_SWIN_QUANTIZATION=same and "
+        "SERVE_SPARSITY=none (the default, "
         "bf16 on a GPU) or another variant; docs/BENCHMARKS.md lists what each GPU was "
         "measured to run."
     )

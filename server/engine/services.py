@@ -122,7 +122,7 @@ class Engine:
         settings = settings.for_device(self.device.type)  # batch sizes a laptop can hold
         self.settings = settings
         self.options = optimize_options(settings, self.device)
-        self.swin_options = swin_options(settings, self.options)
+        self.swin_options = swin_options(settings, self.options, self.device)
         use_precision(self.options)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).

@@ -37,7 +37,7 @@ def test_int8_on_a_gpu_quantises_in_the_layer_norms() -> None:
     assert int8.norm_quant and "+int8+lnq" in int8.variant, int8.variant
     # SAM's MLPs by fixed scales; Swin's per token (measured so)
     assert int8.mlp_static and int8.variant.startswith("bf16+int8+lnq+static"), int8.variant
-    swin = swin_options(Settings(quantization="int8"), int8)
+    swin = swin_options(Settings(quantization="int8"), int8, cuda)
     assert not swin.mlp_static and swin.variant == "fp16+int8+lnq+tanh_gelu", swin.variant
     assert not optimize_options(Settings(quantization="int8"), CPU).norm_quant
     assert not optimize_options(Settings(quantization="int8"), CPU).mlp_static
@@ -66,3 +66,28 @@ def test_a_torchao_int8_service_serves_and_says_so(torchao_server, png_bytes) ->
         classify = c.post("/v1/classify", files={"image": ("a.png", png_bytes, "image/png")})
         assert classify.status_code == 200, classify.text
         assert classify.json()["model"]["precision"] == "fp32+int8+torchao"
+
+
+@pytest.fixture(scope="module")
+def int8_sam_server():
+    server = LiveServer(small_settings(quantization="int8", swin_quantization="none"))
+    yield server.start(timeout_s=240)
+    server.stop()
+
+
+def test_swin_takes_its_own_quantisation(int8_sam_server, png_bytes) -> None:
+    """SERVE_SWIN_QUANTIZATION=none beside SERVE_QUANTIZATION=int8: int8 SAM, float Swin,
+    each response saying which."""
+    with httpx.Client(base_url=int8_sam_server.url, timeout=60) as c:
+        models = c.get("/v1/models").json()["models"]
+        assert {m["name"]: m["precision"] for m in models} == {
+            "sam_vit_tiny": "fp32+int8",
+            "swin_test": "fp32",
+        }
+        files = {"image": ("a.png", png_bytes, "image/png")}
+        classify = c.post("/v1/classify", files=files)
+        assert classify.status_code == 200, classify.text
+        assert classify.json()["model"]["precision"] == "fp32"
+        segment = c.post("/v1/segment", files=files, data={"request": '{"box": [10, 10, 90, 90]}'})
+        assert segment.status_code == 200, segment.text
+        assert segment.json()["model"]["precision"] == "fp32+int8"

@@ -154,12 +154,25 @@ def test_auto_precision_is_fp16_for_swin_and_bf16_for_sam_on_cuda(monkeypatch):
         settings = Settings()
         options = optimize_options(settings, torch.device(device))
         assert options.precision == sam, (env, device)
-        assert swin_options(settings, options).precision == swin, (env, device)
+        assert swin_options(settings, options, torch.device(device)).precision == swin
     monkeypatch.setenv("SERVE_QUANTIZATION", "int8")
     monkeypatch.delenv("SERVE_PRECISION")
     settings = Settings()
-    options = swin_options(settings, optimize_options(settings, torch.device("cuda")))
+    cuda = torch.device("cuda")
+    options = swin_options(settings, optimize_options(settings, cuda), cuda)
     assert options.variant == "fp16+int8+lnq+tanh_gelu"  # what Swin's responses say
+    # Swin's own: int8 SAM beside fp16 Swin, or the other way round
+    monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "none")
+    settings = Settings()
+    sam = optimize_options(settings, cuda)
+    assert sam.variant == "bf16+int8+lnq+static+tanh_gelu", sam.variant
+    assert swin_options(settings, sam, cuda).variant == "fp16+tanh_gelu"
+    monkeypatch.setenv("SERVE_QUANTIZATION", "none")
+    monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "int8")
+    settings = Settings()
+    sam = optimize_options(settings, cuda)
+    assert sam.variant == "bf16+tanh_gelu"
+    assert swin_options(settings, sam, cuda).variant == "fp16+int8+lnq+tanh_gelu"
 
 
 def test_aot_packages_take_the_triton_kernel_or_sdpa(tmp_path):

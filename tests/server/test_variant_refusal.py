@@ -71,6 +71,9 @@ def test_other_errors_and_unquantized_variants_keep_their_own_error() -> None:
     sparse = variant_refusal(small_settings(sparsity="2:4"), cpu, "loading SAM",
                              RuntimeError("cuSPARSELt not supported on this GPU"))  # fmt: skip
     assert sparse is not None and str(sparse).startswith("SERVE_SPARSITY=2:4 cannot run")
+    # Swin's own quantisation is named where it was chosen, not its default
+    swin = variant_refusal(small_settings(swin_quantization="int8"), cpu, "Swin", refused)
+    assert swin is not None and str(swin).startswith("SERVE_SWIN_QUANTIZATION=int8 cannot run")
 
 
 def test_tf32_is_refused_where_no_tensor_core_can_run_it() -> None:

@@ -163,11 +163,28 @@ def remembered(runner: SamRunner) -> SamRunner:
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def photo_arguments(p: argparse.ArgumentParser) -> None:
+    """The photos and weights a fidelity bench on SAM ViT-B takes."""
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--photos", type=int, default=7, help="at most this many, sorted by name")
     p.add_argument("--weights", type=Path, default=None, help="a SAM ViT-B checkpoint")
+
+
+def fp32_reference(args: argparse.Namespace, started: float) -> tuple[Sam, list[Tensor], SamRunner]:
+    """SAM ViT-B (`args.weights`, else random weights of seed 0, the service's) in fp32, the
+    photos, and its outputs on them, each computed now: later variants share the model."""
+    model = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=0).to(DEVICE).eval()
+    photos = load_photos(args.images, args.photos)
+    reference = remembered(eager_sam_runner(model, DEVICE))
+    for photo in photos:
+        reference(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
+    print(f"fp32 reference: {time.perf_counter() - started:.0f} s", flush=True)
+    return model, photos, reference
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    photo_arguments(p)
     p.add_argument("--variants", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument(
         "--skip-ends", action="store_true", help="also each variant with blocks 0 and 11 float"
@@ -179,13 +196,9 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
-    model = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=0).to(DEVICE).eval()
-    photos = load_photos(args.images, args.photos)
-    reference = remembered(eager_sam_runner(model, DEVICE))
+    # the reference before any layer is fp8: the model is shared
+    model, photos, reference = fp32_reference(args, started)
     candidate = eager_sam_runner(model, DEVICE)
-    for photo in photos:  # the reference before any layer is fp8: the model is shared
-        reference(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
-    print(f"fp32 reference: {time.perf_counter() - started:.0f} s", flush=True)
     amax: dict[str, Tensor] = {}
     if args.format.startswith("int8-static"):  # on the photos mirrored: not the measured ones
         every = layer_names(model, KINDS["all"], False)

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.common import DEFAULT_IMAGES, environment, print_table, write_json
-from bench.sam_fp8_sensitivity import remembered
+from bench.common import environment, print_table, write_json
+from bench.sam_fp8_sensitivity import fp32_reference, photo_arguments
 from models import mlp_static
-from models.fidelity import compare_sam, eager_sam_runner, fidelity_prompts, load_photos
-from models.int8_select import calibration_run
+from models.fidelity import compare_sam, eager_sam_runner
+from models.int8_select import calibration_on, calibration_run
 from models.quantize import quantize_linears
-from models.sam import SAM_CONFIGS, Sam, load_sam
+from models.sam import Sam
 from models.sam.transforms import preprocess_images
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,28 +63,19 @@ def prepared(base: Sam, static: bool, calibrate: Any, headroom: float) -> Sam:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
-    p.add_argument("--photos", type=int, default=7, help="at most this many, sorted by name")
-    p.add_argument("--weights", type=Path, default=None, help="a SAM ViT-B checkpoint")
+    photo_arguments(p)
     p.add_argument("--smooth", nargs="*", type=int, default=[2, 8],
-                   help="calibrate on this many smooth images (the service: 2)")  # fmt: skip
+                   help="calibrate on this many smooth images (the service: 8)")  # fmt: skip
     p.add_argument("--headroom", nargs="*", type=float, default=[1.0, 1.5])
     p.add_argument("--no-photos", action="store_true", help="skip the mirrored-photo rows")
     p.add_argument("--no-per-token", action="store_true", help="skip the per-token rows")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
-    base = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=0).to(DEVICE).eval()
-    photos = load_photos(args.images, args.photos)
-    reference = remembered(eager_sam_runner(base, DEVICE))
-    for photo in photos:
-        reference(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
-    print(f"fp32 reference: {time.perf_counter() - started:.0f} s", flush=True)
+    base, photos, reference = fp32_reference(args, started)
     size = base.config.image_size
     mirrored, _ = preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
-
-    def on_photos(module: nn.Module) -> object:
-        return [module(mirrored[i : i + 1]) for i in range(len(photos))]
+    on_photos = calibration_on(mirrored, chunk=1)
 
     plan: list[tuple[str, bool, Any, float]] = []
     if not args.no_per_token:

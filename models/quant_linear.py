@@ -152,6 +152,9 @@ class DynamicQuantLinear(nn.Module):
         if self.input_inv_scale is not None:  # models.mlp_static: fixed input scales
             if isinstance(x, tuple):
                 raise TypeError("a fixed-scale layer takes its input int8 or float, not groups")
+            if x.shape[-1] != self.in_features:  # packed norm rows are not this input
+                raise ValueError(f"a fixed-scale layer takes [..., {self.in_features}], "
+                                 f"got {tuple(x.shape)}")  # fmt: skip
             lead = x.shape[:-1]
             flat = x.reshape(-1, self.in_features)
             q = flat if flat.dtype == torch.int8 else quantize_static(flat, self.input_inv_scale)

@@ -12,6 +12,10 @@ this, so the CPU gives the GPU's figures but for summation order. Random weights
 the service's), views of the photos as the start-up fidelity check makes them.
 
     python -m bench.fp8_sensitivity --images .benchdata/images --views 512 --keep 0 6 8 12 16 24
+
+A second row prepares the served variant calibrated on the `--calibration` views (another
+seed) instead of synthetic images, as `SERVE_CALIBRATION_IMAGES` does; `--keep` with no
+values stops after the two served rows.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def main() -> None:
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--views", type=int, default=512, help="views agreement is read on")
     p.add_argument("--calibration", type=int, default=64, help="views (another seed) ranked on")
-    p.add_argument("--keep", type=int, nargs="+", default=[0, 6, 8, 12, 16, 24])
+    p.add_argument("--keep", type=int, nargs="*", default=[0, 6, 8, 12, 16, 24])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -114,6 +118,18 @@ def main() -> None:
     rows = [row("as served (choice by own error, bias correction, norms quantise)", fp8_count,
                 served)]  # fmt: skip
     del served
+    # calibrated on photo views instead of synthetic images (SERVE_CALIBRATION_IMAGES): the
+    # choice, the bias correction on real statistics
+    on_views = copy.deepcopy(base)
+    prepare_swin(on_views, OptimizeOptions(quantization="fp8", norm_quant=True), calib)
+    fp8_count = sum(type(m).__name__.startswith("Fp8") for m in on_views.modules())
+    rows.append(row("as served, calibrated on the calibration views", fp8_count, on_views))
+    del on_views
+    if not args.keep:
+        print_table(rows, ["variant", "fp8_layers", "top1_agree", "logit_error"])
+        write_json(args.json, {"environment": environment(), "args": vars(args) | {"json": None},
+                               "rows": rows})  # fmt: skip
+        return
     candidates = [  # prepare_swin's: the blocks' Linear layers
         n for n, m in base.named_modules()
         if isinstance(m, nn.Linear) and n.startswith("layers.") and ".blocks." in n

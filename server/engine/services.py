@@ -102,6 +102,11 @@ def calibration_inputs(
         return None
     photos = load_photos(folder, CALIBRATION_PHOTOS)
     log.info("int8/fp8 calibrate on %d photos from %s", len(photos), folder)
+    checked = settings.fidelity_images
+    if settings.fidelity_check and checked is not None and checked.resolve() == folder.resolve():
+        log.warning("SERVE_CALIBRATION_IMAGES and SERVE_FIDELITY_IMAGES are one folder: the "
+                    "fidelity check measures on the photos int8/fp8 calibrated on, and its "
+                    "figures flatter; give it other photos of the same kind")  # fmt: skip
     return preprocess(photos)
 
 

@@ -104,3 +104,10 @@ def test_the_service_says_what_it_calibrated_on(small_photo_dir: Path, caplog) -
     with caplog.at_level(logging.INFO, logger="server.engine.services"):
         calibration_inputs(settings, INT8, lambda p: torch.stack([q[:1, :1, 0] for q in p]))
     assert f"int8/fp8 calibrate on 3 photos from {small_photo_dir}" in caplog.text
+    assert "flatter" not in caplog.text
+    # checked on the photos it calibrated on: said, since the check's figures then flatter
+    same = small_settings(quantization="int8", calibration_images=small_photo_dir,
+                          fidelity_check=True, fidelity_images=small_photo_dir)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="server.engine.services"):
+        calibration_inputs(same, INT8, lambda p: torch.stack([q[:1, :1, 0] for q in p]))
+    assert "SERVE_CALIBRATION_IMAGES and SERVE_FIDELITY_IMAGES are one folder" in caplog.text

@@ -179,8 +179,8 @@ def quantize_linears(
 
         amax: dict[str, Tensor] = {}
         if mlp_static:  # one more pass: the scales before the errors they cause
-            seconds = [n for n, m in module.named_modules()
-                       if n in mlp_second_layers(module) and quantizable(n, m)]  # fmt: skip
+            layers = dict(module.named_modules())
+            seconds = [n for n in mlp_second_layers(module) if quantizable(n, layers[n])]
             amax = input_amax(module, lambda: calibrate(module), seconds)
             scales = {name: static_scale(peak) for name, peak in amax.items()}
         accepted, choice = int8_include(

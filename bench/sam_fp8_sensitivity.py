@@ -52,6 +52,7 @@ from models.fidelity import (
     fidelity_prompts,
     load_photos,
 )
+from models.mlp_static import input_amax
 from models.sam import SAM_CONFIGS, Sam, load_sam
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,26 +81,12 @@ def layer_names(model: Sam, kinds: Sequence[str], skip_ends: bool) -> list[str]:
 def calibrate(model: Sam, names: Sequence[str], photos: Sequence[Tensor]) -> dict[str, Tensor]:
     """Each named layer's largest input magnitude per input channel, over `photos` run
     through `model` (fp32, its encoder and decoder as the fidelity check runs them)."""
-    wanted = set(names)
-    amax: dict[str, Tensor] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if name not in wanted:
-            continue
-
-        def record(mod: torch.nn.Module, inputs: tuple[Tensor, ...], name: str = name) -> None:
-            seen = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(0).float()
-            amax[name] = torch.maximum(amax[name], seen) if name in amax else seen
-
-        hooks.append(module.register_forward_pre_hook(record))
     runner = eager_sam_runner(model, DEVICE)
-    try:
-        for photo in photos:
-            runner(photo, fidelity_prompts(int(photo.shape[0]), int(photo.shape[1])))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return amax
+
+    def run() -> list[object]:
+        return [runner(p, fidelity_prompts(int(p.shape[0]), int(p.shape[1]))) for p in photos]
+
+    return input_amax(model, run, names)
 
 
 class StaticInt8Layers:

@@ -101,14 +101,6 @@ def input_amax(
     return amax
 
 
-def _reference_to_static(
-    xq: Tensor, x_scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None,
-    gelu: bool, out_inv_scale: Tensor,
-) -> Tensor:  # fmt: skip
-    y = int8_linear_reference(xq, x_scale, weight, w_scale, bias, None, gelu, torch.float32)
-    return quantize_static(y, out_inv_scale)
-
-
 @torch.library.custom_op("serve::linear_to_static", mutates_args=())
 def linear_to_static(
     x: Tensor,
@@ -124,15 +116,16 @@ def linear_to_static(
     a `QuantizingLayerNorm` (`x_scale` None)."""
     if x_scale is None:
         x, x_scale = unpack_rows(x, False)
-    if fused_supported(weight.device):
-        if persistent_for(x, weight):  # Hopper: int8 leaves the epilogue
-            config = served_config(False)
-            return launch_persistent_static_out(x, x_scale, weight, w_scale, bias,
-                                                out_inv_scale=out_inv_scale, gelu=gelu,
-                                                gelu_tanh=gelu, config=config)  # fmt: skip
+    if not fused_supported(weight.device):
+        y = int8_linear_reference(x, x_scale, weight, w_scale, bias, None, gelu, torch.float32)
+    elif persistent_for(x, weight):  # Hopper: int8 leaves the epilogue
+        config = served_config(False)
+        return launch_persistent_static_out(x, x_scale, weight, w_scale, bias,
+                                            out_inv_scale=out_inv_scale, gelu=gelu,
+                                            gelu_tanh=gelu, config=config)  # fmt: skip
+    else:
         y = launch(x, x_scale, weight, w_scale, bias, gelu=gelu, out_dtype=torch.float32)
-        return quantize_static(y, out_inv_scale)
-    return _reference_to_static(x, x_scale, weight, w_scale, bias, gelu, out_inv_scale)
+    return quantize_static(y, out_inv_scale)
 
 
 @linear_to_static.register_fake
@@ -159,14 +152,13 @@ def linear_from_static(
 ) -> Tensor:
     """`q [M, K]` int8 (quantised by fixed per-channel scales that `weight` has folded into
     its columns) times `weight^T`, scaled per output channel, + bias + residual."""
-    if fused_supported(weight.device):
-        if persistent_for(q, weight):
-            return launch_persistent(q, None, weight, w_scale, bias, residual,
-                                     out_dtype=out_dtype,
-                                     config=served_config(residual is not None))  # fmt: skip
-        ones = torch.ones(q.shape[0], device=q.device)
+    kernel = fused_supported(weight.device)
+    if kernel and persistent_for(q, weight):  # the scales are in the weight: none per row
+        return launch_persistent(q, None, weight, w_scale, bias, residual, out_dtype=out_dtype,
+                                 config=served_config(residual is not None))  # fmt: skip
+    ones = torch.ones(q.shape[0], device=q.device)  # elsewhere: a row scale of 1
+    if kernel:
         return launch(q, ones, weight, w_scale, bias, residual, out_dtype=out_dtype)
-    ones = torch.ones(q.shape[0], device=q.device)
     return int8_linear_reference(q, ones, weight, w_scale, bias, residual, False, out_dtype)
 
 

@@ -10,8 +10,10 @@ code change to the decoder shows in the service until that is known.
 
 Per pace (0: back to back) this times `SamStages.decode` of one one-point multimask click
 (the service's path: the decoder graph, the runs from the low-res logits, the copies
-back): wall time, GPU span (events on the current stream, which the decoder uses), and
-the SM clock and power that `nvidia-smi` reports every 50 ms meanwhile. `--cuda-wait`
+back; `decode-counted`: the same with the runs counted before their copy, two waits for
+the GPU where the service waits once, `server.engine.runs.RunsCapacity`): wall time, GPU
+span (events on the current stream, which the decoder uses), and the SM clock and power
+that `nvidia-smi` reports every 50 ms meanwhile. `--cuda-wait`
 sets the engine's wait mode first, as `SERVE_CUDA_WAIT` does (server/engine/cuda_wait.py).
 
     python -m bench.click_pace --images .benchdata/images --paces-ms 0 10 --seconds 4
@@ -128,9 +130,11 @@ def main() -> None:
     p.add_argument(
         "--forms",
         nargs="+",
-        choices=["decode", "graph"],
+        choices=["decode", "decode-counted", "graph"],
         default=["decode"],
-        help="decode: the whole batch as served; graph: its decoder graph's replay",
+        help="decode: the whole batch as served; decode-counted: the same with the runs\n"
+        "counted before their copy back (two waits for the GPU, the path before\n"
+        "RunsCapacity); graph: its decoder graph's replay",
     )
     args = p.parse_args()
     wait: CudaWait | None = None
@@ -149,7 +153,18 @@ def main() -> None:
     stages, entries, settings = warm_stages(args.images, None)
     items = click_items(entries, args.clicks, args.clicks, 1)
     gpu = stages.device.type == "cuda"
-    forms: dict[str, Callable[[], object]] = {"decode": lambda: stages.decode(items)}
+
+    def counted() -> object:
+        kept, stages.runs_capacity = stages.runs_capacity, None
+        try:
+            return stages.decode(items)
+        finally:
+            stages.runs_capacity = kept
+
+    forms: dict[str, Callable[[], object]] = {
+        "decode": lambda: stages.decode(items),
+        "decode-counted": counted,
+    }
     graphs = stages._graphs
     if "graph" in args.forms and graphs is not None:  # the click's bucket, as it replays
         bucket = graphs.bucket(args.clicks, 2)
@@ -170,6 +185,9 @@ def main() -> None:
                          "cuda_wait": wait or "cuda", "idle": idle, "pace_ms": pace, **row,
                          **sampler.stop()})  # fmt: skip
             print(rows[-1], flush=True)
+    capacity = stages.runs_capacity
+    if capacity is not None:  # batches whose runs outgrew their room: a second copy each
+        print(f"runs' room: {capacity.room(1, 1 << 40) - 1} a mask, {capacity.overflows} overflows")
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     print_table(rows, list(rows[0]))
 

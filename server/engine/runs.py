@@ -9,6 +9,8 @@ pageable copy before (H100, `python -m bench.decoder_batch`, docs/BENCHMARKS.md)
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -17,7 +19,7 @@ from models.images import upload
 from models.sam.runs_kernel import STATS, RunsGroup, initial_stats, run_starts
 from server.rle import MaskRuns
 
-__all__ = ["RunsGroup", "low_res_runs", "mask_runs"]
+__all__ = ["RunsCapacity", "RunsGroup", "low_res_runs", "mask_runs"]
 
 
 def _boxes(masks: Tensor) -> Tensor:
@@ -126,22 +128,61 @@ def _counts(lengths: np.ndarray, per: np.ndarray, first: np.ndarray) -> list[np.
     ]
 
 
+class RunsCapacity:
+    """How many runs a decoder batch's one copy back makes room for, learnt from the
+    batches before it.
+
+    Why: counting the runs first (`nonzero`) makes the host wait for the GPU twice a batch,
+    once for the count and once for the copy, and a lone click's decode is mostly such
+    host-side gaps around a 0.5 ms graph (docs/BENCHMARKS.md, issue 19). With the room
+    fixed before the GPU has counted (`nonzero_static`), the run lengths and the masks'
+    statistics cross in one copy after one wait. The statistics say how many runs there
+    were: a batch that outgrew its room pays the count and a second copy, as before, and
+    raises the room of the batches after it. The room is per mask, the most of the last
+    `window` batches' needs with a quarter to spare (rounded up to a whole 1,024); `floor`
+    keeps it from shrinking below what real masks' outlines need. Random weights' noise
+    masks (~87,000 runs each) settle at 109,568 a mask. Spare room costs only copy time:
+    a power of two's worth for eight noise clicks (a third more bytes) measured no gain.
+    """
+
+    def __init__(self, floor: int = 1024, window: int = 64) -> None:
+        if floor < 1 or window < 1:
+            raise ValueError("floor and window must be positive")
+        self._floor = floor
+        self._recent: deque[int] = deque(maxlen=window)
+        self.overflows = 0  # batches that needed a second copy
+
+    def room(self, masks: int, pixels: int) -> int:
+        """Positions to keep for `masks` masks of `pixels` pixels in all: their run starts
+        and the sentinel past the last mask (never more than there are pixels)."""
+        per_mask = max(self._floor, max(self._recent, default=0))
+        return min(pixels + 1, masks * per_mask + 1)
+
+    def saw(self, masks: int, runs: int) -> None:
+        """A batch of `masks` masks had `runs` runs."""
+        if masks > 0:
+            need = -(-runs * 5 // (masks * 4))  # a quarter to spare
+            self._recent.append(-(-need // 1024) * 1024)  # up to a whole 1,024
+
+
 def low_res_runs(
     low_res: Tensor,
     order: Tensor,
     groups: list[RunsGroup],
     threshold: float,
     square: int | None,
+    capacity: RunsCapacity | None = None,
 ) -> list[MaskRuns]:
     """COCO runs of the masks a decoder call's low-res logits make at each group's image
     size, one `MaskRuns` per group, without the full-size masks ever being made.
 
     One kernel launch per group finds where runs begin and each mask's statistics
     (`models.sam.runs_kernel`: where runs begin, and each mask's area, box, first pixel and
-    number of runs); then one `nonzero` (the one sync), one difference and one copy back.
+    number of runs); then the run starts (`nonzero`), one difference and one copy back.
     About ten torch calls for a batch, where upscaling and `mask_runs` took some sixty.
     `order`: `[P, C - 1]`, each row's multimask outputs by descending score; `square`:
-    SAM's input square, None for SAM 2 (see `run_starts`).
+    SAM's input square, None for SAM 2 (see `run_starts`). With a `capacity` the host
+    waits for the GPU once, at the copy (`RunsCapacity`); without, twice.
     """
     if not groups:
         return []
@@ -157,12 +198,25 @@ def low_res_runs(
     stats = on_device[rows.shape[0] :]
     begins = torch.empty(int(pixels.sum()) + 1, dtype=torch.uint8, device=device)
     run_starts(low_res, order, groups, threshold, square, on_device, begins, stats)
-    positions = begins.nonzero().squeeze(1)  # the one sync: how many runs there are
-    packed = torch.cat([positions.diff(), stats]).to(torch.int32)
-    host = _to_host(packed)
-    n_runs = int(positions.shape[0]) - 1
-    stats_np = host[n_runs:].reshape(total, STATS).astype(np.int64)
-    counts = _counts(host[:n_runs], stats_np[:, 6], stats_np[:, 5].astype(bool))
+    room = None if capacity is None else capacity.room(total, int(pixels.sum()))
+    if room is None:
+        positions = begins.nonzero().squeeze(1)  # waits for the GPU: how many runs
+    else:  # room for them fixed now: no wait; unused places repeat the sentinel
+        sentinel = int(begins.shape[0]) - 1
+        positions = torch.nonzero_static(begins, size=room, fill_value=sentinel).squeeze(1)
+    # the statistics first, at a fixed offset: they say how many of the lengths are runs
+    host = _to_host(torch.cat([stats.reshape(-1), positions.diff()]).to(torch.int32))
+    stats_np = host[: total * STATS].reshape(total, STATS).astype(np.int64)
+    n_runs = int(stats_np[:, 6].sum())
+    lengths = host[total * STATS : total * STATS + n_runs]
+    if capacity is not None:
+        capacity.saw(total, n_runs)
+        if room is not None and n_runs + 1 > room:  # outgrew its room: count and copy again
+            capacity.overflows += 1
+            lengths = _to_host(begins.nonzero().squeeze(1).diff().to(torch.int32))
+    if lengths.shape[0] != n_runs:
+        raise RuntimeError(f"{lengths.shape[0]} run lengths for {n_runs} runs")
+    counts = _counts(lengths, stats_np[:, 6], stats_np[:, 5].astype(bool))
     areas = stats_np[:, 0]
     x0, y0, x1, y1 = (stats_np[:, c] for c in range(1, 5))
     boxes = np.stack([x0, y0, x1 - x0 + 1, y1 - y0 + 1], axis=1).astype(np.float64)

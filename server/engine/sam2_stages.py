@@ -47,6 +47,7 @@ from models.sam2.mask_decoder import select_masks
 from models.sam2.measure_kernel import warm_kernels
 from models.triton_device import runs_triton
 from server.engine.cache import ImageEmbedding
+from server.engine.runs import RunsCapacity
 from server.engine.stages import (
     GRAPHED_SETS,
     DecodeItem,
@@ -86,6 +87,7 @@ class Sam2Stages(SamStages):
         self.config = model.config.prompt_config()
         self.rle_on_device = rle_on_device
         self.fused_runs = fused_runs and rle_on_device and runs_triton(device)  # as SamStages
+        self.runs_capacity: RunsCapacity | None = RunsCapacity()
         self.work_bytes = work_bytes
         self.device = device
         self.dtype = options.dtype

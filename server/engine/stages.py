@@ -35,7 +35,7 @@ from models.swin.resize_kernel import packed_supported, preprocess_packed
 from models.triton_device import runs_triton
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
-from server.engine.runs import RunsGroup, low_res_runs, mask_runs
+from server.engine.runs import RunsCapacity, RunsGroup, low_res_runs, mask_runs
 from server.rle import MaskRuns
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,8 @@ class SamStages:
         self.rle_on_device = rle_on_device
         # RLE runs straight from the low-res logits (`low_res_runs`) where the kernel runs
         self.fused_runs = fused_runs and rle_on_device and runs_triton(device)
+        # their one copy back's room, learnt batch by batch (None: count first, two waits)
+        self.runs_capacity: RunsCapacity | None = RunsCapacity()
         self.work_bytes = work_bytes  # float logits upscaled at once (see _full_size_masks)
         self.config = config
         self.device = device
@@ -432,7 +434,9 @@ class SamStages:
         ]
         # stable, as the host's ranking in _postprocess: the same permutation
         order = iou[:, 1:].sort(dim=1, descending=True, stable=True).indices
-        found = low_res_runs(low_res, order, groups, self._mask_threshold, self._runs_square)
+        found = low_res_runs(
+            low_res, order, groups, self._mask_threshold, self._runs_square, self.runs_capacity
+        )
         out: dict[int, MaskRuns] = {}
         for members, group_runs in zip(keyed.values(), found, strict=True):
             start = 0

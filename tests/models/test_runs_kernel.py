@@ -20,7 +20,16 @@ import numpy as np
 import torch
 from bench.runs_check import full_size_runs
 from models.sam.runs_kernel import RunsGroup
-from server.engine.runs import low_res_runs
+from server.engine.runs import RunsCapacity, low_res_runs
+
+def same(a, b):
+    return all(
+        x.size == y.size
+        and len(x.counts) == len(y.counts)
+        and all(np.array_equal(p, q) for p, q in zip(x.counts, y.counts, strict=True))
+        and np.array_equal(x.areas, y.areas) and np.array_equal(x.boxes, y.boxes)
+        for x, y in zip(a, b, strict=True)
+    )
 
 results = []
 for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
@@ -33,7 +42,17 @@ for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
     order = iou[:, 1:].sort(dim=1, descending=True, stable=True).indices
     made = [RunsGroup(rows, multi, tuple(inp), tuple(size)) for rows, multi, inp, size in groups]
     got = low_res_runs(low, order, made, threshold, square)
-    case = []
+    # one copy back with room fixed in advance: too little (a second copy), then learnt
+    # from that batch, then room for every pixel
+    tight = RunsCapacity(floor=1)
+    roomy = RunsCapacity(floor=10**6)
+    one_copy = {
+        "tight": same(low_res_runs(low, order, made, threshold, square, tight), got),
+        "learnt": same(low_res_runs(low, order, made, threshold, square, tight), got),
+        "roomy": same(low_res_runs(low, order, made, threshold, square, roomy), got),
+        "overflows": [tight.overflows, roomy.overflows],
+    }
+    case = [one_copy]
     for group, runs in zip(made, got):
         (want,) = full_size_runs(low, order, group, square, threshold)
         case.append({
@@ -74,7 +93,11 @@ CASES = [
 
 def test_runs_from_low_res_logits_are_the_upscaled_masks_runs() -> None:
     results = run_interpreted(SCRIPT, CASES)
-    for (_, _, _, shift, _, groups), case in zip(CASES, results, strict=True):
+    for (_, _, _, shift, _, groups), (one_copy, *case) in zip(CASES, results, strict=True):
+        # room for one run a mask overflows once where masks have more (learnt after it);
+        # wholly empty or wholly set masks have one each
+        overflows = [0 if shift else 1, 0]
+        assert one_copy == {"tight": True, "learnt": True, "roomy": True, "overflows": overflows}
         for (rows, multimask, _, (h, w)), got in zip(groups, case, strict=True):
             k = 3 if multimask else 1
             assert got["size"] and got["masks"] == [len(rows) * k] * 2

@@ -62,6 +62,7 @@ from server.engine.everything import (
 )
 from server.engine.faults import Faults
 from server.engine.fidelity import FidelityReport, measure_served
+from server.engine.first_turn import first_turn, first_turn_folder, first_turn_key
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.sam_service import SamParts, SamService
 from server.engine.stages import (
@@ -257,7 +258,30 @@ class Engine:
 
         Each stage warms on its own stream, so the graphs it captures keep that stream's
         priority (`StageWorkers.on_stream`): captured on the warm-up thread's encoder
-        stream, a click's decoder graphs ran at the encoder's priority."""
+        stream, a click's decoder graphs ran at the encoder's priority.
+
+        A quantised stage's bucket on a GPU is warmed by one engine of the host first, the
+        others after it from the caches it filled (`server.engine.first_turn`)."""
+        key = self._first_turn_key(stage, bucket)
+        if key is None:
+            self._warm_now(stage, bucket)
+            return
+        with first_turn(first_turn_folder(self.settings.compile_cache_dir), key):
+            self._warm_now(stage, bucket)
+
+    def _first_turn_key(self, stage: str, bucket: int) -> str | None:
+        s = self.settings
+        if stage == "sam_encoder":
+            model, options = s.sam_model, self.options
+        elif stage == "swin":
+            model, options = s.swin_model, self.swin_options
+        else:  # the decoders are not quantised
+            return None
+        return first_turn_key(
+            stage, bucket, self.device, options.quantization, model, options.compile_mode
+        )
+
+    def _warm_now(self, stage: str, bucket: int) -> None:
         with self.workers.on_stream(stage):  # a stage of STAGES
             if stage == "swin":
                 assert self.swin is not None

@@ -18,9 +18,9 @@ kernel with its file, and the mark is only left by a warm-up that finished.
 from __future__ import annotations
 
 import fcntl
-import getpass
 import hashlib
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,10 +36,11 @@ __all__ = ["first_turn", "first_turn_folder", "first_turn_key"]
 
 def first_turn_folder(compile_cache_dir: Path | None) -> Path:
     """Where the locks and marks live: beside the caches the engines share (the compile
-    cache folder, else torch's and Triton's per-user defaults on this host)."""
+    cache folder, else torch's and Triton's per-user defaults on this host). By user id:
+    a pod may run as one that has no name."""
     if compile_cache_dir is not None:
         return compile_cache_dir / "first-turn"
-    return Path(tempfile.gettempdir()) / f"serve-first-turn-{getpass.getuser()}"
+    return Path(tempfile.gettempdir()) / f"serve-first-turn-{os.getuid()}"
 
 
 def first_turn_key(

@@ -9,6 +9,7 @@ pageable copy before (H100, `python -m bench.decoder_batch`, docs/BENCHMARKS.md)
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -138,32 +139,36 @@ class RunsCapacity:
     fixed before the GPU has counted (`nonzero_static`), the run lengths and the masks'
     statistics cross in one copy after one wait. The statistics say how many runs there
     were: a batch that outgrew its room pays the count and a second copy, as before, and
-    raises the room of the batches after it. The room is per mask, the most of the last
-    `window` batches' needs with a quarter to spare (rounded up to a whole 1,024); `floor`
-    keeps it from shrinking below what real masks' outlines need. Random weights' noise
-    masks (~87,000 runs each) settle at 109,568 a mask. Spare room costs copy time: with
-    the room rounded up to a power of two, a batch of eight noise clicks (24 masks) gained
-    nothing over counting first on an H200, where one click's batch gained 0.3 ms.
+    raises the room of the batches after it.
+
+    The room follows the masks' pixels: the most runs a pixel of the last `window` batches
+    had, with a quarter to spare, rounded up to a whole 1,024; at least `floor` runs a
+    mask, what real masks' outlines seldom pass. Room by the mask instead (the most runs a
+    mask had) gave a click on an 800x534 photo the room of one on a 1920x1920 photo; with
+    random weights' noise masks (about one run in five pixels) that copied up to 8.6 times
+    the bytes needed. Spare room costs copy time: with room rounded up to a power of two a
+    mask, a batch of eight noise clicks gained nothing over counting first on an H200,
+    where one click's batch gained 0.3 ms.
     """
 
     def __init__(self, floor: int = 1024, window: int = 64) -> None:
         if floor < 1 or window < 1:
             raise ValueError("floor and window must be positive")
         self._floor = floor
-        self._recent: deque[int] = deque(maxlen=window)
+        self._recent: deque[float] = deque(maxlen=window)  # runs a pixel
         self.overflows = 0  # batches that needed a second copy
 
     def room(self, masks: int, pixels: int) -> int:
         """Positions to keep for `masks` masks of `pixels` pixels in all: their run starts
         and the sentinel past the last mask (never more than there are pixels)."""
-        per_mask = max(self._floor, max(self._recent, default=0))
-        return min(pixels + 1, masks * per_mask + 1)
+        density = max(self._recent, default=0.0)
+        expected = math.ceil(density * 1.25 * pixels / 1024) * 1024  # up to a whole 1,024
+        return min(pixels, max(masks * self._floor, expected)) + 1
 
-    def saw(self, masks: int, runs: int) -> None:
-        """A batch of `masks` masks had `runs` runs."""
-        if masks > 0:
-            need = -(-runs * 5 // (masks * 4))  # a quarter to spare
-            self._recent.append(-(-need // 1024) * 1024)  # up to a whole 1,024
+    def saw(self, pixels: int, runs: int) -> None:
+        """A batch whose masks had `pixels` pixels in all had `runs` runs."""
+        if pixels > 0:
+            self._recent.append(runs / pixels)
 
 
 def low_res_runs(
@@ -197,9 +202,10 @@ def low_res_runs(
     table = np.concatenate([rows, initial_stats(total, sizes).reshape(-1)])
     on_device = upload(torch.from_numpy(table), device)  # one copy in, no sync
     stats = on_device[rows.shape[0] :]
-    begins = torch.empty(int(pixels.sum()) + 1, dtype=torch.uint8, device=device)
+    n_pixels = int(pixels.sum())
+    begins = torch.empty(n_pixels + 1, dtype=torch.uint8, device=device)
     run_starts(low_res, order, groups, threshold, square, on_device, begins, stats)
-    room = None if capacity is None else capacity.room(total, int(pixels.sum()))
+    room = None if capacity is None else capacity.room(total, n_pixels)
     if room is None:
         positions = begins.nonzero().squeeze(1)  # waits for the GPU: how many runs
     else:  # room for them fixed now: no wait; unused places repeat the sentinel
@@ -211,7 +217,7 @@ def low_res_runs(
     n_runs = int(stats_np[:, 6].sum())
     lengths = host[total * STATS : total * STATS + n_runs]
     if capacity is not None:
-        capacity.saw(total, n_runs)
+        capacity.saw(n_pixels, n_runs)
         if room is not None and n_runs + 1 > room:  # outgrew its room: count and copy again
             capacity.overflows += 1
             lengths = _to_host(begins.nonzero().squeeze(1).diff().to(torch.int32))

@@ -8,30 +8,39 @@ import pytest
 
 from server.engine.runs import RunsCapacity
 
+SMALL = 800 * 534  # pixels of the smallest test photo
+LARGE = 1920 * 1920  # and of the largest
+
 
 def test_the_room_starts_at_the_floor_and_never_exceeds_the_pixels() -> None:
     capacity = RunsCapacity(floor=1024)
-    assert capacity.room(masks=3, pixels=10**7) == 3 * 1024 + 1  # and the sentinel
+    assert capacity.room(masks=3, pixels=3 * SMALL) == 3 * 1024 + 1  # and the sentinel
     assert capacity.room(masks=3, pixels=100) == 101  # every pixel a run, at most
 
 
-def test_the_room_follows_the_largest_recent_need_with_a_quarter_to_spare() -> None:
+def test_the_room_follows_the_pixels_not_the_largest_mask() -> None:
+    """Noise masks (a run in five pixels) on a large photo must not give a click on a small
+    one the large photo's room: that copied up to 8.6 times the bytes needed."""
+    capacity = RunsCapacity(floor=1024)
+    capacity.saw(pixels=3 * LARGE, runs=3 * LARGE // 5)
+    small_need = 3 * SMALL // 5
+    room = capacity.room(masks=3, pixels=3 * SMALL)
+    assert small_need < room <= small_need * 1.25 + 1024 + 1  # a quarter to spare, at most
+    assert room % 1024 == 1  # whole 1,024s and the sentinel
+    assert capacity.room(masks=3, pixels=3 * LARGE) > 3 * LARGE // 5
+
+
+def test_the_densest_recent_batch_sets_the_room_until_it_leaves_the_window() -> None:
     capacity = RunsCapacity(floor=1024, window=4)
-    capacity.saw(masks=3, runs=3 * 87_000)  # noise masks: 108,750 a mask with the spare
-    assert capacity.room(masks=1, pixels=10**9) == 109_568 + 1  # up to a whole 1,024
-    capacity.saw(masks=8, runs=8 * 200)  # smaller needs later do not shrink it at once
-    assert capacity.room(masks=2, pixels=10**9) == 2 * 109_568 + 1
-    for _ in range(4):  # once the noise batch is out of the window, back to the floor
-        capacity.saw(masks=1, runs=300)
-    assert capacity.room(masks=2, pixels=10**9) == 2 * 1024 + 1
-
-
-def test_a_need_just_past_a_whole_1024_takes_the_next() -> None:
-    capacity = RunsCapacity(floor=1)
-    capacity.saw(masks=1, runs=1639)  # 2,048.75 with the spare
-    assert capacity.room(masks=1, pixels=10**9) == 3072 + 1
-    capacity.saw(masks=0, runs=0)  # a batch of no masks says nothing
-    assert capacity.room(masks=1, pixels=10**9) == 3072 + 1
+    capacity.saw(pixels=SMALL, runs=SMALL // 5)  # noise
+    capacity.saw(pixels=SMALL, runs=900)  # a real mask's outline: does not shrink it at once
+    assert capacity.room(masks=1, pixels=SMALL) > SMALL // 5
+    for _ in range(4):  # once the noise batch is out of the window, the outlines' room:
+        capacity.saw(pixels=SMALL, runs=900)
+    assert capacity.room(masks=2, pixels=2 * SMALL) == 3 * 1024 + 1  # 1,800 and a quarter
+    assert capacity.room(masks=4, pixels=2 * SMALL) == 4 * 1024 + 1  # the floor, 1,024 a mask
+    capacity.saw(pixels=0, runs=0)  # a batch of no masks says nothing
+    assert capacity.room(masks=2, pixels=2 * SMALL) == 3 * 1024 + 1
 
 
 @pytest.mark.parametrize(("floor", "window"), [(0, 4), (1, 0)])

@@ -17,6 +17,8 @@ that `nvidia-smi` reports every 50 ms meanwhile. `--cuda-wait`
 sets the engine's wait mode first, as `SERVE_CUDA_WAIT` does (server/engine/cuda_wait.py).
 
     python -m bench.click_pace --images .benchdata/images --paces-ms 0 10 --seconds 4
+    python -m bench.click_pace --images .benchdata/images --paces-ms 0 10 --clicks 8 \
+        --rotate --forms decode decode-counted    # the runs' room as the service learns it
     SERVE_DEVICE=cpu python -m bench.click_pace --paces-ms 0 5 --seconds 0.5
 """
 
@@ -128,6 +130,13 @@ def main() -> None:
     p.add_argument("--clicks", type=int, default=1, help="clicks in the batch, each its photo")
     p.add_argument("--idle", nargs="+", choices=["sleep", "spin"], default=["sleep"])
     p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="each call's clicks start one photo further on, so photos of every size\n"
+        "follow each other as in the service (the runs' room learns from the\n"
+        "batches before: the same photos every call would keep it right)",
+    )
+    p.add_argument(
         "--forms",
         nargs="+",
         choices=["decode", "decode-counted", "graph"],
@@ -151,20 +160,24 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     stages, entries, settings = warm_stages(args.images, None)
-    items = click_items(entries, args.clicks, args.clicks, 1)
+    turns = [
+        click_items(entries[k:] + entries[:k], args.clicks, args.clicks, 1)
+        for k in range(len(entries) if args.rotate else 1)
+    ]
+    batches = itertools.cycle(turns)
     gpu = stages.device.type == "cuda"
+
+    def decode() -> object:
+        return stages.decode(next(batches))
 
     def counted() -> object:
         kept, stages.runs_capacity = stages.runs_capacity, None
         try:
-            return stages.decode(items)
+            return decode()
         finally:
             stages.runs_capacity = kept
 
-    forms: dict[str, Callable[[], object]] = {
-        "decode": lambda: stages.decode(items),
-        "decode-counted": counted,
-    }
+    forms: dict[str, Callable[[], object]] = {"decode": decode, "decode-counted": counted}
     graphs = stages._graphs
     if "graph" in args.forms and graphs is not None:  # the click's bucket, as it replays
         bucket = graphs.bucket(args.clicks, 2)
@@ -173,8 +186,8 @@ def main() -> None:
             forms["graph"] = captured.graph.replay
     rows = []
     with torch.inference_mode():
-        for _ in range(5):
-            stages.decode(items)
+        for _ in range(max(5, len(turns))):  # every turn's photos once at least
+            decode()
         for form, idle, pace in itertools.product(args.forms, args.idle, args.paces_ms):
             if form not in forms:
                 continue
@@ -182,7 +195,8 @@ def main() -> None:
             sampler.start()
             row = paced(forms[form], pace, args.seconds, gpu, idle)
             rows.append({"model": settings.sam_model, "clicks": args.clicks, "form": form,
-                         "cuda_wait": wait or "cuda", "idle": idle, "pace_ms": pace, **row,
+                         "rotate": args.rotate, "cuda_wait": wait or "cuda", "idle": idle,
+                         "pace_ms": pace, **row,
                          **sampler.stop()})  # fmt: skip
             print(rows[-1], flush=True)
     capacity = stages.runs_capacity

@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from server.engine.first_turn import first_turn, first_turn_folder, first_turn_key
-from server.engine.services import Engine
-from tests.server.conftest import small_settings
 
 KEY = "swin swin_tiny int8 batch 8 default on NVIDIA H200, torch 2.11, triton 3.6"
 
@@ -93,6 +91,10 @@ def test_an_engine_warms_a_quantised_stage_through_its_turn(
 ) -> None:
     """A real (CPU) int8 engine's warm-up, its stages keyed as on a GPU: SAM's encoder and
     Swin take turns, the decoder does not; marks are left for each bucket warmed."""
+    # imported here: the other tests' child processes import this module, and need less
+    from server.engine.services import Engine
+    from tests.server.conftest import small_settings
+
     settings = small_settings(
         quantization="int8",
         swin_quantization="none",

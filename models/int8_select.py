@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from models.fp8_gemm import quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import quantize_rows
-from models.mlp_static import quantize_static, static_scale
+from models.mlp_static import quantize_static, run_hooked, static_scale
 
 __all__ = [
     "Int8Choice",
@@ -131,12 +131,7 @@ def measure_int8(
 
     for name, layer in layers.items():
         hooks.append(layer.register_forward_hook(hook_for(name, layer)))
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in hooks:
-            h.remove()
+    run_hooked(run, hooks)
     errors = {name: (err / max(ref, _EPS)) ** 0.5 for name, (err, ref) in sums.items()}
     means = {name: totals[name] / counts[name] for name in totals}
     return Int8Measure(errors, means, moments)

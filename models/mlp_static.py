@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from models.gemm_persistent import (
     launch_persistent,
@@ -47,6 +48,7 @@ __all__ = [
     "linear_from_static",
     "linear_to_static",
     "quantize_static",
+    "run_hooked",
     "static_scale",
 ]
 
@@ -92,13 +94,19 @@ def input_amax(
     for name, layer in module.named_modules():
         if name in wanted:
             hooks.append(layer.register_forward_pre_hook(hook_for(name)))
+    run_hooked(run, hooks)
+    return amax
+
+
+def run_hooked(run: Callable[[], object], hooks: Iterable[RemovableHandle]) -> None:
+    """`run()` without grad, then the calibration's `hooks` removed: also when it fails, so
+    a model that served a failed calibration pass is left as it was."""
     try:
         with torch.no_grad():
             run()
     finally:
         for hook in hooks:
             hook.remove()
-    return amax
 
 
 @torch.library.custom_op("serve::linear_to_static", mutates_args=())

@@ -142,3 +142,45 @@ def test_sam_encoder_mlps_hand_lin2_its_input_by_fixed_scales(tiny_sam: Sam) -> 
     noisy = [_rel(o, want_noise) for _, o in outputs]
     assert noisy[0] < noisy[1] < 3 * noisy[0] and noisy[1] < 0.05, noisy
     assert _rel(compiled, outputs[1][0]) < 1e-3
+
+
+def test_sam_encoder_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) -> None:
+    """`proj_static`: each quantised attention output projection takes its input by fixed
+    scales calibrated with lin2's (one pass), which the Triton kernel writes on CUDA (its
+    interpreter test: tests/models/test_sam_fused_attention.py) and the projection quantises
+    itself here. The encoder stays near per-token int8's error, eager and compiled."""
+    from models.int8_select import smooth_images
+    from models.mlp_static import attention_projections
+
+    images = smooth_images(2, 256, seed=7)
+    model = copy.deepcopy(tiny_sam)
+    encoder = model.image_encoder
+    assert attention_projections(encoder) == [f"blocks.{i}.attn.proj" for i in
+                                              range(len(encoder.blocks))]  # fmt: skip
+    options = OptimizeOptions(quantization="int8", norm_quant=True, mlp_static=True,
+                              proj_static=True)  # fmt: skip
+    assert options.variant == "fp32+int8+lnq+static+pstatic"
+    prepare_sam_encoder(encoder, options, torch.device("cpu"))
+    quantised = [b.attn for b in encoder.blocks if isinstance(b.attn.proj, DynamicQuantLinear)]
+    assert quantised
+    for attn in quantised:
+        inv = attn.proj_input_inv_scale()
+        assert inv is not None and inv.shape == (attn.proj.in_features,)
+    per_token = copy.deepcopy(tiny_sam)
+    prepare_sam_encoder(per_token.image_encoder, OptimizeOptions(quantization="int8",
+                        norm_quant=True, mlp_static=True), torch.device("cpu"))  # fmt: skip
+    with torch.inference_mode():
+        want = tiny_sam.encode(images)
+        got, base = model.encode(images), per_token.encode(images)
+        compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
+    error, base_error = _rel(got, want), _rel(base, want)
+    assert 0 < error < 1.25 * base_error and error < 0.03, (error, base_error)
+    assert _rel(compiled, got) < 1e-3
+
+
+def test_fixed_projection_scales_need_a_calibration() -> None:
+    from models.sam.image_encoder import Attention
+
+    attn = Attention(64, 2, (8, 8))
+    with pytest.raises(ValueError, match="proj_static"):
+        quantize_linears(attn, "int8", _everything, proj_static=True)

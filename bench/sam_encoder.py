@@ -47,14 +47,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static][-pstatic]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-inplace]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-inplace]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
     the LayerNorm writing qkv's and lin1's input quantised (models.ln_quant), `-hop` lin1's
     output handed to lin2 quantised (models.mlp_hop), `-static` by fixed per-channel scales
-    calibrated at load (models.mlp_static), `-pstatic` proj's input so, written int8 by the
-    attention kernel, `-gelu` GELU in lin1's cuBLASLt
+    calibrated at load (models.mlp_static), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
@@ -77,7 +76,6 @@ def _variant(name: str) -> OptimizeOptions:
         norm_quant="lnq" in parts,
         mlp_hop="hop" in parts,
         mlp_static="static" in parts,
-        proj_static="pstatic" in parts,
         gelu_epilogue="gelu" in parts,
     )
 
@@ -98,7 +96,6 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-compile-triton-win",  # GELU in lin1's cuBLASLt epilogue
         "bf16-gelu-int8-lnq-compile-triton-win",  # SERVE_QUANTIZATION=int8 on CUDA now
         "bf16-gelu-int8-lnq-static-compile-triton-win",  # lin2's input by fixed scales
-        "bf16-gelu-int8-lnq-static-pstatic-compile-triton-win",  # and proj's, by the kernel
         "bf16-gelu-int8-lnq-compile-triton-win-inplace",  # windows read in place
         "bf16-gelu-int8-lnq-static-compile-triton-win-inplace",
         "bf16-fp8-compile-triton-win",

@@ -43,7 +43,6 @@ from models.ln_quant import unpack_rows
 
 __all__ = [
     "HEADROOM",
-    "attention_projections",
     "fuse_mlp_static",
     "input_amax",
     "linear_from_static",
@@ -181,19 +180,6 @@ def _(
     out_dtype: torch.dtype,
 ) -> Tensor:
     return q.new_empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-def attention_projections(module: nn.Module) -> list[str]:
-    """The output projections (`proj`) of the attention modules whose kernel can write the
-    projection's int8 input by its fixed scales (those with `proj_input_inv_scale`, SAM's
-    encoder): with `proj_static` they take their input so. The module asks its `proj` at
-    run time, so a projection the per-layer choice keeps in float gets float."""
-    return [
-        f"{name}.proj" if name else "proj"
-        for name, child in module.named_modules()
-        if callable(getattr(child, "proj_input_inv_scale", None))
-        and isinstance(getattr(child, "proj", None), nn.Linear)
-    ]
 
 
 def fuse_mlp_static(module: nn.Module) -> list[str]:

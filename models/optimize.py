@@ -74,9 +74,6 @@ class OptimizeOptions:
     mlp_hop: bool = False
     # ... or by fixed per-channel scales calibrated at load (int8; models.mlp_static)
     mlp_static: bool = False
-    # ... and the attention's output projection so, its input written int8 by the
-    # attention kernel (SAM's encoder on the Triton kernel; models.mlp_static)
-    proj_static: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -106,7 +103,6 @@ class OptimizeOptions:
                     ("lnq", self.norm_quant),
                     ("hop", self.mlp_hop),
                     ("static", self.mlp_static),
-                    ("pstatic", self.proj_static),
                 )
                 if on
             ]
@@ -208,7 +204,6 @@ def _quantize(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
         norm_quant=options.norm_quant, mlp_hop=options.mlp_hop, mlp_static=options.mlp_static,
-        proj_static=options.proj_static,
     )  # fmt: skip
 
 

@@ -133,7 +133,6 @@ def quantize_linears(
     norm_quant: bool = False,
     mlp_hop: bool = False,
     mlp_static: bool = False,
-    proj_static: bool = False,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
@@ -150,9 +149,7 @@ def quantize_linears(
     hands its output quantised to the second (`models.mlp_hop`), with `mlp_static` (int8,
     `calibrate` needed) the second takes its input by fixed per-channel scales, measured on
     `calibrate`'s inputs and folded into its weight, and the first writes it so
-    (`models.mlp_static`); `proj_static` does the same for the attention's output
-    projection where the attention kernel writes its input (SAM's encoder,
-    `models.mlp_static.attention_projections`). Refuses
+    (`models.mlp_static`). Refuses
     (NotImplementedError) a kind the module's device cannot run
     (`quantization_unsupported`).
     """
@@ -175,20 +172,16 @@ def quantize_linears(
     scales: dict[str, Tensor] = {}
     if mlp_static and (kind != "int8" or backend != "core" or calibrate is None or mlp_hop):
         raise ValueError("mlp_static: int8 on the core backend, with calibrate, without mlp_hop")
-    if proj_static and (kind != "int8" or backend != "core" or calibrate is None):
-        raise ValueError("proj_static: int8 on the core backend, with calibrate")
     if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
         from models.mlp_hop import mlp_second_layers
-        from models.mlp_static import attention_projections, input_amax, static_scale
+        from models.mlp_static import input_amax, static_scale
 
         amax: dict[str, Tensor] = {}
-        fixed = [*(mlp_second_layers(module) if mlp_static else ()),
-                 *(attention_projections(module) if proj_static else ())]  # fmt: skip
-        if fixed:  # one more pass: the scales before the errors they cause
+        if mlp_static:  # one more pass: the scales before the errors they cause
             layers = dict(module.named_modules())
-            fixed = [n for n in fixed if quantizable(n, layers[n])]
-            amax = input_amax(module, lambda: calibrate(module), fixed)
+            seconds = [n for n in mlp_second_layers(module) if quantizable(n, layers[n])]
+            amax = input_amax(module, lambda: calibrate(module), seconds)
             scales = {name: static_scale(peak) for name, peak in amax.items()}
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,

@@ -108,20 +108,15 @@ def rel_pos_attention(
 
 
 def fused_qkv_attention(
-    qkv: Tensor,
-    rel_pos_h: Tensor,
-    rel_pos_w: Tensor,
-    grid: tuple[int, int],
-    out_inv_scale: Tensor | None = None,
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, grid: tuple[int, int]
 ) -> Tensor:
     """The Triton kernel straight on the qkv projection: `[B, N, 3, heads, C]` ->
     `[B, N, heads * C]`, ready for the output projection (no permute or copy either side;
-    the kernel computes the rel-pos terms from the tables itself); int8 by the projection's
-    fixed input scales where `out_inv_scale` gives their inverses."""
+    the kernel computes the rel-pos terms from the tables itself)."""
     from models.sam.fused_attention import rel_pos_flash
 
     _check_tables(rel_pos_h, rel_pos_w, *grid)
-    return rel_pos_flash(qkv, rel_pos_h, rel_pos_w, out_inv_scale)
+    return rel_pos_flash(qkv, rel_pos_h, rel_pos_w)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

@@ -85,7 +85,7 @@ def _kernel() -> Any:
 
     @triton.jit
     def rel_pos_flash_fwd(
-        Q, K, V, RPH, RPW, S, O, BIAS_K, BIAS_V, OUT_INV,
+        Q, K, V, RPH, RPW, S, O, BIAS_K, BIAS_V,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -94,7 +94,7 @@ def _kernel() -> Any:
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-        QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, INT8_OUT: tl.constexpr,
+        QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
         # The attention grid (GRID_H x grid_w) is one window of an img_h x img_w grid of
@@ -221,16 +221,7 @@ def _kernel() -> Any:
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         acc = acc / l_i[:, None]
-        mask_o = mask_m[:, None] & mask_d[None, :]
-        if INT8_OUT:
-            # the output projection's int8 input by its fixed per-channel scales (OUT_INV
-            # holds their inverses, channel h * head_dim + d): rounded half to even as
-            # torch.round, then clamped, so no pass of its own quantises it
-            inv = tl.load(OUT_INV + h * head_dim + offs_d, mask=mask_d, other=0.0)
-            r = (acc * inv[None, :] + 12582912.0) - 12582912.0
-            tl.store(o_ptrs, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=mask_o)
-        else:
-            tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_o)
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
     return rel_pos_flash_fwd
 
@@ -255,7 +246,6 @@ def launch(
     out_strides: tuple[int, int, int] | None = None,
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
-    out_inv_scale: Tensor | None = None,
     traced: bool = False,
 ) -> Tensor:
     """Run the kernel: q, k, v `[B, heads, N, C]` (any strides with a contiguous last dim),
@@ -268,10 +258,6 @@ def launch(
     windows past the grid's edge padded as Meta's encoder pads them: `qkv_bias` (`[3 *
     heads * C]`, the qkv projection's) gives the padded tokens' keys and values (zeros
     without it).
-
-    `out_inv_scale` (`[heads * C]` fp32, the inverses of the output projection's fixed
-    input scales, `models.mlp_static`): the output is written int8 by them, channel
-    `head * C + c`, for a projection that takes its input so (`out` then int8).
 
     The bare launch under the ops below, which is how model code reaches the kernel (an
     opaque op is what torch.compile and CUDA graphs need). Not exported: called directly
@@ -291,10 +277,7 @@ def launch(
     n_ctx = grid_h * grid_w  # tokens per window
     windows = triton.cdiv(img_h, grid_h) * triton.cdiv(img_w, grid_w)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format,
-                               dtype=torch.int8 if out_inv_scale is not None else None)  # fmt: skip
-    if (out.dtype == torch.int8) != (out_inv_scale is not None):
-        raise ValueError("an int8 output and out_inv_scale go together")
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     ph = max(16, triton.next_power_of_2(2 * grid_h - 1))
     pw = max(16, triton.next_power_of_2(2 * grid_w - 1))
     # each query's products with both tables, written and read back by its own program
@@ -302,7 +285,6 @@ def launch(
     # the k and v thirds of the bias; without one, any pointer the kernel does not write
     # (HAS_BIAS off: never read; not scratch, which a traced launch must see passed once)
     _, bias_k, bias_v = qkv_bias.view(3, -1) if qkv_bias is not None else (rel_pos_h,) * 3
-    out_inv = out_inv_scale if out_inv_scale is not None else rel_pos_w  # the same, unread
     cfg = KernelConfig
     block_m = cfg.block_m
     block_w = max(16, triton.next_power_of_2(grid_w))
@@ -314,7 +296,7 @@ def launch(
     launch_grid = (windows * q_blocks, B * heads)
     kernel = torch.library.wrap_triton(_kernel()) if traced else _kernel()
     kernel[launch_grid](
-        q, k, v, rel_pos_h, rel_pos_w, scratch, out, bias_k, bias_v, out_inv,
+        q, k, v, rel_pos_h, rel_pos_w, scratch, out, bias_k, bias_v,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -327,7 +309,6 @@ def launch(
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
-        INT8_OUT=out_inv_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -335,18 +316,16 @@ def launch(
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash", mutates_args=())
-def fused_rel_pos_attention(
-    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
-) -> Tensor:
+def fused_rel_pos_attention(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias,
     rel_h and rel_w computed inside the kernel from the tables `[2h-1, C]`, `[2w-1, C]`.
 
     qkv `[B, N, 3, heads, C]` (the qkv projection, reshaped) -> `[B, N, heads * C]`: q, k
     and v are read in place and the output is written token-major, ready for the output
     projection. An opaque op to torch.compile (the kernel is already fused), captured by
-    CUDA graphs. With `out_inv_scale` (`launch`'s) the output is int8 for the projection.
+    CUDA graphs.
     """
-    return _on_qkv(qkv, rel_pos_h, rel_pos_w, out_inv_scale=out_inv_scale)
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w)
 
 
 def _on_qkv(
@@ -356,11 +335,10 @@ def _on_qkv(
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
     traced: bool = False,
-    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """The ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
     written token-major as `[B, N, heads * C]`, ready for the output projection."""
-    out = _output(qkv, out_inv_scale)
+    out = _output(qkv)
     _, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
     # [B, heads, N, C] written over `out` by strides rather than through a transposed view:
@@ -369,21 +347,19 @@ def _on_qkv(
     strides = (N * heads * C, C, heads * C)
     launch(
         q, k, v, rel_pos_h, rel_pos_w, out=out, out_strides=strides, image=image,
-        qkv_bias=qkv_bias, out_inv_scale=out_inv_scale, traced=traced,
+        qkv_bias=qkv_bias, traced=traced,
     )  # fmt: skip
     return out
 
 
-def _output(qkv: Tensor, out_inv_scale: Tensor | None) -> Tensor:
+def _output(qkv: Tensor) -> Tensor:
     B, N, _, heads, C = qkv.shape
-    return qkv.new_empty(B, N, heads * C, dtype=None if out_inv_scale is None else torch.int8)
+    return qkv.new_empty(B, N, heads * C)
 
 
 @fused_rel_pos_attention.register_fake
-def _(
-    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
-) -> Tensor:
-    return _output(qkv, out_inv_scale)
+def _(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+    return _output(qkv)
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash_windows", mutates_args=())
@@ -394,7 +370,6 @@ def fused_window_attention(
     qkv_bias: Tensor | None,
     height: int,
     width: int,
-    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """SAM's windowed attention straight on the qkv projection of the whole grid: qkv
     `[B, height * width, 3, heads, C]` -> `[B, height * width, heads * C]`, each token
@@ -405,8 +380,7 @@ def fused_window_attention(
     4,900 tokens to qkv and back (for ViT-B at 1024 px: 64x64 tokens), then crops: here
     the projections see the 4,096 real tokens and no partition or crop copies exist.
     """
-    return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias,
-                   out_inv_scale=out_inv_scale)  # fmt: skip
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias)
 
 
 @fused_window_attention.register_fake
@@ -417,9 +391,8 @@ def _(
     qkv_bias: Tensor | None,
     height: int,
     width: int,
-    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
-    return _output(qkv, out_inv_scale)
+    return _output(qkv)
 
 
 # The same two ops for torch.export (AOT packages, `models.aot`): a Python custom op cannot
@@ -436,10 +409,8 @@ def exported_ops() -> tuple[Any, Any]:
     program that uses them; a built package does not need them."""
 
     @torch.library.triton_op("sam_serve::rel_pos_flash_exported", mutates_args=())
-    def rel_pos(
-        qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
-    ) -> Tensor:
-        return _on_qkv(qkv, rel_pos_h, rel_pos_w, traced=True, out_inv_scale=out_inv_scale)
+    def rel_pos(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, traced=True)
 
     @torch.library.triton_op("sam_serve::rel_pos_flash_windows_exported", mutates_args=())
     def windows(
@@ -449,31 +420,25 @@ def exported_ops() -> tuple[Any, Any]:
         qkv_bias: Tensor | None,
         height: int,
         width: int,
-        out_inv_scale: Tensor | None = None,
     ) -> Tensor:
-        return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias, traced=True,
-                       out_inv_scale=out_inv_scale)  # fmt: skip
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias, traced=True)
 
     return rel_pos, windows
 
 
-def rel_pos_flash(
-    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
-) -> Tensor:
+def rel_pos_flash(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
     """`fused_rel_pos_attention`, or while an AOT package is exported its traceable twin:
     what model code calls."""
     if exporting():
-        return exported_ops()[0](qkv, rel_pos_h, rel_pos_w, out_inv_scale)
-    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w, out_inv_scale)
+        return exported_ops()[0](qkv, rel_pos_h, rel_pos_w)
+    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
 
 
 def window_flash(
     qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, qkv_bias: Tensor | None, height: int,
-    width: int, out_inv_scale: Tensor | None = None,
+    width: int,
 ) -> Tensor:  # fmt: skip
     """`fused_window_attention`, or its traceable twin while an AOT package is exported."""
     if exporting():
-        return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width,
-                                 out_inv_scale)  # fmt: skip
-    return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width,
-                                  out_inv_scale)  # fmt: skip
+        return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)
+    return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)

@@ -69,8 +69,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).reshape(B, h * w, 3, self.num_heads, -1)  # [B, N, 3, heads, C]
         if self.impl == "triton":
             # the kernel reads q, k, v out of qkv and writes [B, N, heads * C]: no copies
-            out = fused_qkv_attention(qkv, self.rel_pos_h, self.rel_pos_w, (h, w),
-                                      self.proj_input_inv_scale())  # fmt: skip
+            out = fused_qkv_attention(qkv, self.rel_pos_h, self.rel_pos_w, (h, w))
             return self.proj(out.reshape(B, h, w, D))
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, h*w, head_dim]
         out = rel_pos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
@@ -88,16 +87,8 @@ class Attention(nn.Module):
         D = self.proj.out_features
         qkv = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1)
         bias = getattr(self.qkv, "bias", None)
-        out = window_flash(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W,
-                           self.proj_input_inv_scale())  # fmt: skip
+        out = window_flash(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W)
         return self.proj(out.reshape(B, H, W, D))
-
-    def proj_input_inv_scale(self) -> Tensor | None:
-        """Where the output projection is int8 by fixed input scales (`proj_static`,
-        models.mlp_static), their inverses: the Triton kernel then writes the projection's
-        int8 input in its epilogue, and no pass of its own quantises the attention's
-        output (0.47 ms of a batch of 8's 16.4 on an H200, docs/BENCHMARKS.md, issue 20)."""
-        return getattr(self.proj, "input_inv_scale", None)
 
 
 class Block(nn.Module):

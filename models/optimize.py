@@ -155,12 +155,11 @@ def prepare_sam_encoder(
             log.warning("SAM encoder: fused attention cannot run a %s grid here; SDPA", grid)
             impl = "sdpa"
         attn.impl = impl
-        # the windows read in place: measured on an H100 with float qkv layers (409.8 img/s
-        # against 401.4 partitioned, docs/BENCHMARKS.md); int8/fp8 keep the partitioned
-        # windows they were measured with
-        block.windows_in_place = (
-            block.window > 0 and impl == "triton" and options.quantization == "none"
-        )
+        # the windows read in place: on an H100 with float qkv layers 409.8 img/s against
+        # 401.4 partitioned; on an H200, since the kernel takes the padding's bias by its
+        # constants, bf16 437.8 / 442.2 against 421.0 / 418.5 at batch 8 / 16 and int8
+        # 472.8 / 476.8 against 466.0 / 471.5 (docs/BENCHMARKS.md, issue 20)
+        block.windows_in_place = block.window > 0 and impl == "triton"
 
 
 def prepare_swin(

@@ -148,9 +148,6 @@ def _kernel() -> Any:
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
         o_ptrs = O + b * stride_ob + h * stride_oh + token_m[:, None] * stride_on + offs_d[None, :]
-        if HAS_BIAS:  # a padded token's key and value: this head's slice of qkv's bias
-            bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
-            bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
         # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
         # masked): KernelConfig.block_n says how many rows (one by default).
         offs_j = tl.arange(0, ROWS * BLOCK_W)
@@ -170,33 +167,90 @@ def _kernel() -> Any:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if ROWS == 1:  # the next row's rel_h, loaded one iteration ahead
-            rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
-        for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
-            key_row = row + sub
-            mask_n = mask_col & (key_row < GRID_H)
-            inside = mask_n & (y0 + key_row < img_h) & (x0 + col < img_w)
-            offs_n = (y0 + key_row) * img_w + x0 + col
-            kv_mask = inside[:, None] & mask_d[None, :]
-            k = tl.load(
-                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
-            )
+        if ROWS == 1:
+            # One key row a block: rel_h[q, y'] is one number per query for the whole
+            # block, so it rides on the row maximum and the exponent's offset (a [BLOCK_M]
+            # vector) instead of being spread over the [BLOCK_M, w] scores, which took a
+            # pass through shared memory every block (ncu, H200: the stall at the top of
+            # the global kernel's profile). The next row's rel_h is loaded one ahead.
+            col_in = mask_col & (x0 + col < img_w)  # the slots inside the image, every row
             if HAS_BIAS:
-                padded = (mask_n & ~inside)[:, None]
-                k = tl.where(padded, bias_k[None, :].to(k.dtype), k)
-            # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
-            s = tl.dot(q, tl.trans(k)) * QK_SCALE + rw
-            if ROWS == 1:
-                # One key row: rel_h[q, y'] is one number per query for the whole block,
-                # so it rides on the row maximum and the exponent's offset (a [BLOCK_M]
-                # vector) instead of being spread over the [BLOCK_M, w] scores, which
-                # took a pass through shared memory every block (ncu, H200: the stall
-                # at the top of the global kernel's profile).
+                # A window past the image's edge holds Meta's padding, whose key and value
+                # are qkv's bias: they load as zeros, and the bias comes in by the block's
+                # constants instead of a [keys, head_dim] select per row (two of those
+                # made the windows read in place 10% slower than partitioned ones, H200:
+                # docs/BENCHMARKS.md, issue 20, seventeenth session). The scores' q . b_k
+                # is one number per query, folded into rel_w's tile: for the padded
+                # columns of every row, and all of a padded row's (`rw_pad`); the values'
+                # b_v is added once at the end, weighted by the padded keys' share of p.
+                bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
+                bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
+                bk = bias_k.to(q.dtype).to(tl.float32)  # as the padded keys' values were
+                qbk = tl.sum(q.to(tl.float32) * bk[None, :], 1) * QK_SCALE
+                rw_pad = rw + qbk[:, None]
+                pad_col = mask_col & ~col_in
+                rw = tl.where(pad_col[None, :], rw_pad, rw)
+                pad_col_f = pad_col.to(tl.float32)
+                has_pad_col = x0 + grid_w > img_w
+                pad_p = tl.zeros([BLOCK_M], dtype=tl.float32)  # the padded keys' share
+            rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
+            for row in range(0, GRID_H):
+                row_in = y0 + row < img_h
+                offs_n = (y0 + row) * img_w + x0 + col
+                # the row's test as a vector of one value: the interpreter turns a vector
+                # and a scalar mask into int32 (the compiler folds it to the scalar)
+                kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
+                k = tl.load(
+                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
+                # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
+                s = tl.dot(q, tl.trans(k)) * QK_SCALE
+                if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
+                    s = s + rw if row_in else s + rw_pad  # a branch: row_in is one number
+                else:
+                    s = s + rw
                 rh = rh_next.to(tl.float32) * LOG2E
                 rh_next = tl.load(rh_ptrs - (row + 1), mask=mask_m & (row + 1 < GRID_H), other=0.0)
                 m_new = tl.maximum(m_i, tl.max(s, 1) + rh)
                 p = tl.exp2(s - (m_new - rh)[:, None])
-            else:
+                alpha = tl.exp2(m_i - m_new)
+                p_sum = tl.sum(p, 1)
+                l_i = l_i * alpha + p_sum
+                v = tl.load(
+                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc)
+                if HAS_BIAS:
+                    pad_p = pad_p * alpha
+                    if row_in:
+                        if has_pad_col:
+                            pad_p += tl.sum(p * pad_col_f[None, :], 1)
+                    else:
+                        pad_p += p_sum
+                m_i = m_new
+            if HAS_BIAS:
+                acc += pad_p[:, None] * bias_v.to(q.dtype).to(tl.float32)[None, :]
+        else:
+            if HAS_BIAS:  # a padded token's key and value: this head's slice of qkv's bias
+                bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
+                bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
+            for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
+                key_row = row + sub
+                mask_n = mask_col & (key_row < GRID_H)
+                inside = mask_n & (y0 + key_row < img_h) & (x0 + col < img_w)
+                offs_n = (y0 + key_row) * img_w + x0 + col
+                kv_mask = inside[:, None] & mask_d[None, :]
+                k = tl.load(
+                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
+                if HAS_BIAS:
+                    padded = (mask_n & ~inside)[:, None]
+                    k = tl.where(padded, bias_k[None, :].to(k.dtype), k)
+                s = tl.dot(q, tl.trans(k)) * QK_SCALE + rw
                 # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
                 block_rows = row + tl.arange(0, ROWS)
                 rh2 = tl.load(
@@ -210,16 +264,17 @@ def _kernel() -> Any:
                     s = tl.where((key_row < GRID_H)[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-            )
-            if HAS_BIAS:
-                v = tl.where(padded, bias_v[None, :].to(v.dtype), v)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
+                if HAS_BIAS:
+                    v = tl.where(padded, bias_v[None, :].to(v.dtype), v)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc)
+                m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 

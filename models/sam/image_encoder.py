@@ -95,8 +95,7 @@ class Block(nn.Module):
     """Pre-norm transformer block; `window == 0` means global attention."""
 
     # A windowed block on the Triton kernel reads its windows where they lie in the grid
-    # (`Attention.windowed`) instead of partitioning; set by `prepare_sam_encoder`, which
-    # keeps quantised qkv layers on the partitioned path measured on the GPU with them.
+    # (`Attention.windowed`) instead of partitioning; set by `prepare_sam_encoder`.
     windows_in_place: bool = False
 
     def __init__(

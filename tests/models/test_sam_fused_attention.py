@@ -139,10 +139,9 @@ def test_windows_read_in_place_match_meta_partitioned_windows(
         assert r["rel_err"] < 1e-5, r
 
 
-def test_windows_are_read_in_place_only_for_float_qkv_on_the_kernel(tiny_sam) -> None:
-    """`prepare_sam_encoder` decides per block: the Triton kernel and float qkv layers read
-    the windows in place; int8 keeps the partitioned windows it was measured with on the
-    GPU; the CPU (no kernel) partitions."""
+def test_windows_are_read_in_place_on_the_kernel(tiny_sam) -> None:
+    """`prepare_sam_encoder` decides per block: the Triton kernel reads the windows in place,
+    float or int8 qkv layers alike; the CPU (no kernel) partitions."""
     import copy
 
     from models.optimize import OptimizeOptions, prepare_sam_encoder
@@ -159,7 +158,7 @@ def test_windows_are_read_in_place_only_for_float_qkv_on_the_kernel(tiny_sam) ->
     assert windowed > 0
     assert in_place(triton_opts, cuda) == [triton_available()] * windowed
     int8 = OptimizeOptions(attention="triton", window_attention="triton", quantization="int8")
-    assert in_place(int8, cuda) == [False] * windowed
+    assert in_place(int8, cuda) == [triton_available()] * windowed
     assert in_place(triton_opts, torch.device("cpu")) == [False] * windowed
 
 

@@ -47,13 +47,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-parted]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static][-pres]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-parted]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
     the LayerNorm writing qkv's and lin1's input quantised (models.ln_quant), `-hop` lin1's
     output handed to lin2 quantised (models.mlp_hop), `-static` by fixed per-channel scales
-    calibrated at load (models.mlp_static), `-gelu` GELU in lin1's cuBLASLt
+    calibrated at load (models.mlp_static), `-pres` the attention's residual added in
+    proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
@@ -76,6 +77,7 @@ def _variant(name: str) -> OptimizeOptions:
         norm_quant="lnq" in parts,
         mlp_hop="hop" in parts,
         mlp_static="static" in parts,
+        proj_residual="pres" in parts,
         gelu_epilogue="gelu" in parts,
     )
 
@@ -98,6 +100,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-compile-triton-win",  # SERVE_QUANTIZATION=int8 on CUDA now
         "bf16-gelu-int8-lnq-static-compile-triton-win",  # lin2's input by fixed scales
         "bf16-gelu-int8-lnq-static-compile-triton-win-parted",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win",  # proj adds the residual
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)

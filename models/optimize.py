@@ -74,6 +74,9 @@ class OptimizeOptions:
     mlp_hop: bool = False
     # ... or by fixed per-channel scales calibrated at load (int8; models.mlp_static)
     mlp_static: bool = False
+    # ... and SAM's attention adds its residual in the output projection's epilogue
+    # (`Block.residual_in_proj`)
+    proj_residual: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -103,6 +106,7 @@ class OptimizeOptions:
                     ("lnq", self.norm_quant),
                     ("hop", self.mlp_hop),
                     ("static", self.mlp_static),
+                    ("pres", self.proj_residual),
                 )
                 if on
             ]
@@ -160,6 +164,7 @@ def prepare_sam_encoder(
         # constants, bf16 437.8 / 442.2 against 421.0 / 418.5 at batch 8 / 16 and int8
         # 472.8 / 476.8 against 466.0 / 471.5 (docs/BENCHMARKS.md, issue 20)
         block.windows_in_place = block.window > 0 and impl == "triton"
+        block.residual_in_proj = options.proj_residual and options.quantization != "none"
 
 
 def prepare_swin(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.quant_linear import linear_then_residual
 from models.sam.attention import AttentionImpl, fused_qkv_attention, rel_pos_attention
 from models.sam.common import LayerNorm2d, MLPBlock
 from models.sam.config import SamConfig
@@ -61,8 +62,9 @@ class Attention(nn.Module):
         # "sdpa" (dense bias), "flex" or "triton" (fused, global blocks); see attention.py
         self.impl: AttentionImpl = "sdpa"
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: `[B, h, w, D]` -> `[B, h, w, D]`."""
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x: `[B, h, w, D]` -> `[B, h, w, D]`, plus `residual` if given (in the output
+        projection's epilogue where it is a quantised layer)."""
         # the width from the projection: x may be packed quantised rows (models.ln_quant)
         B, h, w = x.shape[:3]
         D = self.proj.out_features
@@ -70,13 +72,13 @@ class Attention(nn.Module):
         if self.impl == "triton":
             # the kernel reads q, k, v out of qkv and writes [B, N, heads * C]: no copies
             out = fused_qkv_attention(qkv, self.rel_pos_h, self.rel_pos_w, (h, w))
-            return self.proj(out.reshape(B, h, w, D))
+            return linear_then_residual(self.proj, out.reshape(B, h, w, D), residual)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, h*w, head_dim]
         out = rel_pos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
         out = out.transpose(1, 2).reshape(B, h, w, D)
-        return self.proj(out)
+        return linear_then_residual(self.proj, out, residual)
 
-    def windowed(self, x: Tensor) -> Tensor:
+    def windowed(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x: the whole `[B, H, W, D]` grid -> `[B, H, W, D]`, attending in this module's
         windows (the Triton kernel; `forward` on `window_partition`'s windows is the same
         function): qkv and the output projection run on the grid's tokens only, and the
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1)
         bias = getattr(self.qkv, "bias", None)
         out = window_flash(qkv, self.rel_pos_h, self.rel_pos_w, bias, H, W)
-        return self.proj(out.reshape(B, H, W, D))
+        return linear_then_residual(self.proj, out.reshape(B, H, W, D), residual)
 
 
 class Block(nn.Module):
@@ -97,6 +99,11 @@ class Block(nn.Module):
     # A windowed block on the Triton kernel reads its windows where they lie in the grid
     # (`Attention.windowed`) instead of partitioning; set by `prepare_sam_encoder`.
     windows_in_place: bool = False
+    # The attention's residual goes into its output projection (`proj_residual`: the
+    # quantised projection adds it in its epilogue, so no pass of its own adds it before
+    # the quantising norm, which is a custom op inductor cannot fuse an add into); not on
+    # partitioned windows, whose projection's rows are the windows'.
+    residual_in_proj: bool = False
 
     def __init__(
         self, dim: int, num_heads: int, mlp_ratio: float, window: int, grid: tuple[int, int]
@@ -112,15 +119,19 @@ class Block(nn.Module):
         """x: `[B, H, W, D]` -> `[B, H, W, D]`."""
         shortcut = x
         x = self.norm1(x)
+        residual = shortcut if self.residual_in_proj else None
         if self.window > 0 and self.windows_in_place:
-            x = self.attn.windowed(x)  # no partition copies, no padded tokens projected
+            # no partition copies, no padded tokens projected
+            x = self.attn.windowed(x, residual)
         elif self.window > 0:
             size = (x.shape[1], x.shape[2])
             windows, padded = window_partition(x, self.window)
             x = window_unpartition(self.attn(windows), self.window, padded, size)
+            residual = None
         else:
-            x = self.attn(x)
-        x = shortcut + x
+            x = self.attn(x, residual)
+        if residual is None:
+            x = shortcut + x
         return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 

@@ -142,3 +142,34 @@ def test_sam_encoder_mlps_hand_lin2_its_input_by_fixed_scales(tiny_sam: Sam) -> 
     noisy = [_rel(o, want_noise) for _, o in outputs]
     assert noisy[0] < noisy[1] < 3 * noisy[0] and noisy[1] < 0.05, noisy
     assert _rel(compiled, outputs[1][0]) < 1e-3
+
+
+def test_the_attention_residual_can_go_into_the_projections_epilogue(tiny_sam: Sam) -> None:
+    """`proj_residual`: a quantised `proj` adds the block's residual in its epilogue (no
+    add pass before the quantising norm); the encoder gives what it gave with the add
+    outside, eager and compiled. Partitioned windows keep the add outside."""
+    from models.int8_select import smooth_images
+
+    images = smooth_images(2, 256, seed=7)
+    outputs = []
+    for fused in (False, True):
+        model = copy.deepcopy(tiny_sam)
+        options = OptimizeOptions(quantization="int8", norm_quant=True, mlp_static=True,
+                                  proj_residual=fused)  # fmt: skip
+        assert options.variant.endswith("+pres") == fused
+        prepare_sam_encoder(model.image_encoder, options, torch.device("cpu"))
+        blocks = model.image_encoder.blocks
+        assert [b.residual_in_proj for b in blocks] == [fused] * len(blocks)
+        assert any(isinstance(b.attn.proj, DynamicQuantLinear) and b.window == 0
+                   for b in blocks)  # fmt: skip
+        with torch.inference_mode():
+            outputs.append(model.encode(images))
+            if fused:
+                compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
+    assert _rel(outputs[1], outputs[0]) < 1e-5
+    assert _rel(compiled, outputs[1]) < 1e-3
+    # no quantised layers, no change: the float projection adds it after, as before
+    plain = copy.deepcopy(tiny_sam)
+    prepare_sam_encoder(plain.image_encoder, OptimizeOptions(proj_residual=True),
+                        torch.device("cpu"))  # fmt: skip
+    assert not any(b.residual_in_proj for b in plain.image_encoder.blocks)

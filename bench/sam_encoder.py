@@ -42,6 +42,7 @@ from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
 from models.sam import SAM_CONFIGS, PromptSet, Sam, load_sam, pack_prompts
 from models.sam import transforms as tf
+from models.sam.image_encoder import Block
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run
 
@@ -186,7 +187,8 @@ def prepared(name: str, base: Sam) -> tuple[OptimizeOptions, Sam]:
     prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
     if "parted" in name.split("-"):
         for block in model.image_encoder.blocks:
-            block.windows_in_place = False
+            if isinstance(block, Block):
+                block.windows_in_place = False
     return opts, model
 
 
@@ -345,29 +347,26 @@ def _attention_layer(layer: str, batch: int, side: int, iters: int) -> list[dict
             row(f"{name} dyn={dynamic}", ms, None if "floor" in name else out)
     # the kernel's launch shape, swept: the best one goes into KernelConfig's defaults
     cfg = KernelConfig
-    default = (cfg.block_m, cfg.num_warps, cfg.num_stages, dict(cfg.block_n), dict(cfg.maxnreg))
-    # BLOCK_M, warps, stages, keys a block, a register cap (None: the compiler's choice;
-    # 168 lets three programs of 4 warps share an SM)
-    shapes = [(64, 4, 3, 64, None), (64, 4, 3, 64, 168), (64, 4, 2, 64, 168)]
-    shapes += [(64, 4, 3, 128, None), (64, 4, 3, 128, 168), (128, 8, 3, 64, 168)]
+    default = (cfg.block_m, cfg.num_warps, cfg.num_stages, dict(cfg.maxnreg))
+    # BLOCK_M, warps, stages, a register cap (None: the compiler's choice; 168 lets three
+    # programs of 4 warps share an SM). Blocks of several key rows, or a window's 196 keys
+    # in one block, were slower in every shape tried (docs/BENCHMARKS.md, issue 20's
+    # thirteenth session) and left the kernel.
+    shapes = [(64, 4, 3, None), (64, 4, 3, 168), (64, 4, 2, 168), (128, 8, 3, 168)]
     if side < 32:
-        shapes += [(64, 4, 3, 16, None), (64, 4, 3, 16, 168), (64, 4, 2, 16, None)]
-        # a whole window's keys in one block (16 rows of 16 slots, two rows masked): one
-        # softmax, no online rescaling, products 256 keys long
-        shapes += [(64, 4, 2, 256, None), (64, 8, 2, 256, None), (128, 8, 2, 256, None),
-                   (32, 4, 2, 256, None), (64, 8, 1, 256, None)]  # fmt: skip
+        shapes += [(64, 4, 2, None), (32, 4, 3, None)]
     width = max(16, 1 << (side - 1).bit_length())
     for shape_ in shapes:
-        cfg.block_m, cfg.num_warps, cfg.num_stages, block_n, maxnreg = shape_
-        cfg.block_n, cfg.maxnreg = {width: block_n}, {(width, 64): maxnreg} if maxnreg else {}
+        cfg.block_m, cfg.num_warps, cfg.num_stages, maxnreg = shape_
+        cfg.maxnreg = {(width, 64): maxnreg} if maxnreg else {}
         try:
             out = launch(q, k, v, rph, rpw)
             ms = cuda_time_ms(lambda: launch(q, k, v, rph, rpw), iters)
         except Exception as exc:  # a launch shape that does not fit (registers, shared memory)
             print(f"triton {shape_} failed: {exc}", flush=True)
             continue
-        row("triton bm={} w={} s={} n={} reg={}".format(*shape_), ms, out)
-    cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n, cfg.maxnreg = default
+        row("triton bm={} w={} s={} reg={}".format(*shape_), ms, out)
+    cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.maxnreg = default
     return rows
 
 

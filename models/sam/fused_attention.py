@@ -63,13 +63,14 @@ class KernelConfig:
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # keys a block: one row everywhere (a row's rel_h is then one number per query, added
+    # Keys a block: always one grid row (a row's rel_h is then one number per query, added
     # to its row maximum). Batch 8, H200: a 14x14 window layer 0.30-0.32 ms, as fast as
-    # four rows a block and faster than the terms by the tensor cores (the queries' rel_h
-    # and rel_w times the keys' one-hot rows and columns: 0.31-0.45, tried and dropped);
-    # the global layer only with the cap below
-    block_n: ClassVar[dict[int, int]] = {}
-    # a register cap by (row slots, padded head dim): at 168 three programs of 4 warps
+    # four rows a block (0.32) and faster than a window's 196 keys in one block (0.48-0.80)
+    # or the terms by the tensor cores (the queries' rel_h and rel_w times the keys'
+    # one-hot rows and columns: 0.31-0.45); the global layer 1.28 with the cap below against
+    # 1.41 for two rows. The other forms were tried and dropped (docs/BENCHMARKS.md, issue
+    # 20's thirteenth session; the kernel at `dbb6f13` held them).
+    # A register cap by (row slots, padded head dim): at 168 three programs of 4 warps
     # share an SM where the compiler's 183 registers let two (ncu; ViT-B's heads of 64);
     # the global layer 1.28-1.31 ms against 1.44-1.48 uncapped and 1.41 for two rows a
     # block. Windows run at 91 registers, five programs an SM, uncapped. Wider heads
@@ -93,7 +94,7 @@ def _kernel() -> Any:
         stride_ob, stride_oh, stride_on,
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -148,11 +149,8 @@ def _kernel() -> Any:
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
         o_ptrs = O + b * stride_ob + h * stride_oh + token_m[:, None] * stride_on + offs_d[None, :]
-        # A key block is ROWS grid rows of BLOCK_W slots (the row's w keys, the rest
-        # masked): KernelConfig.block_n says how many rows (one by default).
-        offs_j = tl.arange(0, ROWS * BLOCK_W)
-        col = offs_j % BLOCK_W
-        sub = offs_j // BLOCK_W  # which of the block's rows
+        # A key block is one grid row of BLOCK_W slots: the row's w keys, the rest masked.
+        col = tl.arange(0, BLOCK_W)
         mask_col = col < grid_w
         # rel_w[q, x'] for x' = 0..w-1: the same for every key row, so loaded once (-inf
         # where a slot holds no key, so it weighs nothing).
@@ -167,114 +165,69 @@ def _kernel() -> Any:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if ROWS == 1:
-            # One key row a block: rel_h[q, y'] is one number per query for the whole
-            # block, so it rides on the row maximum and the exponent's offset (a [BLOCK_M]
-            # vector) instead of being spread over the [BLOCK_M, w] scores, which took a
-            # pass through shared memory every block (ncu, H200: the stall at the top of
-            # the global kernel's profile). The next row's rel_h is loaded one ahead.
-            col_in = mask_col & (x0 + col < img_w)  # the slots inside the image, every row
+        # One key row a block: rel_h[q, y'] is one number per query for the whole block, so
+        # it rides on the row maximum and the exponent's offset (a [BLOCK_M] vector) instead
+        # of being spread over the [BLOCK_M, w] scores, which took a pass through shared
+        # memory every block (ncu, H200: the stall at the top of the global kernel's
+        # profile). The next row's rel_h is loaded one ahead.
+        col_in = mask_col & (x0 + col < img_w)  # the slots inside the image, every row
+        if HAS_BIAS:
+            # A window past the image's edge holds Meta's padding, whose key and value are
+            # qkv's bias: they load as zeros, and the bias comes in by the block's constants
+            # instead of a [keys, head_dim] select per row (two of those made the windows
+            # read in place 10% slower than partitioned ones, H200: docs/BENCHMARKS.md,
+            # issue 20, seventeenth session). The scores' q . b_k is one number per query,
+            # folded into rel_w's tile: for the padded columns of every row, and all of a
+            # padded row's (`rw_pad`); the values' b_v is added once at the end, weighted
+            # by the padded keys' share of p.
+            bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
+            bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
+            bk = bias_k.to(q.dtype).to(tl.float32)  # as the padded keys' values were
+            qbk = tl.sum(q.to(tl.float32) * bk[None, :], 1) * QK_SCALE
+            rw_pad = rw + qbk[:, None]
+            pad_col = mask_col & ~col_in
+            rw = tl.where(pad_col[None, :], rw_pad, rw)
+            pad_col_f = pad_col.to(tl.float32)
+            has_pad_col = x0 + grid_w > img_w
+            pad_p = tl.zeros([BLOCK_M], dtype=tl.float32)  # the padded keys' share
+        rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
+        for row in range(0, GRID_H):
+            row_in = y0 + row < img_h
+            offs_n = (y0 + row) * img_w + x0 + col
+            # the row's test as a vector of one value: the interpreter turns a vector and a
+            # scalar mask into int32 (the compiler folds it to the scalar)
+            kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE
+            if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
+                s = s + rw if row_in else s + rw_pad  # a branch: row_in is one number
+            else:
+                s = s + rw
+            rh = rh_next.to(tl.float32) * LOG2E
+            rh_next = tl.load(rh_ptrs - (row + 1), mask=mask_m & (row + 1 < GRID_H), other=0.0)
+            m_new = tl.maximum(m_i, tl.max(s, 1) + rh)
+            p = tl.exp2(s - (m_new - rh)[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p_sum = tl.sum(p, 1)
+            l_i = l_i * alpha + p_sum
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc)
             if HAS_BIAS:
-                # A window past the image's edge holds Meta's padding, whose key and value
-                # are qkv's bias: they load as zeros, and the bias comes in by the block's
-                # constants instead of a [keys, head_dim] select per row (two of those
-                # made the windows read in place 10% slower than partitioned ones, H200:
-                # docs/BENCHMARKS.md, issue 20, seventeenth session). The scores' q . b_k
-                # is one number per query, folded into rel_w's tile: for the padded
-                # columns of every row, and all of a padded row's (`rw_pad`); the values'
-                # b_v is added once at the end, weighted by the padded keys' share of p.
-                bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
-                bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
-                bk = bias_k.to(q.dtype).to(tl.float32)  # as the padded keys' values were
-                qbk = tl.sum(q.to(tl.float32) * bk[None, :], 1) * QK_SCALE
-                rw_pad = rw + qbk[:, None]
-                pad_col = mask_col & ~col_in
-                rw = tl.where(pad_col[None, :], rw_pad, rw)
-                pad_col_f = pad_col.to(tl.float32)
-                has_pad_col = x0 + grid_w > img_w
-                pad_p = tl.zeros([BLOCK_M], dtype=tl.float32)  # the padded keys' share
-            rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
-            for row in range(0, GRID_H):
-                row_in = y0 + row < img_h
-                offs_n = (y0 + row) * img_w + x0 + col
-                # the row's test as a vector of one value: the interpreter turns a vector
-                # and a scalar mask into int32 (the compiler folds it to the scalar)
-                kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
-                k = tl.load(
-                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
-                # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
-                s = tl.dot(q, tl.trans(k)) * QK_SCALE
-                if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
-                    s = s + rw if row_in else s + rw_pad  # a branch: row_in is one number
+                pad_p = pad_p * alpha
+                if row_in:
+                    if has_pad_col:
+                        pad_p += tl.sum(p * pad_col_f[None, :], 1)
                 else:
-                    s = s + rw
-                rh = rh_next.to(tl.float32) * LOG2E
-                rh_next = tl.load(rh_ptrs - (row + 1), mask=mask_m & (row + 1 < GRID_H), other=0.0)
-                m_new = tl.maximum(m_i, tl.max(s, 1) + rh)
-                p = tl.exp2(s - (m_new - rh)[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                p_sum = tl.sum(p, 1)
-                l_i = l_i * alpha + p_sum
-                v = tl.load(
-                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc)
-                if HAS_BIAS:
-                    pad_p = pad_p * alpha
-                    if row_in:
-                        if has_pad_col:
-                            pad_p += tl.sum(p * pad_col_f[None, :], 1)
-                    else:
-                        pad_p += p_sum
-                m_i = m_new
-            if HAS_BIAS:
-                acc += pad_p[:, None] * bias_v.to(q.dtype).to(tl.float32)[None, :]
-        else:
-            if HAS_BIAS:  # a padded token's key and value: this head's slice of qkv's bias
-                bias_k = tl.load(BIAS_K + h * head_dim + offs_d, mask=mask_d, other=0.0)
-                bias_v = tl.load(BIAS_V + h * head_dim + offs_d, mask=mask_d, other=0.0)
-            for row in range(0, GRID_H, ROWS):  # key block = grid rows row .. row + ROWS - 1
-                key_row = row + sub
-                mask_n = mask_col & (key_row < GRID_H)
-                inside = mask_n & (y0 + key_row < img_h) & (x0 + col < img_w)
-                offs_n = (y0 + key_row) * img_w + x0 + col
-                kv_mask = inside[:, None] & mask_d[None, :]
-                k = tl.load(
-                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
-                if HAS_BIAS:
-                    padded = (mask_n & ~inside)[:, None]
-                    k = tl.where(padded, bias_k[None, :].to(k.dtype), k)
-                s = tl.dot(q, tl.trans(k)) * QK_SCALE + rw
-                # rel_h[q, y'] for the block's ROWS rows, each spread over its row's slots
-                block_rows = row + tl.arange(0, ROWS)
-                rh2 = tl.load(
-                    rh_ptrs[:, None] - block_rows[None, :],
-                    mask=mask_m[:, None] & (block_rows < GRID_H)[None, :],
-                    other=0.0,
-                )
-                rh2 = tl.broadcast_to(rh2.to(tl.float32)[:, :, None], (BLOCK_M, ROWS, BLOCK_W))
-                s = s + tl.reshape(rh2, (BLOCK_M, ROWS * BLOCK_W)) * LOG2E
-                if GRID_H % ROWS != 0:  # the last block's rows past the grid
-                    s = tl.where((key_row < GRID_H)[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
-                if HAS_BIAS:
-                    v = tl.where(padded, bias_v[None, :].to(v.dtype), v)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc)
-                m_i = m_new
+                    pad_p += p_sum
+            m_i = m_new
+        if HAS_BIAS:
+            acc += pad_p[:, None] * bias_v.to(q.dtype).to(tl.float32)[None, :]
         acc = acc / l_i[:, None]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -343,8 +296,6 @@ def launch(
     cfg = KernelConfig
     block_m = cfg.block_m
     block_w = max(16, triton.next_power_of_2(grid_w))
-    block_n = cfg.block_n.get(block_w, block_w)
-    rows = max(1, min(block_n // block_w, triton.next_power_of_2(grid_h)))
     head_block = triton.next_power_of_2(max(head_dim, 16))
     maxnreg = cfg.maxnreg.get((block_w, head_block))
     q_blocks = triton.cdiv(n_ctx, block_m)
@@ -359,7 +310,7 @@ def launch(
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
         *(out_strides or (out.stride(0), out.stride(1), out.stride(2))),
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
-        GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw, ROWS=rows,
+        GRID_H=grid_h, BLOCK_W=block_w, PH=ph, PW=pw,
         HEAD_DIM=head_block, BLOCK_M=block_m,
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64

@@ -4,13 +4,15 @@ what one iteration of its loop over key rows costs in instructions, by opcode.
 Why: the kernel is issue-bound (ncu, H200: issue slots 55% busy at three programs an SM,
 the softmax's instructions between `wgmma` waits; docs/BENCHMARKS.md, issue 20's
 thirteenth session), so instructions per key row are what it pays. The windows read in
-place ran 10% slower than partitioned ones; counting showed why before a GPU was asked
-(329 instructions a row against 271: a `[keys, head_dim]` select of qkv's bias into every
-padded key and value; 301 once the padding came in by the block's constants; seventeenth
-session). Triton compiles for `sm_90` here with its own `ptxas`; `cuobjdump` (shipped with
-Triton) gives the SASS. The code is this machine's Triton's: the GPU machine's (3.6.0 in
-2026-11) can be installed beside it (`pip install --target DIR triton==3.6.0`, then
-`PYTHONPATH=DIR:.`) for its exact counts.
+place ran 10% slower than partitioned ones: 222 instructions a row against 179, the
+padding's bias selected into every padded key and value; 206 once it came in by the
+block's constants (226 with the edge windows' branch; seventeenth session). Triton
+compiles for `sm_90` here with its own `ptxas`, specialised as its JIT specialises the
+served tensors (16-byte aligned pointers and strides: the loads then go by asynchronous
+copies, pipelined; unaligned, each thread loads single elements and nothing is
+pipelined); `cuobjdump` (shipped with Triton) gives the SASS. The code is this machine's
+Triton's; the GPU machine's (3.6.0 in 2026-11) can be installed beside it (`pip install
+--target DIR triton==3.6.0`, then `PYTHONPATH=DIR:.`) for its exact counts.
 
     python -m bench.attention_sass
 """
@@ -68,7 +70,10 @@ def compile_for_hopper(shape: Shape) -> Any:
     signature = {n: "*bf16" if n in POINTERS else "i32" for n in names}
     signature |= dict.fromkeys(constants, "constexpr")
     # what the served tensors tell Triton: strides and the head dim multiples of 16
-    divisible = [n for n in names if n.startswith("stride_") and "rp" not in n] + ["head_dim"]
+    # what the JIT tells Triton of the served tensors: 16-byte aligned pointers, strides
+    # and head dim multiples of 16
+    divisible = [n for n in names if n.startswith("stride_") and "rp" not in n]
+    divisible += ["head_dim", *POINTERS]
     source = ASTSource(
         fn,
         signature,
@@ -93,6 +98,12 @@ def sass(compiled: Any) -> str:
         return subprocess.run(
             [str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def async_copies(compiled: Any) -> int:
+    """The loads that go to shared memory by asynchronous copies (Triton's pipelining of
+    the loop's key and value tiles): none means each row waits for its loads."""
+    return int(compiled.asm["ttgir"].count("async_copy_global_to_local"))
 
 
 def loop_opcodes(text: str) -> Counter[str]:
@@ -121,11 +132,11 @@ def main() -> None:
         found = resources(compiled)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
         rows.append({"shape": shape.name, "registers": found["registers"],
-                     "stack_bytes": found["stack_bytes"], "loop": sum(ops.values()),
-                     "opcodes": top})  # fmt: skip
+                     "stack_bytes": found["stack_bytes"], "async_copies": async_copies(compiled),
+                     "loop": sum(ops.values()), "opcodes": top})  # fmt: skip
         print(rows[-1], flush=True)
     print(f"\nTriton {triton.__version__}, sm_90, SAM ViT-B's heads of 64")
-    print_table(rows, ["shape", "registers", "stack_bytes", "loop", "opcodes"])
+    print_table(rows, ["shape", "registers", "stack_bytes", "async_copies", "loop", "opcodes"])
 
 
 if __name__ == "__main__":

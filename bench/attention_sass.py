@@ -20,14 +20,11 @@ Triton's; the GPU machine's (3.6.0 in 2026-11) can be installed beside it (`pip 
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
 from collections import Counter
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench.common import print_table
-from bench.gemm_resources import resources
+from bench.gemm_resources import cuobjdump, resources
 from models.sam.fused_attention import KernelConfig, _kernel
 
 POINTERS = ("Q", "K", "V", "RPH", "RPW", "S", "O", "BIAS_K", "BIAS_V")
@@ -89,15 +86,7 @@ def compile_for_hopper(shape: Shape) -> Any:
 
 
 def sass(compiled: Any) -> str:
-    import triton
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run(
-            [str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    return cuobjdump(compiled, "-sass")
 
 
 def async_copies(compiled: Any) -> int:

@@ -64,18 +64,23 @@ def compile_for_hopper(config: GemmConfig, fmt: str, gelu: bool) -> Any:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(compiled: Any) -> dict[str, Any]:
-    """The `wgmma` shapes in the PTX and the cubin's registers, stack and shared memory."""
+def cuobjdump(compiled: Any, flag: str) -> str:
+    """What Triton's own `cuobjdump` prints for the compiled kernel's cubin with `flag`
+    (`--dump-resource-usage`, `-sass`)."""
     import triton
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        text = subprocess.run(
-            [str(cuobjdump), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+        return subprocess.run(
+            [str(tool), flag, f.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def resources(compiled: Any) -> dict[str, Any]:
+    """The `wgmma` shapes in the PTX and the cubin's registers, stack and shared memory."""
+    text = cuobjdump(compiled, "--dump-resource-usage")
     found = RESOURCES.search(text)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {text[:200]}")

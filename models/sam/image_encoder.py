@@ -127,7 +127,7 @@ class Block(nn.Module):
             size = (x.shape[1], x.shape[2])
             windows, padded = window_partition(x, self.window)
             x = window_unpartition(self.attn(windows), self.window, padded, size)
-            residual = None
+            residual = None  # the projection's rows were the windows': added below
         else:
             x = self.attn(x, residual)
         if residual is None:

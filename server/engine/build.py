@@ -91,6 +91,11 @@ def optimize_options(
         # as good as per-token scales on the CPU (docs/BENCHMARKS.md, issue 20, fifteenth
         # session). Swin keeps per-token scales (`swin_options`): it was not measured so.
         mlp_static=cuda and kind == "int8" and backend == "core",
+        # ... and their attention's output projection adds the block's residual in its
+        # epilogue, where a pass of its own added it: 493.1 / 497.8 img/s against 479.9 /
+        # 484.8 at batch 8 / 16 on an H200, mask IoU 0.9877 against 0.9878
+        # (docs/BENCHMARKS.md, issue 20, thirty-third session)
+        proj_residual=cuda and kind == "int8" and backend == "core",
         gelu_epilogue=gelu_epilogue,
     )
 
@@ -112,7 +117,7 @@ def swin_options(
     own = settings.swin_quantization
     if own != "same" and own != options.quantization:
         options = optimize_options(settings, device, own)
-    options = replace(options, mlp_static=False)
+    options = replace(options, mlp_static=False, proj_residual=False)  # SAM's blocks only
     if settings.precision == "auto" and options.precision == "bf16":
         return replace(options, precision="fp16")
     return options

@@ -35,12 +35,15 @@ def test_int8_on_a_gpu_quantises_in_the_layer_norms() -> None:
     cuda = torch.device("cuda")
     int8 = optimize_options(Settings(quantization="int8"), cuda)
     assert int8.norm_quant and "+int8+lnq" in int8.variant, int8.variant
-    # SAM's MLPs by fixed scales; Swin's per token (measured so)
-    assert int8.mlp_static and int8.variant.startswith("bf16+int8+lnq+static"), int8.variant
+    # SAM's MLPs by fixed scales, its proj adding the residual; Swin's per token (measured
+    # so), and Swin has no `Block.residual_in_proj`
+    assert int8.mlp_static and int8.variant.startswith("bf16+int8+lnq+static+pres"), int8.variant
     swin = swin_options(Settings(quantization="int8"), int8, cuda)
     assert not swin.mlp_static and swin.variant == "fp16+int8+lnq+tanh_gelu", swin.variant
+    assert not swin.proj_residual
     assert not optimize_options(Settings(quantization="int8"), CPU).norm_quant
     assert not optimize_options(Settings(quantization="int8"), CPU).mlp_static
+    assert not optimize_options(Settings(quantization="int8"), CPU).proj_residual
     assert not optimize_options(Settings(quantization="fp8"), cuda).norm_quant
     assert not optimize_options(Settings(), cuda).norm_quant
 

@@ -165,7 +165,7 @@ def test_auto_precision_is_fp16_for_swin_and_bf16_for_sam_on_cuda(monkeypatch):
     monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "none")
     settings = Settings()
     sam = optimize_options(settings, cuda)
-    assert sam.variant == "bf16+int8+lnq+static+tanh_gelu", sam.variant
+    assert sam.variant == "bf16+int8+lnq+static+pres+tanh_gelu", sam.variant
     assert swin_options(settings, sam, cuda).variant == "fp16+tanh_gelu"
     monkeypatch.setenv("SERVE_QUANTIZATION", "none")
     monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "int8")

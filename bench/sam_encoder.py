@@ -393,8 +393,15 @@ def main() -> None:
         help="the int8/fp8 layers' kernel: models/gemm_persistent.py (auto: on Hopper) or "
         "the tile-per-program models/gemm_kernel.py",
     )  # fmt: skip
+    p.add_argument(
+        "--persistent-config", type=int, default=None,
+        help="every int8 layer in this launch shape (an index into models.gemm_persistent's "
+        "SWEEP) in place of `served_config`'s",
+    )  # fmt: skip
     args = p.parse_args()
     gemm_persistent.ENABLED = {"auto": None, "tiled": False, "persistent": True}[args.int8_gemm]
+    if args.persistent_config is not None:
+        gemm_persistent.SERVED = gemm_persistent.SWEEP[args.persistent_config]
     started = time.perf_counter()
     env = environment()
     print(env, flush=True)

@@ -48,6 +48,9 @@ __all__ = [
 # the device, the operands and the shape (`persistent_for`), True / False force it
 # (bench/sam_encoder.py `--int8-gemm`, to compare it with the tile-per-program kernel).
 ENABLED: bool | None = None
+# The launch shape `served_config` gives every served layer in place of its own choice
+# (bench/sam_encoder.py `--persistent-config`, to time the encoder with a shape of SWEEP)
+SERVED: PersistentConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,15 @@ class PersistentConfig:
     num_warps: int = 8
     subtile: bool = True
     warp_specialize: bool = False
+    programs_per_sm: int = 1
+    max_registers: int | None = None
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} "
                 f"w{self.num_warps}{' sub' if self.subtile else ''}"
-                f"{' ws' if self.warp_specialize else ''}")  # fmt: skip
+                f"{' ws' if self.warp_specialize else ''}"
+                f"{f' x{self.programs_per_sm}' if self.programs_per_sm > 1 else ''}"
+                f"{f' r{self.max_registers}' if self.max_registers else ''}")  # fmt: skip
 
 
 # what bench/int8_persistent.py sweeps on the GPU (a config that exceeds shared memory or
@@ -92,9 +99,18 @@ SWEEP: tuple[PersistentConfig, ...] = (
     P(128, 128, 64, 4, 4, True),
     P(128, 256, 128, 3, 8, True, True),
     P(128, 128, 128, 4, 8, True, True),
+    # two programs an SM, one's epilogue beside the other's main loop (sm_90 with Triton
+    # 3.6, compiled here: 8 warps capped at 128 registers spill nothing in halves, and
+    # their 72-96 KiB of shared memory fit twice; 4 warps take 200-253 registers)
+    P(128, 128, 64, 4, 8, True, programs_per_sm=2, max_registers=128),
+    P(128, 128, 128, 2, 8, True, programs_per_sm=2, max_registers=128),
+    P(128, 128, 64, 4, 4, True, programs_per_sm=2),
+    P(128, 128, 128, 2, 4, True, programs_per_sm=2),
+    P(64, 256, 64, 3, 4, True, programs_per_sm=2),
 )
 del P
 INTERPRETER_CONFIG = PersistentConfig(32, 32, 32, 2, 4, True, False)
+PAIRED = PersistentConfig(128, 128, 64, 4, 4, True, programs_per_sm=2)  # `served_config`
 
 
 _tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
@@ -148,13 +164,23 @@ def persistent_for(xq: Tensor, weight: Tensor) -> bool:
     return persistent_supported(xq, weight) is None
 
 
-def served_config(residual: bool, quant_out: bool = False) -> PersistentConfig:
-    """The launch shape the served layers take: 128x256 tiles, K steps of 128, three stages,
-    8 warps, the fastest for every SAM ViT-B product at batch 8 on an H200 (2026-11-29,
-    bench/int8_persistent.py); with a residual to read, the tile stored in two halves (the
-    whole tile's store and residual buffers exceed shared memory at three stages), and so
-    with a quantised output, whose groups are half a tile (`HOP_GROUP`) wide."""
-    return PersistentConfig(128, 256, 128, 3, 8, subtile=residual or quant_out)
+def served_config(
+    residual: bool, quant_out: bool = False, grouped: bool = False
+) -> PersistentConfig:
+    """The launch shape the served layers take: two programs an SM, each 4 warps on 128x128
+    tiles in K steps of 64, four stages, stored in halves (`PAIRED`). One program's epilogue
+    runs while the other's tensor cores work: SAM ViT-B's products at batch 8 on an H200
+    took 0.78x the time of one 8-warp program an SM on 128x256 tiles (qkv 0.148 against
+    0.187 ms, lin1 with GELU 0.236 against 0.301), lin2 with its residual about the same
+    (docs/BENCHMARKS.md, issue 20, thirty-third session). models.mlp_hop's products keep the
+    128x256 tile in halves: a quantised output per row and `HOP_GROUP` columns is stored
+    half a tile wide, and an input `grouped` so sums in fp32, which the paired 4-warp
+    programs spill. `residual` no longer changes the shape (every shape stores in halves)."""
+    if SERVED is not None:
+        return SERVED
+    if quant_out or grouped:
+        return PersistentConfig(128, 256, 128, 3, 8, subtile=True)
+    return PAIRED
 
 
 @functools.cache
@@ -419,7 +445,8 @@ def _launch(
         assert out_inv_scale is not None
         out_scale = out_inv_scale.float().contiguous()
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    programs = min(tiles, _programs(xq.device))
+    programs = min(tiles, _programs(xq.device) * c.programs_per_sm)
+    registers = {"maxnreg": c.max_registers} if c.max_registers else {}
     _kernel()[(programs,)](
         a_desc, b_desc, c_desc, r_desc, x_scale, w_scale,
         bias if bias is not None else w_scale,  # placeholder pointers, never read
@@ -431,6 +458,6 @@ def _launch(
         X_SCALED=x_scaled,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=8,
         SUBTILE=c.subtile, WARP_SPECIALIZE=c.warp_specialize,
-        num_stages=c.num_stages, num_warps=c.num_warps,
+        num_stages=c.num_stages, num_warps=c.num_warps, **registers,
     )  # fmt: skip
     return (out.view(xq.dtype) if quant_out == 1 else out), out_scale

@@ -32,6 +32,7 @@ torch reference (`int8_linear_reference`) relative to the output's largest magni
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -258,8 +259,8 @@ def measure(
                 continue
             try:
                 ms = graphed_ms(
-                    lambda cfg=cfg: launch(xq, xs, wq, ws, bias, None, gelu=gelu,
-                                           out_dtype=torch.bfloat16, config=cfg),
+                    functools.partial(launch, xq, xs, wq, ws, bias, None, gelu=gelu,
+                                      out_dtype=torch.bfloat16, config=cfg),
                     args.reps, args.iters,
                 )  # fmt: skip
             except Exception as exc:  # e.g. out of shared memory for a deep pipeline

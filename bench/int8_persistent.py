@@ -74,7 +74,13 @@ def swin_products(batch: int) -> list[dict[str, Any]]:
              "residual": False, "tanh": r["gelu"]} for r in rows]  # fmt: skip
 
 
-def measure(row: dict[str, Any], configs: list[PersistentConfig], reps: int, iters: int) -> None:
+def measure(
+    row: dict[str, Any],
+    configs: list[PersistentConfig],
+    reps: int,
+    iters: int,
+    packed: bool = False,
+) -> None:
     m, k, n, gelu = row["M"], row["K"], row["N"], row["gelu"]
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16)
@@ -86,6 +92,10 @@ def measure(row: dict[str, Any], configs: list[PersistentConfig], reps: int, ite
         else None
     )
     xq, xs = quantize_rows(x)
+    if packed:  # as models.ln_quant writes it: each row's K bytes, then 16 for its scale
+        rows = torch.zeros(m, k + 16, dtype=torch.int8, device=DEVICE)
+        rows[:, :k] = xq
+        xq = rows[:, :k]
     wq, ws = quantize_rows(w)
     wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
     flops = 2 * m * k * n
@@ -233,6 +243,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--mlp", action="store_true", help="the MLP's forms only (`mlp_forms`)")
+    p.add_argument(
+        "--packed", action="store_true",
+        help="the input's rows K + 16 bytes apart, as the quantising layer norms write them",
+    )  # fmt: skip
     args = p.parse_args()
     env = environment()
     print(env, flush=True)
@@ -251,7 +265,7 @@ def main() -> None:
     else:
         configs = list(SWEEP) if CUDA else [INTERPRETER_CONFIG]
     for row in rows:
-        measure(row, configs, args.reps, args.iters)
+        measure(row, configs, args.reps, args.iters, args.packed)
         row.pop("tanh")
         print(row, flush=True)
     total: dict[str, Any] = {"layer": "block (sum, exact GELU)", "M": "", "K": "", "N": ""}

@@ -398,7 +398,16 @@ def main() -> None:
         help="every int8 layer in this launch shape (an index into models.gemm_persistent's "
         "SWEEP) in place of `served_config`'s",
     )  # fmt: skip
+    p.add_argument(
+        "--pack-pad", type=int, default=None,
+        help="bytes after each packed quantised row (models.ln_quant.PACK_PAD, 16): e.g. 128 "
+        "for rows 128-byte aligned, as TMA's boxes would want them",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.pack_pad is not None:
+        from models import ln_quant
+
+        ln_quant.PACK_PAD = args.pack_pad  # read at each call: models.ln_quant's layers
     gemm_persistent.ENABLED = {"auto": None, "tiled": False, "persistent": True}[args.int8_gemm]
     if args.persistent_config is not None:
         gemm_persistent.SERVED = gemm_persistent.SWEEP[args.persistent_config]

@@ -110,7 +110,6 @@ SWEEP: tuple[PersistentConfig, ...] = (
 )
 del P
 INTERPRETER_CONFIG = PersistentConfig(32, 32, 32, 2, 4, True, False)
-PAIRED = PersistentConfig(128, 128, 64, 4, 4, True, programs_per_sm=2)  # `served_config`
 
 
 _tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
@@ -164,23 +163,21 @@ def persistent_for(xq: Tensor, weight: Tensor) -> bool:
     return persistent_supported(xq, weight) is None
 
 
-def served_config(
-    residual: bool, quant_out: bool = False, grouped: bool = False
-) -> PersistentConfig:
-    """The launch shape the served layers take: two programs an SM, each 4 warps on 128x128
-    tiles in K steps of 64, four stages, stored in halves (`PAIRED`). One program's epilogue
-    runs while the other's tensor cores work: SAM ViT-B's products at batch 8 on an H200
-    took 0.78x the time of one 8-warp program an SM on 128x256 tiles (qkv 0.148 against
-    0.187 ms, lin1 with GELU 0.236 against 0.301), lin2 with its residual about the same
-    (docs/BENCHMARKS.md, issue 20, thirty-third session). models.mlp_hop's products keep the
-    128x256 tile in halves: a quantised output per row and `HOP_GROUP` columns is stored
-    half a tile wide, and an input `grouped` so sums in fp32, which the paired 4-warp
-    programs spill. `residual` no longer changes the shape (every shape stores in halves)."""
+def served_config(residual: bool, quant_out: bool = False) -> PersistentConfig:
+    """The launch shape the served layers take: 128x256 tiles, K steps of 128, three stages,
+    8 warps, the fastest for every SAM ViT-B product at batch 8 on an H200 (2026-11-29,
+    bench/int8_persistent.py); with a residual to read, the tile stored in two halves (the
+    whole tile's store and residual buffers exceed shared memory at three stages), and so
+    with a quantised output, whose groups are half a tile (`HOP_GROUP`) wide.
+
+    Not two programs an SM (SWEEP's `x2` shapes): alone on inputs laid out one row after
+    another they ran SAM's K = 768 products in 0.76-0.79x the time, but on the packed rows
+    the quantising norms write (K + 16 bytes apart, so TMA's 64-byte boxes straddle sectors)
+    in 1.04-1.16x, and the int8 encoder ran 458.0 / 461.9 img/s against 483.8 / 489.4 with
+    this shape (H200, docs/BENCHMARKS.md, issue 20, thirty-third session)."""
     if SERVED is not None:
         return SERVED
-    if quant_out or grouped:
-        return PersistentConfig(128, 256, 128, 3, 8, subtile=True)
-    return PAIRED
+    return PersistentConfig(128, 256, 128, 3, 8, subtile=residual or quant_out)
 
 
 @functools.cache

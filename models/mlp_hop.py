@@ -154,10 +154,9 @@ def linear_from_groups(
     `weight^T`, + bias + residual, as `out_dtype`."""
     if _kernel_runs(weight):
         if persistent_for(q, weight):
-            config = served_config(residual is not None, grouped=True)
             return launch_persistent(q, group_scale, weight, w_scale, bias, residual,
                                      out_dtype=out_dtype, group_k=HOP_GROUP,
-                                     config=config)  # fmt: skip
+                                     config=served_config(residual is not None))  # fmt: skip
         return launch(q, group_scale, weight, w_scale, bias, residual, out_dtype=out_dtype,
                       group_k=HOP_GROUP)  # fmt: skip
     return linear_from_groups_reference(q, group_scale, weight, w_scale, bias, residual, out_dtype)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from models.fp8_gemm import FP8, FP8_MAX, fp8_linear, quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import epilogue_reference, int8_linear, quantize_rows
 from models.int8_gptq import gptq_int8
-from models.ln_quant import PACK_PAD, packed_linear
+from models.ln_quant import packed_linear
 from models.mlp_hop import linear_from_groups, linear_to_groups
 from models.mlp_static import linear_from_static, linear_to_static, quantize_static
 
@@ -171,7 +171,7 @@ class DynamicQuantLinear(nn.Module):
         lead = x.shape[:-1]
         packed = x.dtype == torch.int8  # by a QuantizingLayerNorm (models.ln_quant)
         if packed:
-            xq, x_scale = x.reshape(-1, self.in_features + PACK_PAD), None
+            xq, x_scale = x.reshape(-1, x.shape[-1]), None  # K + ln_quant.PACK_PAD bytes
         elif self.kind == "fp8":
             xq, x_scale = quantize_rows_fp8(x.reshape(-1, self.in_features))
         else:

@@ -170,11 +170,12 @@ def served_config(residual: bool, quant_out: bool = False) -> PersistentConfig:
     whole tile's store and residual buffers exceed shared memory at three stages), and so
     with a quantised output, whose groups are half a tile (`HOP_GROUP`) wide.
 
-    Not two programs an SM (SWEEP's `x2` shapes): alone on inputs laid out one row after
-    another they ran SAM's K = 768 products in 0.76-0.79x the time, but on the packed rows
-    the quantising norms write (K + 16 bytes apart, so TMA's 64-byte boxes straddle sectors)
-    in 1.04-1.16x, and the int8 encoder ran 458.0 / 461.9 img/s against 483.8 / 489.4 with
-    this shape (H200, docs/BENCHMARKS.md, issue 20, thirty-third session)."""
+    Not two programs an SM (SWEEP's `x2` shapes): on inputs laid out one row after another
+    they ran SAM's K = 768 products in 0.74-0.79x the time, but on the packed rows the
+    quantising norms write (K + 16 bytes apart: likely each TMA box row straddles one more
+    sector) in 1.15-1.24x the whole 128x256 tile's, and the int8 encoder ran 458.0 / 461.9
+    img/s against 483.8 / 489.4 with this shape (H200, docs/BENCHMARKS.md, issue 20,
+    thirty-third session)."""
     if SERVED is not None:
         return SERVED
     return PersistentConfig(128, 256, 128, 3, 8, subtile=residual or quant_out)

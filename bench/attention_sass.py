@@ -33,16 +33,19 @@ _BACK = re.compile(r"\bBRA\s+(?:`\()?(?:0x)?([0-9a-f]+)")
 
 
 class Shape(NamedTuple):
-    """One served launch of ViT-B's attention (heads of 64): the grid a block attends over
-    and whether qkv's bias stands for the padded tokens (windows read in place)."""
+    """One served launch of ViT-B's attention (heads of 64): the grid a block attends over,
+    whether qkv's bias stands for the padded tokens (windows read in place) and whether
+    the key rows load without masks (`fused_attention.DENSE_ROWS`, the global grid)."""
 
     name: str
     grid: int  # the attended grid's side: 64 global, 14 a window
     bias: bool
+    dense: bool = False
 
 
 SHAPES = [
     Shape("global (64x64, cap)", 64, False),
+    Shape("global, rows without masks", 64, False, True),
     Shape("window in place", 14, True),
     Shape("window partitioned", 14, False),
 ]
@@ -62,7 +65,7 @@ def compile_for_hopper(shape: Shape) -> Any:
     constants = {
         "GRID_H": shape.grid, "BLOCK_W": block_w, "PH": tables, "PW": tables, "HEAD_DIM": 64,
         "BLOCK_M": KernelConfig.block_m, "QK_SCALE": 64**-0.5 * 1.4426950408889634,
-        "HAS_BIAS": shape.bias,
+        "HAS_BIAS": shape.bias, "DENSE": shape.dense,
     }  # fmt: skip
     signature = {n: "*bf16" if n in POINTERS else "i32" for n in names}
     signature |= dict.fromkeys(constants, "constexpr")

@@ -40,7 +40,7 @@ from models import gemm_persistent
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
-from models.sam import SAM_CONFIGS, PromptSet, Sam, load_sam, pack_prompts
+from models.sam import SAM_CONFIGS, PromptSet, Sam, fused_attention, load_sam, pack_prompts
 from models.sam import transforms as tf
 from models.sam.image_encoder import Block
 
@@ -403,7 +403,13 @@ def main() -> None:
         help="bytes after each packed quantised row (models.ln_quant.PACK_PAD, 16): e.g. 128 "
         "for rows 128-byte aligned, as TMA's boxes would want them",
     )  # fmt: skip
+    p.add_argument(
+        "--attention-dense", action="store_true",
+        help="the global blocks' key rows loaded without masks (models.sam.fused_attention's "
+        "DENSE_ROWS)",
+    )  # fmt: skip
     args = p.parse_args()
+    fused_attention.DENSE_ROWS = args.attention_dense
     if args.pack_pad is not None:
         from models import ln_quant
 

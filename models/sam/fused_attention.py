@@ -78,6 +78,29 @@ class KernelConfig:
     maxnreg: ClassVar[dict[tuple[int, int], int]] = {(64, 64): 168}
 
 
+# Whether `launch` loads the key rows without masks where every slot holds a key inside
+# the image (`dense_rows`: the global blocks). Compiled for sm_90 with Triton 3.6.0 the
+# global kernel's loop over key rows falls from 368 instructions to 341, its 12 selects and
+# the predicates' arithmetic gone, no spills (`python -m bench.attention_sass`); not yet
+# timed on a GPU, so off (bench/sam_encoder.py `--attention-dense` turns it on).
+DENSE_ROWS = False
+
+
+def dense_rows(
+    grid: tuple[int, int], image: tuple[int, int], head_dim: int, block_w: int, block_m: int
+) -> bool:
+    """Every load of the kernel's loop in bounds: the windows tile the image exactly, a
+    key row fills its BLOCK_W slots, the head its HEAD_DIM and the queries their blocks."""
+    (grid_h, grid_w), (img_h, img_w) = grid, image
+    return (
+        img_h % grid_h == 0
+        and img_w % grid_w == 0
+        and block_w == grid_w
+        and head_dim in (16, 32, 64, 128, 256)
+        and (grid_h * grid_w) % block_m == 0
+    )
+
+
 @functools.cache
 def _kernel() -> Any:
     """Build the kernel on first use, so importing this module never needs Triton."""
@@ -95,7 +118,7 @@ def _kernel() -> Any:
         heads, n_ctx, head_dim, grid_w, img_h, img_w, q_blocks,
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr = False,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
         # The attention grid (GRID_H x grid_w) is one window of an img_h x img_w grid of
@@ -197,9 +220,13 @@ def _kernel() -> Any:
             # the row's test as a vector of one value: the interpreter turns a vector and a
             # scalar mask into int32 (the compiler folds it to the scalar)
             kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
-            k = tl.load(
-                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
-            )
+            if DENSE:
+                k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
+            else:
+                k = tl.load(
+                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
             # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
             s = tl.dot(q, tl.trans(k)) * QK_SCALE
             if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
@@ -213,9 +240,13 @@ def _kernel() -> Any:
             alpha = tl.exp2(m_i - m_new)
             p_sum = tl.sum(p, 1)
             l_i = l_i * alpha + p_sum
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-            )
+            if DENSE:
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            else:
+                v = tl.load(
+                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+                    other=0.0,
+                )  # fmt: skip
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
             if HAS_BIAS:
@@ -299,6 +330,7 @@ def launch(
     head_block = triton.next_power_of_2(max(head_dim, 16))
     maxnreg = cfg.maxnreg.get((block_w, head_block))
     q_blocks = triton.cdiv(n_ctx, block_m)
+    dense = DENSE_ROWS and dense_rows((grid_h, grid_w), (img_h, img_w), head_dim, block_w, block_m)
     launch_grid = (windows * q_blocks, B * heads)
     kernel = torch.library.wrap_triton(_kernel()) if traced else _kernel()
     kernel[launch_grid](
@@ -315,6 +347,7 @@ def launch(
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
+        DENSE=dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

@@ -96,7 +96,8 @@ def dense_rows(
         img_h % grid_h == 0
         and img_w % grid_w == 0
         and block_w == grid_w
-        and head_dim in (16, 32, 64, 128, 256)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0  # HEAD_DIM, the next power of two, is head_dim
         and (grid_h * grid_w) % block_m == 0
     )
 

@@ -25,7 +25,7 @@ def test_the_window_loops_are_pipelined_and_found_in_the_sass() -> None:
     assert loops[False] < loops[True] < 1.3 * loops[False], loops
 
 
-def test_global_rows_without_masks_drop_instructions_and_spill_nothing() -> None:
+def test_global_rows_without_masks_drop_instructions_and_spill_no_more() -> None:
     """The global grid's key rows fill their slots, so they may load without masks
     (`fused_attention.DENSE_ROWS`): fewer instructions a key row, still pipelined, and no
     more stack under the 168-register cap (Triton 3.6.0, the GPU machine's: 341 against

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import copy
 import os
 import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
-from models import gemm_persistent
+from models import gemm_persistent, ln_quant
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
@@ -56,7 +58,8 @@ def _variant(name: str) -> OptimizeOptions:
     output handed to lin2 quantised (models.mlp_hop), `-static` by fixed per-channel scales
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
-    epilogue (models.quantize.GeluLinear, what the service runs on CUDA)."""
+    epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
+    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -102,6 +105,12 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-compile-triton-win",  # lin2's input by fixed scales
         "bf16-gelu-int8-lnq-static-compile-triton-win-parted",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win",  # proj adds the residual
+        # `runtime_knobs`' switches, each beside the variant it changes
+        "bf16-gelu-compile-triton-win-dense",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-x2",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128-x2",
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
@@ -116,6 +125,32 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-aot-triton-win",  # ... with SERVE_ATTENTION=triton: the kernel packaged
     ]
 }
+
+
+# `-x2`: two persistent-GEMM programs an SM, 4 warps on 128x128 tiles in K steps of 64 (the
+# fastest paired shape on contiguous rows, docs/BENCHMARKS.md, issue 20, eighteenth session)
+PAIRED = gemm_persistent.PersistentConfig(128, 128, 64, 4, 4, True, programs_per_sm=2)
+
+
+@contextlib.contextmanager
+def runtime_knobs(name: str) -> Iterator[None]:
+    """A variant's switches that live in module globals and are read at each launch, set for
+    the whole of its run (compile, capture, timing, fidelity) and put back after, so that
+    variants with and without them compare in one process on one machine: `-dense` the
+    global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-pad128`
+    the quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
+    (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`)."""
+    parts = name.split("-")
+    saved = fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED
+    fused_attention.DENSE_ROWS = "dense" in parts
+    if "pad128" in parts:
+        ln_quant.PACK_PAD = 128
+    if "x2" in parts:
+        gemm_persistent.SERVED = PAIRED
+    try:
+        yield
+    finally:
+        fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED = saved
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:
@@ -398,22 +433,7 @@ def main() -> None:
         help="every int8 layer in this launch shape (an index into models.gemm_persistent's "
         "SWEEP) in place of `served_config`'s",
     )  # fmt: skip
-    p.add_argument(
-        "--pack-pad", type=int, default=None,
-        help="bytes after each packed quantised row (models.ln_quant.PACK_PAD, 16): e.g. 128 "
-        "for rows 128-byte aligned, as TMA's boxes would want them",
-    )  # fmt: skip
-    p.add_argument(
-        "--attention-dense", action="store_true",
-        help="the global blocks' key rows loaded without masks (models.sam.fused_attention's "
-        "DENSE_ROWS)",
-    )  # fmt: skip
     args = p.parse_args()
-    fused_attention.DENSE_ROWS = args.attention_dense
-    if args.pack_pad is not None:
-        from models import ln_quant
-
-        ln_quant.PACK_PAD = args.pack_pad  # read at each call: models.ln_quant's layers
     gemm_persistent.ENABLED = {"auto": None, "tiled": False, "persistent": True}[args.int8_gemm]
     if args.persistent_config is not None:
         gemm_persistent.SERVED = gemm_persistent.SWEEP[args.persistent_config]
@@ -441,17 +461,18 @@ def main() -> None:
             print(f"budget spent: skipping {name}", flush=True)
             continue
         try:
-            rows += run_variant(
-                args.static,
-                name,
-                base,
-                photos,
-                fid,
-                ref_embed,
-                ref_masks,
-                args.batch_sizes,
-                args.iters,
-            )
+            with runtime_knobs(name):
+                rows += run_variant(
+                    args.static,
+                    name,
+                    base,
+                    photos,
+                    fid,
+                    ref_embed,
+                    ref_masks,
+                    args.batch_sizes,
+                    args.iters,
+                )
         except Exception as exc:  # report and go on: one broken variant must not lose the rest
             print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc()  # where: a GPU call's log is all there is to read

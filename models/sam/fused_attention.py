@@ -82,7 +82,7 @@ class KernelConfig:
 # the image (`dense_rows`: the global blocks). Compiled for sm_90 with Triton 3.6.0 the
 # global kernel's loop over key rows falls from 368 instructions to 341, its 12 selects and
 # the predicates' arithmetic gone, no spills (`python -m bench.attention_sass`); not yet
-# timed on a GPU, so off (bench/sam_encoder.py `--attention-dense` turns it on).
+# timed on a GPU, so off (bench/sam_encoder.py's `-dense` variants turn it on).
 DENSE_ROWS = False
 
 

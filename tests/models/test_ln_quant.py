@@ -168,7 +168,7 @@ def test_sam_encoder_blocks_take_their_input_quantised_through_window_padding(
 ) -> None:
     """SAM's windowed block pads the normed grid (16 -> 18 for windows of 6): padded packed
     rows are zeros, whose scale 0 gives the bias, as a zero float row does. Rows 128 bytes
-    longer (bench/sam_encoder.py `--pack-pad 128`, rows TMA's boxes find aligned) change
+    longer (bench/sam_encoder.py's `-pad128` variants, rows TMA's boxes find aligned) change
     nothing either."""
     monkeypatch.setattr(ln_quant, "PACK_PAD", pad)
     images = torch.randn(2, 3, 256, 256, generator=torch.Generator().manual_seed(2))

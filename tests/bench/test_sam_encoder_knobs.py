@@ -1,0 +1,27 @@
+"""bench.sam_encoder's runtime switches: a variant's module globals hold for its whole run
+and are put back after, so variants with and without them compare in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sam_encoder import PAIRED, VARIANTS, _variant, runtime_knobs
+from models import gemm_persistent, ln_quant
+from models.gemm_persistent import SWEEP
+from models.sam import fused_attention
+
+
+def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
+    name = "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128-x2"
+    assert name in VARIANTS
+    # the switches leave the model's options alone: the same variant name for clients
+    assert _variant(name) == _variant("bf16-gelu-int8-lnq-static-pres-compile-triton-win")
+    before = fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED
+    with runtime_knobs(name):
+        assert ln_quant.PACK_PAD == 128 and gemm_persistent.SERVED == PAIRED
+        assert not fused_attention.DENSE_ROWS
+    with pytest.raises(RuntimeError), runtime_knobs("bf16-gelu-compile-triton-win-dense"):
+        assert fused_attention.DENSE_ROWS and ln_quant.PACK_PAD == 16
+        raise RuntimeError("a variant that fails still puts them back")
+    assert before == (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED)
+    assert PAIRED in SWEEP  # a shape the products' sweep times too

@@ -218,16 +218,17 @@ def _kernel() -> Any:
         for row in range(0, GRID_H):
             row_in = y0 + row < img_h
             offs_n = (y0 + row) * img_w + x0 + col
-            # the row's test as a vector of one value: the interpreter turns a vector and a
-            # scalar mask into int32 (the compiler folds it to the scalar)
-            kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
-            if DENSE:
-                k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
+            if DENSE:  # every slot a key inside the image: no masks
+                kv_mask, kv_other = None, None
             else:
-                k = tl.load(
-                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
+                # the row's test as a vector of one value: the interpreter turns a vector
+                # and a scalar mask into int32 (the compiler folds it to the scalar)
+                kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
+                kv_other = 0.0
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                other=kv_other,
+            )  # fmt: skip
             # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
             s = tl.dot(q, tl.trans(k)) * QK_SCALE
             if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
@@ -241,13 +242,10 @@ def _kernel() -> Any:
             alpha = tl.exp2(m_i - m_new)
             p_sum = tl.sum(p, 1)
             l_i = l_i * alpha + p_sum
-            if DENSE:
-                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
-            else:
-                v = tl.load(
-                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
-                    other=0.0,
-                )  # fmt: skip
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+                other=kv_other,
+            )  # fmt: skip
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
             if HAS_BIAS:

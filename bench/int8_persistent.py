@@ -46,6 +46,7 @@ from models.gemm_persistent import (
     served_config,
 )
 from models.int8_gemm import int8_linear_reference, launch, quantize_rows
+from models.ln_quant import pack_rows
 
 
 def sam_products(batch: int, tokens: dict[str, int]) -> list[dict[str, Any]]:
@@ -92,10 +93,8 @@ def measure(
         else None
     )
     xq, xs = quantize_rows(x)
-    if packed:  # as models.ln_quant writes it: each row's K bytes, then 16 for its scale
-        rows = torch.zeros(m, k + 16, dtype=torch.int8, device=DEVICE)
-        rows[:, :k] = xq
-        xq = rows[:, :k]
+    if packed:  # as the quantising norms write it: each row's K bytes, then its scale
+        xq = pack_rows(xq, xs)[:, :k]
     wq, ws = quantize_rows(w)
     wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
     flops = 2 * m * k * n
@@ -245,7 +244,8 @@ def main() -> None:
     p.add_argument("--mlp", action="store_true", help="the MLP's forms only (`mlp_forms`)")
     p.add_argument(
         "--packed", action="store_true",
-        help="the input's rows K + 16 bytes apart, as the quantising layer norms write them",
+        help="the input's rows K + 16 bytes apart, as the quantising layer norms write them "
+        "(models.ln_quant.pack_rows)",
     )  # fmt: skip
     args = p.parse_args()
     env = environment()

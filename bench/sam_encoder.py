@@ -139,16 +139,25 @@ def runtime_knobs(name: str) -> Iterator[None]:
     variants with and without them compare in one process on one machine: `-dense` the
     global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-pad128`
     the quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
-    (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`)."""
+    (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`).
+
+    The pad changes the quantising norm's output width, which the compiled graph's size
+    asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
+    fake outputs, so a padded variant would load the unpadded variant's code (seen on the
+    H200: `stride 896==784`). They are off for such a variant's run."""
     parts = name.split("-")
     saved = fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED
     fused_attention.DENSE_ROWS = "dense" in parts
+    caches = contextlib.ExitStack()
     if "pad128" in parts:
         ln_quant.PACK_PAD = 128
+        caches.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+        caches.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     if "x2" in parts:
         gemm_persistent.SERVED = PAIRED
     try:
-        yield
+        with caches:
+            yield
     finally:
         fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED = saved
 

@@ -25,3 +25,25 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
         raise RuntimeError("a variant that fails still puts them back")
     assert before == (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED)
     assert PAIRED in SWEEP  # a shape the products' sweep times too
+
+
+def test_a_padded_variant_compiles_its_own_width_not_the_cached_one() -> None:
+    """Inductor's cache keys the graph, not the norm's fake output width: without the
+    knobs turning it off, the second compile loads the first's size asserts (seen on the
+    H200 as `stride 896==784`)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 32)
+
+    def packed_width(name: str) -> int:
+        torch._dynamo.reset()
+        with runtime_knobs(name):
+            norm = ln_quant.QuantizingLayerNorm(nn.LayerNorm(32), fp8=False)
+            return torch.compile(norm)(x).shape[-1]
+
+    base = "bf16-gelu-int8-lnq-static-pres-compile-triton-win"
+    assert packed_width(base) == 32 + 16
+    assert packed_width(f"{base}-pad128") == 32 + 128
+    torch._dynamo.reset()

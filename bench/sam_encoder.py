@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import copy
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -59,7 +60,7 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`) may follow."""
+    `runtime_knobs` reads (`-dense`, `-rowdot`, `-pad128`, `-x2`, `-lnRxW`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -107,7 +108,14 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win",  # proj adds the residual
         # `runtime_knobs`' switches, each beside the variant it changes
         "bf16-gelu-compile-triton-win-dense",
+        "bf16-gelu-compile-triton-win-rowdot",
+        "bf16-gelu-compile-triton-win-dense-rowdot",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-rowdot",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense-rowdot",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln1x1",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln8x8",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-x2",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128-x2",
@@ -137,17 +145,25 @@ def runtime_knobs(name: str) -> Iterator[None]:
     """A variant's switches that live in module globals and are read at each launch, set for
     the whole of its run (compile, capture, timing, fidelity) and put back after, so that
     variants with and without them compare in one process on one machine: `-dense` the
-    global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-pad128`
-    the quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
-    (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`).
+    global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-rowdot`
+    its row sums on the tensor cores (`fused_attention.ROWSUM_DOT`), `-pad128` the
+    quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
+    (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`),
+    `-lnRxW` the quantising norm's launch in R rows a program and W warps
+    (`ln_quant.SHAPE`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
     fake outputs, so a padded variant would load the unpadded variant's code (seen on the
     H200: `stride 896==784`). They are off for such a variant's run."""
     parts = name.split("-")
-    saved = fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED
+    saved = (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
+             gemm_persistent.SERVED, ln_quant.SHAPE)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
+    fused_attention.ROWSUM_DOT = "rowdot" in parts
+    for part in parts:
+        if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
+            ln_quant.SHAPE = int(shape[1]), int(shape[2])
     caches = contextlib.ExitStack()
     if "pad128" in parts:
         ln_quant.PACK_PAD = 128
@@ -159,7 +175,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
         with caches:
             yield
     finally:
-        fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED = saved
+        (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
+         gemm_persistent.SERVED, ln_quant.SHAPE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

@@ -116,6 +116,18 @@ def _kernel() -> Any:
     return layer_norm_quant_kernel
 
 
+# (rows a program, warps) for every launch in place of `launch_shape`'s, when set
+# (bench/ln_quant_sweep.py times the shapes against each other)
+SHAPE: tuple[int, int] | None = None
+
+
+def launch_shape(block_c: int) -> tuple[int, int]:
+    """Rows a program and its warps: about 4K values a program, 4 warps."""
+    if SHAPE is not None:
+        return SHAPE
+    return max(1, min(16, 4096 // block_c)), 4
+
+
 def launch_layer_norm_quant(
     x: Tensor, weight: Tensor, bias: Tensor, eps: float, fp8: bool
 ) -> Tensor:
@@ -128,10 +140,10 @@ def launch_layer_norm_quant(
     if m == 0:
         return out
     block_c = triton.next_power_of_2(c)
-    rows = max(1, min(16, 4096 // block_c))  # ~4K values per program
+    rows, warps = launch_shape(block_c)
     _kernel()[(triton.cdiv(m, rows),)](
         x, weight.contiguous(), bias.contiguous(), out, m, c, x.stride(0), out.stride(0), eps,
-        IS_FP8=fp8, BLOCK_C=block_c, ROWS=rows, num_warps=4,
+        IS_FP8=fp8, BLOCK_C=block_c, ROWS=rows, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -42,7 +42,6 @@ class Shape(NamedTuple):
     bias: bool
     dense: bool = False
     rowsum_dot: bool = False
-    pipe_qk: bool = False
 
 
 SHAPES = [
@@ -50,10 +49,6 @@ SHAPES = [
     Shape("global, rows without masks", 64, False, True),
     Shape("global, sums on the tensor cores", 64, False, False, True),
     Shape("global, without masks, sums on the tensor cores", 64, False, True, True),
-    Shape("global, scores a row ahead", 64, False, False, False, True),
-    Shape(
-        "global, without masks, sums on the tensor cores, a row ahead", 64, False, True, True, True
-    ),
     Shape("window in place", 14, True),
     Shape("window partitioned", 14, False),
 ]
@@ -74,7 +69,7 @@ def compile_for_hopper(shape: Shape) -> Any:
         "GRID_H": shape.grid, "BLOCK_W": block_w, "PH": tables, "PW": tables, "HEAD_DIM": 64,
         "BLOCK_M": KernelConfig.block_m, "QK_SCALE": 64**-0.5 * 1.4426950408889634,
         "HAS_BIAS": shape.bias, "DENSE": shape.dense,
-        "ROWSUM_DOT": shape.rowsum_dot, "PIPE_QK": shape.pipe_qk,
+        "ROWSUM_DOT": shape.rowsum_dot,
     }  # fmt: skip
     signature = {n: "*bf16" if n in POINTERS else "i32" for n in names}
     signature |= dict.fromkeys(constants, "constexpr")

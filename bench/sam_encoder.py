@@ -60,7 +60,7 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-rowdot`, `-pipe`, `-pad128`, `-x2`, `-lnRxW`) may follow."""
+    `runtime_knobs` reads (`-dense`, `-rowdot`, `-pad128`, `-x2`, `-lnRxW`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -113,8 +113,6 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-rowdot",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense-rowdot",
-        "bf16-gelu-compile-triton-win-dense-rowdot-pipe",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense-rowdot-pipe",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln1x1",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln8x8",
@@ -148,8 +146,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     the whole of its run (compile, capture, timing, fidelity) and put back after, so that
     variants with and without them compare in one process on one machine: `-dense` the
     global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-rowdot`
-    its row sums on the tensor cores (`fused_attention.ROWSUM_DOT`), `-pipe` its scores a
-    key row ahead (`fused_attention.PIPE_QK`), `-pad128` the
+    its row sums on the tensor cores (`fused_attention.ROWSUM_DOT`), `-pad128` the
     quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
     (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`),
     `-lnRxW` the quantising norm's launch in R rows a program and W warps
@@ -160,9 +157,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     fake outputs, so a padded variant would load the unpadded variant's code (seen on the
     H200: `stride 896==784`). They are off for such a variant's run."""
     parts = name.split("-")
-    saved = (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, fused_attention.PIPE_QK,
-             ln_quant.PACK_PAD, gemm_persistent.SERVED, ln_quant.SHAPE)  # fmt: skip
-    fused_attention.PIPE_QK = "pipe" in parts
+    saved = (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
+             gemm_persistent.SERVED, ln_quant.SHAPE)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     fused_attention.ROWSUM_DOT = "rowdot" in parts
     for part in parts:
@@ -179,8 +175,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
         with caches:
             yield
     finally:
-        (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, fused_attention.PIPE_QK,
-         ln_quant.PACK_PAD, gemm_persistent.SERVED, ln_quant.SHAPE) = saved  # fmt: skip
+        (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
+         gemm_persistent.SERVED, ln_quant.SHAPE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

@@ -89,10 +89,6 @@ DENSE_ROWS = False
 # global blocks, partitioned windows); not yet timed on a GPU, so off (bench/sam_encoder.py's
 # `-rowdot` variants turn it on).
 ROWSUM_DOT = False
-# Whether `launch` computes the global blocks' scores one key row ahead (`PIPE_QK`), so the
-# tensor cores' next product overlaps this row's softmax; not yet timed on a GPU, so off
-# (bench/sam_encoder.py's `-pipe` variants turn it on).
-PIPE_QK = False
 
 
 def dense_rows(
@@ -111,32 +107,11 @@ def dense_rows(
     )
 
 
-_key_row: Any = None  # the kernel's helper, set when the kernel is built
-
-
 @functools.cache
 def _kernel() -> Any:
     """Build the kernel on first use, so importing this module never needs Triton."""
     import triton
     import triton.language as tl
-
-    # a module global: Triton (its interpreter too) resolves a kernel's callees among its
-    # module's globals
-    global _key_row
-
-    @triton.jit
-    def _key_row(k_base, y0, x0, row, img_h, img_w, col, col_in, offs_d, mask_d, stride_kn,
-                 DENSE: tl.constexpr):  # fmt: skip
-        """Key row `row` of the window at (y0, x0): `[BLOCK_W, HEAD_DIM]`, zeros where a slot
-        holds no key inside the image (no masks where `DENSE`)."""
-        offs_n = (y0 + row) * img_w + x0 + col
-        ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-        if DENSE:
-            return tl.load(ptrs)
-        # the row's test as a vector of one value: the interpreter turns a vector and a
-        # scalar mask into int32 (the compiler folds it to the scalar)
-        mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
-        return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
     def rel_pos_flash_fwd(
@@ -150,7 +125,7 @@ def _kernel() -> Any:
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr = False,
-        ROWSUM_DOT: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
+        ROWSUM_DOT: tl.constexpr = False,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
         # The attention grid (GRID_H x grid_w) is one window of an img_h x img_w grid of
@@ -254,30 +229,6 @@ def _kernel() -> Any:
             has_pad_col = x0 + grid_w > img_w
             pad_p = tl.zeros([BLOCK_M], dtype=tl.float32)  # the padded keys' share
         rh_next = tl.load(rh_ptrs, mask=mask_m, other=0.0)
-        tl.static_assert(not (PIPE_QK and HAS_BIAS), "the scores one row ahead: global only")
-        if PIPE_QK:
-            # the scores one key row ahead: row r + 1's q . k goes to the tensor cores
-            # before row r's softmax, so the two overlap (FlashAttention-3's overlap within
-            # a warpgroup); the last row computes a copy of itself, not used
-            qk_next = tl.dot(
-                q,
-                tl.trans(
-                    _key_row(
-                        k_base,
-                        y0,
-                        x0,
-                        0,
-                        img_h,
-                        img_w,
-                        col,
-                        col_in,
-                        offs_d,
-                        mask_d,
-                        stride_kn,
-                        DENSE,
-                    )
-                ),
-            )
         for row in range(0, GRID_H):
             row_in = y0 + row < img_h
             offs_n = (y0 + row) * img_w + x0 + col
@@ -288,50 +239,12 @@ def _kernel() -> Any:
                 # and a scalar mask into int32 (the compiler folds it to the scalar)
                 kv_mask = (col_in & (y0 + row + 0 * col < img_h))[:, None] & mask_d[None, :]
                 kv_other = 0.0
-            if PIPE_QK:
-                qk = qk_next
-                ahead = tl.minimum(row + 1, GRID_H - 1)
-                qk_next = tl.dot(
-                    q,
-                    tl.trans(
-                        _key_row(
-                            k_base,
-                            y0,
-                            x0,
-                            ahead,
-                            img_h,
-                            img_w,
-                            col,
-                            col_in,
-                            offs_d,
-                            mask_d,
-                            stride_kn,
-                            DENSE,
-                        )
-                    ),
-                )
-            else:
-                qk = tl.dot(
-                    q,
-                    tl.trans(
-                        _key_row(
-                            k_base,
-                            y0,
-                            x0,
-                            row,
-                            img_h,
-                            img_w,
-                            col,
-                            col_in,
-                            offs_d,
-                            mask_d,
-                            stride_kn,
-                            DENSE,
-                        )
-                    ),
-                )
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                other=kv_other,
+            )  # fmt: skip
             # log2 units: scale * log2(e) folded in; rel_w added here, the same every row
-            s = qk * QK_SCALE
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE
             if HAS_BIAS:  # noqa: SIM108 (a constexpr test; a nested ternary reads worse)
                 s = s + rw if row_in else s + rw_pad  # a branch: row_in is one number
             else:
@@ -454,7 +367,6 @@ def launch(
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
         DENSE=dense, ROWSUM_DOT=ROWSUM_DOT and qkv_bias is None,
-        PIPE_QK=PIPE_QK and qkv_bias is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

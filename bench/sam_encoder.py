@@ -478,7 +478,8 @@ def main() -> None:
         rows += attention_kernels(8, args.iters)
     for name in args.profile:
         out = args.profile_out / f"profile_{name}.txt" if args.profile_out else None
-        profile_variant(name, base, 8, out)
+        with runtime_knobs(name):  # a variant's switches hold for its profile too
+            profile_variant(name, base, 8, out)
     if args.official:
         rows += official_baseline([1, 8], args.iters)
         print(rows[-2:], flush=True)

@@ -222,3 +222,32 @@ def test_rows_not_laid_out_one_after_another_are_copied_first() -> None:
     for view in (wide[1:, 3 : 3 + 32 + PACK_PAD], packed[::1]):
         uq, us = unpack_rows(view, fp8=False)
         assert torch.equal(uq, q) and torch.equal(us, s)
+
+
+SHAPES_SCRIPT = r"""
+import json, sys
+import torch
+from models import ln_quant
+
+results = []
+for seed, (M, C, rows, warps) in enumerate(json.loads(sys.argv[1])):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, C, generator=g) * 2 + 0.5
+    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g) / 4
+    ln_quant.SHAPE = (rows, warps)
+    got = ln_quant.launch_layer_norm_quant(x, w, b, 1e-5, False)
+    want = ln_quant.layer_norm_quant_reference(x, w, b, 1e-5, False)
+    q, s = ln_quant.unpack_rows(got, False)
+    rq, rs = ln_quant.unpack_rows(want, False)
+    results.append({"off": int((q.int() - rq.int()).abs().max()),
+                    "scale_rel": float(((s - rs).abs() / rs).max())})
+print(json.dumps(results))
+"""
+
+
+def test_every_launch_shape_of_the_sweep_writes_the_same_rows() -> None:
+    """bench/ln_quant_sweep.py times `ln_quant.SHAPE`s against each other: each must be the
+    same norm, whatever rows a program holds (M not a multiple of them)."""
+    cases = [(37, 96, 1, 1), (37, 96, 2, 1), (37, 96, 4, 2), (37, 96, 16, 8)]
+    for r in run_interpreted(SHAPES_SCRIPT, cases):
+        assert r["off"] <= 1 and r["scale_rel"] < 1e-5, r

@@ -155,7 +155,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
     fake outputs, so a padded variant would load the unpadded variant's code (seen on the
-    H200: `stride 896==784`). They are off for such a variant's run."""
+    H200: `stride 896==784`). Every compile cache is off for such a variant's run
+    (`force_disable_caches`, which no `TORCHINDUCTOR_FX_GRAPH_CACHE` in the environment
+    overrides, as it does inductor's own switch: the engine's build sets it)."""
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
              gemm_persistent.SERVED, ln_quant.SHAPE)  # fmt: skip
@@ -167,8 +169,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     caches = contextlib.ExitStack()
     if "pad128" in parts:
         ln_quant.PACK_PAD = 128
-        caches.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-        caches.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+        caches.enter_context(torch.compiler.config.patch(force_disable_caches=True))
     if "x2" in parts:
         gemm_persistent.SERVED = PAIRED
     try:

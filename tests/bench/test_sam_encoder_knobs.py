@@ -3,6 +3,11 @@ and are put back after, so variants with and without them compare in one process
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench.sam_encoder import PAIRED, VARIANTS, _variant, runtime_knobs
@@ -34,23 +39,35 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     assert PAIRED in SWEEP  # a shape the products' sweep times too
 
 
-def test_a_padded_variant_compiles_its_own_width_not_the_cached_one() -> None:
-    """Inductor's cache keys the graph, not the norm's fake output width: without the
-    knobs turning it off, the second compile loads the first's size asserts (seen on the
-    H200 as `stride 896==784`)."""
-    import torch
-    from torch import nn
+WIDTHS_SCRIPT = r"""
+import torch
+from torch import nn
+from bench.sam_encoder import runtime_knobs
+from models import ln_quant
 
-    torch.manual_seed(0)
-    x = torch.randn(6, 32)
-
-    def packed_width(name: str) -> int:
-        torch._dynamo.reset()
-        with runtime_knobs(name):
-            norm = ln_quant.QuantizingLayerNorm(nn.LayerNorm(32), fp8=False)
-            return torch.compile(norm)(x).shape[-1]
-
-    base = "bf16-gelu-int8-lnq-static-pres-compile-triton-win"
-    assert packed_width(base) == 32 + 16
-    assert packed_width(f"{base}-pad128") == 32 + 128
+x = torch.randn(6, 32)
+base = "bf16-gelu-int8-lnq-static-pres-compile-triton-win"
+for name in (base, base + "-pad128"):
     torch._dynamo.reset()
+    with runtime_knobs(name):
+        norm = ln_quant.QuantizingLayerNorm(nn.LayerNorm(32), fp8=False)
+        print(torch.compile(norm)(x).shape[-1])
+"""
+
+
+def test_a_padded_variant_compiles_its_own_width_not_the_cached_one(tmp_path: Path) -> None:
+    """Inductor's cache keys the graph, not the norm's fake output width: without the
+    knobs turning every cache off, the second compile loads the first's size asserts (seen
+    on the H200 as `stride 896==784`). In a process where the environment forced the
+    caches on before inductor was imported (as the engine's build may: this test once
+    failed after an engine's in one pytest worker), inductor's own switches cannot turn
+    them off; `force_disable_caches` can. A process of its own, so the environment is
+    read at import as it was then."""
+    env = dict(os.environ, TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", WIDTHS_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["48", "160"]  # 32 values, then 16 or 128 bytes

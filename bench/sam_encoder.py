@@ -169,7 +169,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     caches = contextlib.ExitStack()
     if "pad128" in parts:
         ln_quant.PACK_PAD = 128
-        caches.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+        no_caches = torch.compiler.config.patch(force_disable_caches=True)  # type: ignore[attr-defined]
+        caches.enter_context(no_caches)
     if "x2" in parts:
         gemm_persistent.SERVED = PAIRED
     try:

@@ -41,14 +41,11 @@ class Shape(NamedTuple):
     grid: int  # the attended grid's side: 64 global, 14 a window
     bias: bool
     dense: bool = False
-    rowsum_dot: bool = False
 
 
 SHAPES = [
     Shape("global (64x64, cap)", 64, False),
     Shape("global, rows without masks", 64, False, True),
-    Shape("global, sums on the tensor cores", 64, False, False, True),
-    Shape("global, without masks, sums on the tensor cores", 64, False, True, True),
     Shape("window in place", 14, True),
     Shape("window partitioned", 14, False),
 ]
@@ -69,7 +66,6 @@ def compile_for_hopper(shape: Shape) -> Any:
         "GRID_H": shape.grid, "BLOCK_W": block_w, "PH": tables, "PW": tables, "HEAD_DIM": 64,
         "BLOCK_M": KernelConfig.block_m, "QK_SCALE": 64**-0.5 * 1.4426950408889634,
         "HAS_BIAS": shape.bias, "DENSE": shape.dense,
-        "ROWSUM_DOT": shape.rowsum_dot,
     }  # fmt: skip
     signature = {n: "*bf16" if n in POINTERS else "i32" for n in names}
     signature |= dict.fromkeys(constants, "constexpr")

@@ -60,7 +60,7 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-rowdot`, `-pad128`, `-x2`, `-lnRxW`) may follow."""
+    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -108,11 +108,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win",  # proj adds the residual
         # `runtime_knobs`' switches, each beside the variant it changes
         "bf16-gelu-compile-triton-win-dense",
-        "bf16-gelu-compile-triton-win-rowdot",
-        "bf16-gelu-compile-triton-win-dense-rowdot",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-rowdot",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-dense-rowdot",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln1x1",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln8x8",
@@ -145,8 +141,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     """A variant's switches that live in module globals and are read at each launch, set for
     the whole of its run (compile, capture, timing, fidelity) and put back after, so that
     variants with and without them compare in one process on one machine: `-dense` the
-    global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-rowdot`
-    its row sums on the tensor cores (`fused_attention.ROWSUM_DOT`), `-pad128` the
+    global attention's key rows without masks (`fused_attention.DENSE_ROWS`), `-pad128` the
     quantising norms' rows 128 bytes longer, so each lies 128-byte aligned
     (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`),
     `-lnRxW` the quantising norm's launch in R rows a program and W warps
@@ -159,10 +154,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     (`force_disable_caches`, which no `TORCHINDUCTOR_FX_GRAPH_CACHE` in the environment
     overrides, as it does inductor's own switch: the engine's build sets it)."""
     parts = name.split("-")
-    saved = (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
-             gemm_persistent.SERVED, ln_quant.SHAPE)  # fmt: skip
+    saved = fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED, ln_quant.SHAPE
     fused_attention.DENSE_ROWS = "dense" in parts
-    fused_attention.ROWSUM_DOT = "rowdot" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -177,8 +170,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
         with caches:
             yield
     finally:
-        (fused_attention.DENSE_ROWS, fused_attention.ROWSUM_DOT, ln_quant.PACK_PAD,
-         gemm_persistent.SERVED, ln_quant.SHAPE) = saved  # fmt: skip
+        (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
+         ln_quant.SHAPE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

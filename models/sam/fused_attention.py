@@ -81,14 +81,11 @@ class KernelConfig:
 # Whether `launch` loads the key rows without masks where every slot holds a key inside
 # the image (`dense_rows`: the global blocks). Compiled for sm_90 with Triton 3.6.0 the
 # global kernel's loop over key rows falls from 368 instructions to 341, its 12 selects and
-# the predicates' arithmetic gone, no spills (`python -m bench.attention_sass`); not yet
-# timed on a GPU, so off (bench/sam_encoder.py's `-dense` variants turn it on).
+# the predicates' arithmetic gone, no spills (`python -m bench.attention_sass`). On an H200
+# the encoder ran within the spread between runs with it (+0.3% int8, +0.7% bf16 at batch 8;
+# docs/BENCHMARKS.md, issue 20, nineteenth session), so off (bench/sam_encoder.py's `-dense`
+# variants turn it on).
 DENSE_ROWS = False
-# Whether `launch` sums each query's weights by a product with a block of ones on the tensor
-# cores (`ROWSUM_DOT` in the kernel) where no padding's bias needs the sums per key row (the
-# global blocks, partitioned windows); not yet timed on a GPU, so off (bench/sam_encoder.py's
-# `-rowdot` variants turn it on).
-ROWSUM_DOT = False
 
 
 def dense_rows(
@@ -125,7 +122,6 @@ def _kernel() -> Any:
         GRID_H: tl.constexpr, BLOCK_W: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         QK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr = False,
-        ROWSUM_DOT: tl.constexpr = False,
     ):  # fmt: skip
         LOG2E: tl.constexpr = 1.4426950408889634
         # The attention grid (GRID_H x grid_w) is one window of an img_h x img_w grid of
@@ -195,14 +191,6 @@ def _kernel() -> Any:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        tl.static_assert(not (ROWSUM_DOT and HAS_BIAS), "the padded keys' share needs p's sums")
-        if ROWSUM_DOT:
-            # the row sums as one more product on the tensor cores, p times a block of
-            # ones, instead of a sum over each thread's scores and shuffles between threads:
-            # the loop is issue-bound, the tensor cores are not (and the sum is then of the
-            # same bf16 p the values are weighted by)
-            ones = tl.full([BLOCK_W, 16], 1.0, dtype=V.dtype.element_ty)
-            l_acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
         # One key row a block: rel_h[q, y'] is one number per query for the whole block, so
         # it rides on the row maximum and the exponent's offset (a [BLOCK_M] vector) instead
         # of being spread over the [BLOCK_M, w] scores, which took a pass through shared
@@ -254,18 +242,14 @@ def _kernel() -> Any:
             m_new = tl.maximum(m_i, tl.max(s, 1) + rh)
             p = tl.exp2(s - (m_new - rh)[:, None])
             alpha = tl.exp2(m_i - m_new)
-            if not ROWSUM_DOT:
-                p_sum = tl.sum(p, 1)
-                l_i = l_i * alpha + p_sum
+            p_sum = tl.sum(p, 1)
+            l_i = l_i * alpha + p_sum
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
                 other=kv_other,
             )  # fmt: skip
             acc = acc * alpha[:, None]
-            p_low = p.to(v.dtype)
-            acc = tl.dot(p_low, v, acc)
-            if ROWSUM_DOT:
-                l_acc = tl.dot(p_low, ones, l_acc * alpha[:, None])
+            acc = tl.dot(p.to(v.dtype), v, acc)
             if HAS_BIAS:
                 pad_p = pad_p * alpha
                 if row_in:
@@ -276,8 +260,6 @@ def _kernel() -> Any:
             m_i = m_new
         if HAS_BIAS:
             acc += pad_p[:, None] * bias_v.to(q.dtype).to(tl.float32)[None, :]
-        if ROWSUM_DOT:
-            l_i = tl.max(l_acc, 1)  # its 16 columns are the same sum
         acc = acc / l_i[:, None]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -366,7 +348,7 @@ def launch(
         # a constant, not an argument: a Python float argument is fp64 to inductor, whose
         # copy of this kernel (torch.compile of `launch`) would then compute in fp64
         QK_SCALE=head_dim**-0.5 * 1.4426950408889634, HAS_BIAS=qkv_bias is not None,
-        DENSE=dense, ROWSUM_DOT=ROWSUM_DOT and qkv_bias is None,
+        DENSE=dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

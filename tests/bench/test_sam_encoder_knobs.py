@@ -31,10 +31,8 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     assert before == (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED)
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
-        assert not fused_attention.ROWSUM_DOT
-    with runtime_knobs("bf16-gelu-compile-triton-win-dense-rowdot"):
-        assert fused_attention.ROWSUM_DOT and fused_attention.DENSE_ROWS
-    assert ln_quant.SHAPE is None and not fused_attention.ROWSUM_DOT
+        assert not fused_attention.DENSE_ROWS
+    assert ln_quant.SHAPE is None
     assert ln_quant.launch_shape(1024) == (4, 4)  # the served shape
     assert PAIRED in SWEEP  # a shape the products' sweep times too
 

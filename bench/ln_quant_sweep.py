@@ -5,7 +5,10 @@ Why: in the served int8 encoder's profile (docs/BENCHMARKS.md, issue 20, ninetee
 `layer_norm_quant_kernel` ran its 24 calls a batch of 8 at 39 us each: 76 MB read and written
 at about 2 TB/s, under half of what an H200's memory moves. Its shape (4 rows of 1,024 slots,
 4 warps) puts a row across every warp, so each of its three row reductions (mean, variance,
-absmax) crosses warps through shared memory; fewer warps a row keep them in shuffles.
+absmax) crosses warps through shared memory; fewer warps a row keep them in shuffles. The
+first run (H200, 2026-11-29) found every shape within 35-44 us, the served one at 36.8 and
+the best 4 rows x 2 warps at 35.1: the reductions' layout is not what holds the kernel at
+2 TB/s. Kept to tune the shape on other GPUs and widths.
 
 Each shape's packed rows are compared with the served shape's: `mismatch` counts the int8
 values that differ (a reduction in another order can move a value by one step), `max_step`

@@ -172,10 +172,11 @@ def served_config(residual: bool, quant_out: bool = False) -> PersistentConfig:
 
     Not two programs an SM (SWEEP's `x2` shapes): on inputs laid out one row after another
     they ran SAM's K = 768 products in 0.74-0.79x the time, but on the packed rows the
-    quantising norms write (K + 16 bytes apart: likely each TMA box row straddles one more
-    sector) in 1.15-1.24x the whole 128x256 tile's, and the int8 encoder ran 458.0 / 461.9
-    img/s against 483.8 / 489.4 with this shape (H200, docs/BENCHMARKS.md, issue 20,
-    thirty-third session)."""
+    quantising norms write (K + 16 bytes apart) in 1.15-1.24x the whole 128x256 tile's,
+    and the int8 encoder ran 458.0 / 461.9 img/s against 483.8 / 489.4 with this shape.
+    With those rows 128-byte aligned (`PACK_PAD` 128) the paired shape only matched this
+    one: 492.1 / 498.8 against 496.8 / 500.5 (H200, docs/BENCHMARKS.md, issue 20,
+    eighteenth and nineteenth sessions)."""
     if SERVED is not None:
         return SERVED
     return PersistentConfig(128, 256, 128, 3, 8, subtile=residual or quant_out)

@@ -94,7 +94,7 @@ def optimize_options(
         # ... and their attention's output projection adds the block's residual in its
         # epilogue, where a pass of its own added it: 493.1 / 497.8 img/s against 479.9 /
         # 484.8 at batch 8 / 16 on an H200, mask IoU 0.9877 against 0.9878
-        # (docs/BENCHMARKS.md, issue 20, thirty-third session)
+        # (docs/BENCHMARKS.md, issue 20, eighteenth session)
         proj_residual=cuda and kind == "int8" and backend == "core",
         gelu_epilogue=gelu_epilogue,
     )

@@ -12,10 +12,10 @@ frontend serves each kind; the engine and its embedding cache stay.
 
 `CPU ms/req` is the frontend's user + system time (psutil) over the measured requests,
 less its idle rate (status polls, samplers) over the same wall time, per request; then
-the same by thread (`loop`: the event loop's; `zmq I/O`: libzmq's own threads; `pool`:
-the decode pool and the metrics sampler) and as user and system time, idle not taken
+the same by thread (`loop`: the event loop's; `pool`: the decode pool and the metrics
+sampler) and as user and system time, idle not taken
 off. `engine ms` is the engine process's CPU per request measured the same way (idle taken
-off), and by thread: its event loop (zmq, pickles, tasks), zmq's I/O threads, the stage
+off), and by thread: its event loop (the sockets, pickles, tasks), the stage
 `workers` (on the CPU their time is mostly the models' arithmetic; the loop's is not, and
 is the same Python on a GPU machine), and the rest. With
 random weights vit_tiny's masks are noise (tens of thousands of runs: `bytes/resp` says
@@ -25,7 +25,9 @@ thread of the frontend instead (`bench.frontend_profile`) and prints each kind's
 step; the profiler inflates Python code, so its shares are a map, and its runs are not the
 measurement. `--perf` samples the frontend with `perf record` during the measured
 requests (no slowdown) and splits the CPU by library and native function: the kernel
-(syscalls), libpython (all Python code), uvloop, httptools, libzmq, pycocotools, ...
+(syscalls), libpython (all Python code), uvloop, httptools, pycocotools, ... (libzmq's
+I/O threads were a group of their own until the engines' messages left zmq, issue 19's
+thirty-fifth session)
 
     python -m bench.frontend_cpu --requests 150 --kinds healthz click classify segment
     python -m models.weights synthesize vit_tiny --dest /tmp/frontcpu/weights --steps 250 \
@@ -67,8 +69,8 @@ from server.settings import Settings
 from server.threadnames import os_thread_name
 
 WARMUP_REQUESTS = 20
-THREAD_GROUPS = ("loop", "zmq I/O", "pool", "user", "system")
-ENGINE_GROUPS = ("loop", "zmq I/O", "workers", "pool")
+THREAD_GROUPS = ("loop", "pool", "user", "system")
+ENGINE_GROUPS = ("loop", "workers", "pool")
 # What the engine on 2 CPU cores keeps up with (its queue would otherwise grow all along)
 RATES = {"segment": 2.5, "click": 10.0, "classify": 10.0, "healthz": 50.0}
 IDLE_SECONDS = 3.0
@@ -92,19 +94,18 @@ def process_cpu_s(pid: int) -> float:
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds by thread group: the event loop's (the main thread), zmq's I/O
-    threads (libzmq names them), the engine's stage workers (`gpu-<stage>`, named by
+    """CPU seconds by thread group: the event loop's (the main thread), the engine's stage
+    workers (`gpu-<stage>`, named by
     `server.threadnames`), the rest (the decode pool, the metrics sampler, torch's
     intra-op threads); and the process's user and system time."""
     process = psutil.Process(pid)
-    groups = {"loop": 0.0, "zmq I/O": 0.0, "workers": 0.0, "pool": 0.0}
+    groups = {"loop": 0.0, "workers": 0.0, "pool": 0.0}
     for thread in process.threads():
         name = os_thread_name(pid, thread.id)
         if name is None:
             continue  # ended meanwhile
         group = (
             "loop" if thread.id == pid
-            else "zmq I/O" if name.startswith("ZMQ")
             else "workers" if name.startswith("gpu-")
             else "pool"
         )  # fmt: skip

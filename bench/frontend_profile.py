@@ -42,8 +42,8 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("image decode + sha256", ("server/imaging", "simplejpeg", "PIL/", "_hashlib", "sha256")),
     ("shm pixels", ("server/http/pixels",)),
     (
-        "engine call (zmq, pickle)",
-        ("zmq/", "server/messages", "server/http/engine_client", "_pickle", "copyreg"),
+        "engine call (socket, pickle)",
+        ("server/wire", "server/messages", "server/http/engine_client", "_pickle", "copyreg"),
     ),
     ("mask strings (RLE counts)", ("server/rle", "server/http/masks", "pycocotools", "_mask")),
     ("JSON response (orjson)", ("orjson", "server/http/responses")),

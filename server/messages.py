@@ -1,8 +1,9 @@
 """The messages between the frontends and the engine, and how they cross the socket.
 
-A frontend's DEALER socket sends `[call id, payload, *buffers]` to the engine's ROUTER; the
-engine answers `[call id, payload, *buffers]` when the call is done, and `[RELEASE,
-payload]` when pixels a frontend lent it in shared memory are no longer read. Payloads are
+A frontend sends `[call id, payload, *buffers]` to its engine over their connection
+(`server.wire`); the engine answers `[call id, payload, *buffers]` when the call is done,
+and `[RELEASE, payload]` when pixels a frontend lent it in shared memory are no longer
+read. Payloads are
 pickles of the dataclasses below (protocol 5: numpy arrays, such as mask runs or inline
 pixels, travel as separate frames without a copy). Both ends are this package at one
 version, started together by the supervisor, so pickle's lack of a schema costs nothing,
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
-import zmq
 
 from server.domain import ModelInfo, SegmentRequest
 from server.errors import ServiceError
@@ -30,10 +30,11 @@ RELEASE = b"release"  # the first frame of an engine -> frontend release of pixe
 
 # A work call the engine's loop reads this long after its frontend sent it is refused at
 # once (429), before it is unpickled. Under overload the socket's queues (zmq's 1,000 calls
-# a side, per frontend) held several seconds of calls: the loop read each one too late to
-# serve it and spent itself refusing them at full cost, while the rest aged too: goodput
-# fell to a few % of capacity (docs/BENCHMARKS.md). Refused at the door, a stale call costs
-# a few microseconds, so the loop catches up with the calls it can still serve.
+# a side, per frontend, then; `server.wire`'s buffers now) held several seconds of calls:
+# the loop read each one too late to serve it and spent itself refusing them at full cost,
+# while the rest aged too: goodput fell to a few % of capacity (docs/BENCHMARKS.md).
+# Refused at the door, a stale call costs a few microseconds, so the loop catches up with
+# the calls it can still serve.
 INTAKE_LAG_S = 1.0
 
 
@@ -181,9 +182,9 @@ def dump(obj: object) -> list[Any]:
     return [payload, *(b.raw() for b in buffers)]
 
 
-def load(frames: list[Any]) -> Any:
-    """The object `dump` made; `frames` may be bytes or zmq frames (buffers, no copy)."""
-    payload, *buffers = (memoryview(f.buffer) if hasattr(f, "buffer") else f for f in frames)
+def load(frames: list[bytes]) -> Any:
+    """The object `dump` made, from the frames as they arrived."""
+    payload, *buffers = frames
     return pickle.loads(payload, buffers=buffers)
 
 
@@ -195,33 +196,10 @@ def call_id_bytes(call_id: int, sent: float | None = None) -> bytes:
     return head if sent is None else head + struct.pack("<d", sent)
 
 
-def call_id_of(frame: Any) -> int:
-    data = frame.bytes if hasattr(frame, "bytes") else frame
-    return int.from_bytes(data[:8], "little")
+def call_id_of(frame: bytes) -> int:
+    return int.from_bytes(frame[:8], "little")
 
 
-def sent_at(frame: Any) -> float | None:
+def sent_at(frame: bytes) -> float | None:
     """When the call of this first frame was sent (None: a call that is always read)."""
-    data = frame.bytes if hasattr(frame, "bytes") else frame
-    return cast(float, struct.unpack_from("<d", data, 8)[0]) if len(data) >= 16 else None
-
-
-_POLLIN = int(zmq.POLLIN)  # a plain int: the enum's `&` ran Python code on every check
-
-
-def readable(sock: zmq.Socket[Any]) -> bool:
-    """A message waits to be read on `sock` (the level behind its descriptor's edges)."""
-    return bool(int(cast(int, sock.getsockopt(zmq.EVENTS))) & _POLLIN)
-
-
-def socket_fd(sock: zmq.Socket[Any]) -> int:
-    """The descriptor an event loop watches for `sock` (`loop.add_reader`).
-
-    Both ends read their socket from the loop's readiness callback without blocking,
-    rather than through zmq.asyncio's futures and poller per message (a tenth of a
-    frontend's CPU per click, `python -m bench.frontend_cpu --profile`). zmq's descriptor
-    signals edges, not levels: once it fires, everything queued must be read, and a send
-    may consume the edge of a message that arrived meanwhile, so each side reads again
-    after its sends whenever `readable`.
-    """
-    return cast(int, sock.getsockopt(zmq.FD))
+    return cast(float, struct.unpack_from("<d", frame, 8)[0]) if len(frame) >= 16 else None

@@ -1,5 +1,5 @@
 """Threads named for the operating system, so `top -H`, `ps -L`, py-spy and /proc show
-which of the engine's threads burns the CPU (the decoder's worker, the event loop, zmq).
+which of the engine's threads burns the CPU (the decoder's worker, the event loop).
 
 Python 3.11 names threads only for itself: every OS thread of a process is `python`.
 Linux keeps a 15-byte name per thread, set by the thread itself (`prctl(PR_SET_NAME)`);

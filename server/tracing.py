@@ -233,7 +233,11 @@ def _rpc(call: str) -> tuple[str, dict[str, Any]]:
     """An engine call's span name and attributes, by OpenTelemetry's RPC convention
     (`service/method`, the same on the client and the server side): `engine/segment`. Not
     `engine.segment`: the engine's phases are `engine.<phase>`, and one is `classify`."""
-    return f"engine/{call}", {"rpc.system": "zmq", "rpc.service": "engine", "rpc.method": call}
+    return f"engine/{call}", {
+        "rpc.system": "unix_socket",
+        "rpc.service": "engine",
+        "rpc.method": call,
+    }
 
 
 def engine_call(call: str) -> AbstractContextManager[Span | _NullSpan]:

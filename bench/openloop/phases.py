@@ -14,7 +14,7 @@ Nested, as the server measures them (each holds the ones below it):
           rpc_loop   the frontend around the call: its event loop getting to the call
                      and to its reply, the pixels' reference
           engine_wire  the call pickled, sent, answered, its reply read
-            rpc_transport  pickling and zmq both ways: engine_wire - engine
+            rpc_transport  pickling and the socket both ways: engine_wire - engine
             engine   the engine process's time for the call (when its reply says)
               engine_other  its event loop and dispatch: engine - the phases
               jpeg_decode   a JPEG decoded by the engine (nvJPEG), its thread's wait included

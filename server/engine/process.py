@@ -1,11 +1,11 @@
-"""The engine process: the models, their batchers and caches, behind one zmq socket.
+"""The engine process: the models, their batchers and caches, behind one listening socket.
 
 It does nothing but batching and GPU work. Frontends send calls (`server.messages`) over a
-DEALER socket to this ROUTER; each call becomes a task on this process's event loop that
-awaits the engine (`server.engine.services`) and answers when done, so a click from any
-frontend finds the one embedding cache. Pixels arrive as references to the frontends'
-shared memory (`server.engine.pixels`) and go back to them by a release message once
-nothing here reads them.
+Unix socket each (`server.wire`), which this process's event loop reads; each call becomes
+a task that awaits the engine (`server.engine.services`) and answers on the same
+connection when done, so a click from any frontend finds the one embedding cache. Pixels
+arrive as references to the frontends' shared memory (`server.engine.pixels`) and go back
+to them by a release message once nothing here reads them.
 
 Start-up (load, warm-up, the optional fidelity check) runs here, reported in every status
 answer; the frontends turn that into `/readyz`. A start-up failure ends the process with
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -28,14 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from models.dynamo_import import preimport_dynamo
 from models.sam import SAM_CONFIGS, CheckpointError
 from models.sam2 import SAM2_CONFIGS, Sam2CheckpointError
 from models.swin import SWIN_CONFIGS
 from models.swin.resize_kernel import packed_supported
-from server import tracing
+from server import tracing, wire
 from server.domain import Image
 from server.engine import jpeg
 from server.engine.cuda_wait import cuda_wait_mode, set_cuda_wait
@@ -64,9 +64,7 @@ from server.messages import (
     call_id_of,
     dump,
     load,
-    readable,
     sent_at,
-    socket_fd,
 )
 from server.metrics import Metrics
 from server.progress import StartupProgress, process_started
@@ -103,11 +101,14 @@ class EngineServer:
         self.progress: StartupProgress | None = None
         self.stop = asyncio.Event()
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
-        self._socket: zmq.Socket[Any] | None = None
+        # each connected frontend by its id here (`owner`: calls, tasks and pixel slots
+        # are keyed by it)
+        self._peers: dict[bytes, wire.Framed] = {}
+        self._owners = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         # messages waiting for this loop turn's end (`_send`), and pixel slots to give back
         # to each frontend (`_release_soon`, from any thread)
-        self._outbox: list[list[Any]] = []
+        self._outbox: list[tuple[bytes, list[Any]]] = []
         self._releases: dict[bytes, list[int]] = {}
         self._releases_lock = threading.Lock()
         self.pixels: PixelMaps | None = None
@@ -133,14 +134,8 @@ class EngineServer:
     # -- life cycle -------------------------------------------------------------------
 
     async def run(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
-        context: zmq.Context[Any] = zmq.Context()
-        sock = self._socket = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.address)
-        fd = socket_fd(sock)
-        loop.add_reader(fd, self._read_all)
-        loop.call_soon(self._read_all)  # what came before the reader was added
+        self._loop = asyncio.get_running_loop()
+        listening = await wire.serve(self.address, self._connected)
         self.bound.set()
         background = [
             asyncio.create_task(self._start(), name="engine-start"),
@@ -158,11 +153,10 @@ class EngineServer:
                 await self.engine.close()
             if self.jpeg is not None:
                 self.jpeg.close()
-            self._flush(read=False)  # the last replies, queued in the drain's final turn
-            loop.remove_reader(fd)
-            self._socket = None
-            sock.close(linger=0)
-            context.term()
+            self._flush()  # the last replies, queued in the drain's final turn
+            listening.close()
+            for peer in list(self._peers.values()):
+                peer.close()  # after what is queued on it has been written
 
     async def _drain(self) -> None:
         """Finish every call in hand (the frontends stopped sending before this), within
@@ -273,26 +267,28 @@ class EngineServer:
                           stuck, timeout_s)  # fmt: skip
             self.stuck = ", ".join(stuck) or None
 
-    # -- the socket ---------------------------------------------------------------------
+    # -- the connections ----------------------------------------------------------------
 
-    def _read_all(self) -> None:
-        """Take every call waiting on the socket (the loop calls this when its descriptor
-        turns readable, `_send` after a send that left one unread: `socket_fd` says why)."""
-        sock = self._socket
-        while sock is not None and not sock.closed and readable(sock):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._receive(frames, time.perf_counter())
+    def _connected(self) -> wire.Framed:
+        """A frontend connected: its messages read on this loop as they arrive."""
+        owner = next(self._owners).to_bytes(8, "little")
 
-    def _receive(self, frames: list[Any], received: float) -> None:
-        identity, call_frame, *payload = frames
-        owner = identity.bytes
+        def on_message(_: wire.Framed, frames: list[bytes]) -> None:
+            self._receive(owner, frames, time.perf_counter())
+
+        def on_lost(_: wire.Framed) -> None:
+            self._peers.pop(owner, None)
+
+        peer = wire.Framed(on_message, on_lost)
+        self._peers[owner] = peer
+        return peer
+
+    def _receive(self, owner: bytes, frames: list[bytes], received: float) -> None:
+        call_frame, *payload = frames
         call_id = call_id_of(call_frame)
         sent = sent_at(call_frame)
         if sent is not None and time.monotonic() - sent > INTAKE_LAG_S:
-            self._send([owner, call_id_bytes(call_id), *_BEHIND])
+            self._send(owner, [call_id_bytes(call_id), *_BEHIND])
             self.metrics.rejected("intake", "queue_full")
             return
         try:
@@ -308,36 +304,30 @@ class EngineServer:
         if isinstance(call, StatusCall):
             if call.pixels is not None and self.pixels is not None:
                 self.pixels.map(call.pixels)
-            self._send([owner, call_id_bytes(call_id), *dump(Reply(self.status()))])
+            self._send(owner, [call_id_bytes(call_id), *dump(Reply(self.status()))])
             return
         key = (owner, call_id)
         self._tasks[key] = asyncio.create_task(self._serve(owner, call_id, call, received))
 
-    def _send(self, frames: list[Any]) -> None:
-        """Queue a message to a frontend; it leaves at the end of this loop turn, with the
-        others queued in the turn (`_flush`)."""
+    def _send(self, owner: bytes, frames: list[Any]) -> None:
+        """Queue a message to frontend `owner`; it leaves at the end of this loop turn, with
+        the others queued in the turn (`_flush`)."""
         if not self._outbox:
             assert self._loop is not None
             self._loop.call_soon(self._flush)
-        self._outbox.append(frames)
+        self._outbox.append((owner, frames))
 
-    def _flush(self, read: bool = True) -> None:
-        """Send what this turn queued, without blocking: a ROUTER never waits, it drops what
-        a gone frontend (or one whose queue is full) cannot take. One readiness check after
-        them all rather than one per message: under load a batch's replies go out together,
-        and each check is a `getsockopt` (py-spy, `python -m bench.engine_loop`). `read`:
-        take the calls a send left unread (not once the server is stopping)."""
+    def _flush(self) -> None:
+        """Send what this turn queued, without blocking: what a gone frontend (or one that
+        has left `wire.MAX_QUEUED_BYTES` unread) cannot take is dropped; nobody waits for
+        it."""
         outbox, self._outbox = self._outbox, []
-        sock = self._socket
-        if sock is None or sock.closed:
-            return
-        for frames in outbox:
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:  # the frontend is gone; nothing to tell
-                log.warning("could not answer a frontend: %s", exc)
-        if read and readable(sock):
-            self._read_all()
+        for owner, frames in outbox:
+            peer = self._peers.get(owner)
+            if peer is None:
+                continue  # the frontend is gone: nothing to tell
+            if not peer.send(frames):
+                log.warning("a frontend reads nothing: a message to it was dropped")
 
     def _release_soon(self, owner: bytes, slot: int) -> None:
         """Give a pixel slot back to its frontend (from any thread). The slots released
@@ -358,7 +348,7 @@ class EngineServer:
         with self._releases_lock:
             releases, self._releases = self._releases, {}
         for owner, slots in releases.items():
-            self._send([owner, RELEASE, *dump(slots)])
+            self._send(owner, [RELEASE, *dump(slots)])
 
     async def _serve(self, owner: bytes, call_id: int, call: object, received: float) -> None:
         """Answer one call; its reply's `timing_ms["engine"]` is this process's time for it,
@@ -379,7 +369,7 @@ class EngineServer:
             self._tasks.pop((owner, call_id), None)
         engine_ms = round((time.perf_counter() - received) * 1000, 3)
         reply = replace(reply, timing_ms={"engine": engine_ms, **timing})
-        self._send([owner, call_id_bytes(call_id), *dump(reply)])
+        self._send(owner, [call_id_bytes(call_id), *dump(reply)])
         if self.pixels is not None:
             self.pixels.poll()
 

@@ -177,7 +177,7 @@ def build_app(
     engine_address: str | tuple[str, ...] | None = None,
     role: str = "frontend",
 ) -> FastAPI:
-    """The ASGI app for `settings`, a frontend of the engine at `engine_address` (a zmq
+    """The ASGI app for `settings`, a frontend of the engine at `engine_address` (an `ipc://`
     address, or one per engine); without one, its lifespan starts an engine on a thread of
     this process."""
     # No `_created` series: one per counter and histogram child, they double the scrape

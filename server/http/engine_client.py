@@ -1,7 +1,8 @@
-"""The frontend's side of the engines: calls over zmq, with the same coroutines routes await.
+"""The frontend's side of the engines: calls over Unix sockets (`server.wire`), with the
+same coroutines routes await.
 
-One DEALER socket per engine process (one engine per GPU); each call gets an id and a
-future that the socket's reader task resolves when its engine answers. Each engine keeps
+One connection per engine process; each call gets an id and a future that the
+connection's reader resolves when its engine answers. Each engine keeps
 its own embedding cache, so a call about an image (embed, segment, everything, lookup, the
 embedding download) goes to the image's home engine, `rendezvous_hash(image_id)`: every
 frontend computes the same home without talking to the others, and it stays the same
@@ -20,7 +21,6 @@ ready once every engine is), so probes and `require_engine` never wait on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -29,9 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import zmq
-
-from server import tracing
+from server import tracing, wire
 from server.domain import (
     ClassifyResult,
     EmbeddingFile,
@@ -60,8 +58,6 @@ from server.messages import (
     call_id_of,
     dump,
     load,
-    readable,
-    socket_fd,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +98,7 @@ class EngineLink:
 
     index: int
     address: str
-    socket: zmq.Socket[Any] | None = None
+    connection: wire.Framed | None = None  # None until connected (and after it is lost)
     # each call's future: its reply and when that was read (perf_counter)
     waiting: dict[int, asyncio.Future[tuple[Reply, float]]] = field(default_factory=dict)
     status: Status | None = None
@@ -163,36 +159,37 @@ class EngineClient:
         self.status: Status | None = None  # every engine's, combined
         self._ids = itertools.count(1)
         self._turns = itertools.count()  # round robin among equally loaded engines
-        self._context: zmq.Context[Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     async def start(self) -> None:
-        self._context = zmq.Context()
-        loop = asyncio.get_running_loop()
+        """Connect to every engine (in the background: an engine may not listen yet; calls
+        made meanwhile wait to be sent) and start asking their status."""
         for link in self.engines:
-            sock = link.socket = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(link.address)
-            loop.add_reader(socket_fd(sock), self._drain, link)
+            self._tasks.append(
+                asyncio.create_task(self._connect(link), name=f"engine-{link.index}-connect")
+            )
             self._tasks.append(
                 asyncio.create_task(self._poll_status(link), name=f"engine-{link.index}-status")
             )
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        loop = asyncio.get_running_loop()
         for link in self.engines:
-            for future in link.waiting.values():
-                if not future.done():
-                    future.set_exception(ServiceError(503, "not_ready", "the service is stopping"))
-            link.waiting.clear()
-            if link.socket is not None:
-                loop.remove_reader(socket_fd(link.socket))
-                link.socket.close(linger=0)
-        if self._context is not None:
-            self._context.term()
+            self._fail_waiting(link, ServiceError(503, "not_ready", "the service is stopping"))
+            if link.connection is not None:
+                link.connection.close()
+                link.connection = None
+
+    @staticmethod
+    def _fail_waiting(link: EngineLink, error: ServiceError) -> None:
+        for future in link.waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        link.waiting.clear()
 
     # -- state --------------------------------------------------------------------------
 
@@ -247,44 +244,55 @@ class EngineClient:
         turn = engines[first:] + engines[:first]
         return min(turn, key=lambda link: link.in_flight)  # min keeps the first of equals
 
-    # -- the sockets --------------------------------------------------------------------
+    # -- the connections ----------------------------------------------------------------
 
-    def _drain(self, link: EngineLink) -> None:
-        """Handle every reply waiting on `link`'s socket (the event loop calls this when
-        its descriptor turns readable, `_send` after each send: `server.messages.socket_fd`
-        says why)."""
-        sock = link.socket
-        if sock is None or sock.closed:
+    async def _connect(self, link: EngineLink) -> None:
+        """Connect to `link`'s engine, trying again every few ms until it listens (engines
+        bind while the frontends start), and again whenever the connection is lost."""
+        while not self._closing:
+            if link.connection is None:
+                connection = wire.Framed(
+                    lambda _, frames: self._on_message(link, frames),
+                    lambda lost: self._on_lost(link, lost),
+                )
+                try:
+                    link.connection = await wire.connect(link.address, connection)
+                    log.debug("connected to engine %d at %s", link.index, link.address)
+                    continue
+                except OSError:  # not listening yet (no file, or refused)
+                    pass
+            await asyncio.sleep(0.02)
+
+    def _on_message(self, link: EngineLink, frames: list[bytes]) -> None:
+        head, *payload = frames
+        if head == RELEASE:
+            if self.pixels is not None:
+                for slot in load(payload):
+                    self.pixels.release(slot)
             return
-        while readable(sock):
-            try:
-                head, *payload = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if head.bytes == RELEASE:
-                if self.pixels is not None:
-                    for slot in load(payload):
-                        self.pixels.release(slot)
-                continue
-            future = link.waiting.pop(call_id_of(head), None)
-            if future is not None and not future.done():
-                future.set_result((load(payload), time.perf_counter()))
+        future = link.waiting.pop(call_id_of(head), None)
+        if future is not None and not future.done():
+            future.set_result((load(payload), time.perf_counter()))
+
+    def _on_lost(self, link: EngineLink, lost: wire.Framed) -> None:
+        """The engine's end closed: its answers to the calls in flight will not come."""
+        if link.connection is lost:
+            link.connection = None
+        if not self._closing:
+            log.warning("the connection to engine %d was lost", link.index)
+            self._fail_waiting(link, ServiceError(503, "not_ready", "the engine went away"))
 
     async def _send(self, link: EngineLink, frames: list[Any], reply: asyncio.Future[Any]) -> None:
-        """Queue `frames` on `link`'s socket; wait (briefly, repeatedly) while zmq cannot
-        take them (the engine not connected yet, or its queue at the high-water mark),
-        until the call's `reply` is settled otherwise (its deadline)."""
-        assert link.socket is not None, "start() the client first"
+        """Send `frames` to `link`'s engine; wait (briefly, repeatedly) while they cannot go
+        (not connected yet, or the engine has left `wire.MAX_QUEUED_BYTES` unread), until
+        the call's `reply` is settled otherwise (its deadline)."""
         pause = 0.001
         while not reply.done():
-            try:
-                link.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 0.05)
-        if readable(link.socket):
-            asyncio.get_running_loop().call_soon(self._drain, link)
+            connection = link.connection
+            if connection is not None and connection.send(frames):
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     async def _call(
         self,
@@ -295,7 +303,7 @@ class EngineClient:
     ) -> Reply:
         """The engine's reply; `timing`, when given, gets `engine_wire` (the call pickled,
         sent, answered and read back: `server.http.timing`) and the reply's own timings."""
-        assert link.socket is not None, "start() the client first"
+        assert self._tasks, "start() the client first"
         started = time.perf_counter()
         call_id = next(self._ids)
         call = tracing.stamp(call)  # the current span's traceparent, when tracing is on
@@ -334,10 +342,8 @@ class EngineClient:
 
     def _cancel(self, link: EngineLink, call_id: int) -> None:
         link.waiting.pop(call_id, None)
-        if link.socket is not None:
-            frames = [call_id_bytes(0), *dump(CancelCall(call_id))]
-            with contextlib.suppress(zmq.ZMQError):  # Again: the call is dropped later anyway
-                link.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if link.connection is not None:  # not sent: the engine drops the call later anyway
+            link.connection.send([call_id_bytes(0), *dump(CancelCall(call_id))])
 
     async def _value(
         self,

@@ -14,7 +14,7 @@ latency went at every hop (issue 19). All in ms, each an interval inside the one
   reply (a busy loop shows here).
 - `engine`: the engine process's time for the call, from receiving it to its reply being
   ready, when the engine's reply carries it (`Reply.timing_ms`). `engine_wire - engine` is
-  pickling and zmq both ways; `engine` minus the engine's phases (`jpeg_decode` where the
+  pickling and the socket both ways; `engine` minus the engine's phases (`jpeg_decode` where the
   engine decoded the file, `encode`, `decode`, `classify`, `generate`) is the engine's
   event loop and dispatch.
 """

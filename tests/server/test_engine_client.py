@@ -1,7 +1,7 @@
-"""The frontend's engine client over real zmq sockets: every reply of many calls in flight
-reaches its caller (the socket is read on the loop's readiness callback, whose edges a
-send can consume), a call to an engine that is not there ends at its deadline, and a call
-the engine reads too late is refused at its door.
+"""The frontend's engine client over real Unix sockets (`server.wire`): every reply of many
+calls in flight reaches its caller, a call to an engine that is not there ends at its
+deadline, a call the engine reads too late is refused at its door, and messages split or
+run together on the stream arrive whole.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-import zmq
 
+from server import wire
 from server.domain import Image
 from server.errors import ServiceError
 from server.http.engine_client import DEADLINE_GRACE_S, EngineClient
@@ -56,7 +56,7 @@ def test_many_calls_in_flight_all_get_their_reply(
 
 
 def test_a_call_to_a_missing_engine_ends_at_its_deadline(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """No engine at the address: zmq takes nothing (no peer); the call waits to send, then
+    """No engine at the address: nothing to connect to; the call waits to send, then
     answers 504 once its deadline and the grace have passed, rather than hanging. (The
     frontend's timer also ended a 1 ms request once in CI, when a loaded engine answered
     late: tests/server/test_hostile_inputs.py expects the same code there.)"""
@@ -85,32 +85,76 @@ def test_a_call_read_too_late_is_refused_at_the_door(live_server: LiveServer) ->
     address = live_server.app.state.serve.embedded.address
     before = metric(live_server.url, "serve_batch_drops_total", stage="intake",
                     reason="queue_full")  # fmt: skip
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
 
-    def ask(call_id: int, call: object, sent: float | None) -> Reply:
-        sock.send_multipart([call_id_bytes(call_id, sent), *dump(call)])
-        assert sock.poll(30_000), "no answer from the engine"
-        head, *payload = sock.recv_multipart()
-        assert call_id_of(head) == call_id
-        reply: Reply = load(payload)
-        return reply
+    async def run() -> None:
+        replies: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        connection = await wire.connect(
+            address, wire.Framed(lambda _, frames: replies.put_nowait(frames))
+        )
 
-    try:
-        lookup = LookupCall("0" * 64)
-        late = ask(1, lookup, time.monotonic() - 2 * INTAKE_LAG_S)
-        assert late.failure is not None and late.failure.status == 429
-        assert late.failure.code == "queue_full"
-        assert late.failure.headers == {"Retry-After": "1"}
-        fresh = ask(2, lookup, time.monotonic())  # read at once: looked up (not cached)
-        assert fresh.failure is not None and fresh.failure.status == 404
-        status = ask(3, StatusCall(), None)  # never refused: probes depend on it
-        assert isinstance(status.value, Status) and status.value.ready
-    finally:
-        sock.close()
-        context.term()
+        async def ask(call_id: int, call: object, sent: float | None) -> Reply:
+            assert connection.send([call_id_bytes(call_id, sent), *dump(call)])
+            head, *payload = await asyncio.wait_for(replies.get(), 30)
+            assert call_id_of(head) == call_id
+            reply: Reply = load(payload)
+            return reply
+
+        try:
+            lookup = LookupCall("0" * 64)
+            late = await ask(1, lookup, time.monotonic() - 2 * INTAKE_LAG_S)
+            assert late.failure is not None and late.failure.status == 429
+            assert late.failure.code == "queue_full"
+            assert late.failure.headers == {"Retry-After": "1"}
+            fresh = await ask(2, lookup, time.monotonic())  # read at once: looked up
+            assert fresh.failure is not None and fresh.failure.status == 404
+            status = await ask(3, StatusCall(), None)  # never refused: probes depend on it
+            assert isinstance(status.value, Status) and status.value.ready
+        finally:
+            connection.close()
+
+    asyncio.run(run())
     after = metric(live_server.url, "serve_batch_drops_total", stage="intake",
                    reason="queue_full")  # fmt: skip
     assert after == before + 1
+
+
+def test_messages_split_or_run_together_on_the_stream_arrive_whole() -> None:
+    """The stream has no message boundaries: a message cut into single bytes, and several
+    in one chunk with the next one's start, each reach the handler once and whole, in
+    order; frames of every size (empty, large, a memoryview) keep their bytes."""
+    got: list[list[bytes]] = []
+    receiver = wire.Framed(lambda _, frames: got.append(frames))
+    written: list[bytes] = []
+
+    class Transport:  # what `send` writes to, as a transport takes it
+        def is_closing(self) -> bool:
+            return False
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def writelines(self, parts: list[bytes | memoryview]) -> None:
+            written.append(b"".join(bytes(p) for p in parts))
+
+    sender = wire.Framed(lambda _, frames: None)
+    sender.connection_made(Transport())  # type: ignore[arg-type]
+    big = np.arange(300_000, dtype=np.uint8)
+    messages = [
+        [b"a", b""],
+        [call_id_bytes(7), *dump(Reply(value=big))],
+        [b"x" * 10, memoryview(b"yz")],
+    ]
+    for frames in messages:
+        assert sender.send(frames)
+    stream = b"".join(written)
+    first = len(written[0])
+    for k in range(first):  # the first message a byte at a time
+        receiver.data_received(stream[k : k + 1])
+    assert got == [[b"a", b""]]
+    receiver.data_received(stream[first:-3])  # the second whole, the third's start
+    receiver.data_received(stream[-3:])
+    assert len(got) == 3
+    head, *payload = got[1]
+    assert call_id_of(head) == 7
+    assert np.array_equal(load(payload).value, big)
+    assert got[2] == [b"x" * 10, b"yz"]

@@ -142,7 +142,7 @@ def test_segment_continues_the_clients_trace(traced, jpeg_bytes):
     assert call.kind == SpanKind.CLIENT
     assert dict(call.attributes or {})["rpc.method"] == "segment"
     assert dict(call.attributes or {})["rpc.service"] == "engine"
-    # the engine's span came through the call's traceparent (it crossed the zmq socket)
+    # the engine's span came through the call's traceparent (it crossed the engine's socket)
     assert children(spans, call) == {SERVER, "engine.encode", "engine.decode"}
     served = one(spans, SERVER)
     assert served.kind == SpanKind.SERVER and served.parent is not None

@@ -112,14 +112,22 @@ class Framed(asyncio.Protocol):
     def send(self, frames: Sequence[Frame]) -> bool:
         """Queue one message without waiting; False when it cannot go (no connection, or
         the peer has left `MAX_QUEUED_BYTES` unread)."""
+        return self.send_all([frames])
+
+    def send_all(self, messages: Sequence[Sequence[Frame]]) -> bool:
+        """Queue several messages in one write (one system call where one message each
+        would make as many), without waiting; False as `send`."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
         if transport.get_write_buffer_size() > MAX_QUEUED_BYTES:
             return False
-        sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
-        head = struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
-        transport.writelines([head, *frames])
+        parts: list[Frame] = []
+        for frames in messages:
+            sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
+            parts.append(struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes))
+            parts.extend(frames)
+        transport.writelines(parts)
         return True
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -133,6 +134,9 @@ def test_messages_split_or_run_together_on_the_stream_arrive_whole() -> None:
         def get_write_buffer_size(self) -> int:
             return 0
 
+        def get_extra_info(self, name: str) -> None:
+            return None  # no socket to size
+
         def writelines(self, parts: list[bytes | memoryview]) -> None:
             written.append(b"".join(bytes(p) for p in parts))
 
@@ -158,3 +162,42 @@ def test_messages_split_or_run_together_on_the_stream_arrive_whole() -> None:
     assert call_id_of(head) == 7
     assert np.array_equal(load(payload).value, big)
     assert got[2] == [b"x" * 10, b"yz"]
+
+
+def test_both_ends_ask_for_room_for_several_large_replies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each connection's send buffer is raised past the kernel's 208 KiB default (as far as
+    net.core.wmem_max lets it), on the engine's end and the frontend's, under uvloop as the
+    processes run; what a 1 MB message crossing it sends arrives whole."""
+    import socket
+
+    import uvloop
+
+    # Linux keeps twice what is asked, asked up to net.core.wmem_max
+    wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
+    wanted = 2 * min(wire.SEND_BUFFER_BYTES, wmem_max)
+
+    async def run() -> tuple[int, int, list[bytes]]:
+        served: list[wire.Framed] = []
+        got: asyncio.Queue[list[bytes]] = asyncio.Queue()
+
+        def accepted() -> wire.Framed:
+            served.append(wire.Framed(lambda peer, frames: peer.send(frames)))
+            return served[-1]
+
+        listening = await wire.serve(f"ipc://{tmp_path}/e.sock", accepted)
+        client = await wire.connect(
+            f"ipc://{tmp_path}/e.sock", wire.Framed(lambda _, frames: got.put_nowait(frames))
+        )
+        assert client.send([b"id", bytes(range(256)) * 4096])
+        echoed = await asyncio.wait_for(got.get(), 10)
+        sizes = [
+            end.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            for end in (served[0], client)
+        ]
+        client.close()
+        listening.close()
+        return sizes[0], sizes[1], echoed
+
+    engine_end, frontend_end, echoed = uvloop.run(run())
+    assert engine_end == frontend_end == wanted > 212_992  # the kernel's default
+    assert echoed == [b"id", bytes(range(256)) * 4096]

@@ -43,8 +43,9 @@ MAX_QUEUED_BYTES = 256 * 1024 * 1024
 # default 208 KiB three 64 KB replies (random weights' noise masks) filled a frontend's
 # connection: every further three waited for a turn of the frontend's loop and then one of
 # the engine's, both contending for their GILs. In a CPU stress of that case (GIL-holding
-# work per reply in the readers, 600 replies/s of 64 KB; a session's script, not kept) the
-# wait's median fell from 52.9 to 30.7 ms with this room, against 85.5 through zmq.
+# work per reply in the readers, 600 replies/s of 64 KB) the
+# wait's median fell from 52.9 to 30.7 ms with this room, against 85.5 through zmq
+# (`python -m bench.ipc_load`; 0 keeps the kernel's default, its `unix-small` mode).
 SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
 Frame = bytes | bytearray | memoryview
@@ -74,7 +75,7 @@ class Framed(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and SEND_BUFFER_BYTES > 0:
             with contextlib.suppress(OSError):  # best effort: the kernel's default stays
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 

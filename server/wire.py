@@ -146,6 +146,11 @@ class Framed(asyncio.Protocol):
         transport.writelines(parts)
         return True
 
+    def queued_bytes(self) -> int:
+        """What was sent and is still in this process, not yet in the kernel's socket."""
+        transport = self.transport
+        return 0 if transport is None else int(transport.get_write_buffer_size())
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()

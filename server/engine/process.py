@@ -156,8 +156,17 @@ class EngineServer:
                 self.jpeg.close()
             self._flush()  # the last replies, queued in the drain's final turn
             listening.close()
+            await self._written(deadline=time.monotonic() + 1.0)
             for peer in list(self._peers.values()):
-                peer.close()  # after what is queued on it has been written
+                peer.close()
+
+    async def _written(self, deadline: float) -> None:
+        """Wait (until `deadline`) for the replies still queued in this process to reach
+        the frontends' sockets: the loop ends after this, and what it holds with it."""
+        while time.monotonic() < deadline and any(
+            peer.queued_bytes() for peer in self._peers.values()
+        ):
+            await asyncio.sleep(0.005)
 
     async def _drain(self) -> None:
         """Finish every call in hand (the frontends stopped sending before this), within

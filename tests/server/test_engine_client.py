@@ -201,3 +201,39 @@ def test_both_ends_ask_for_room_for_several_large_replies(tmp_path) -> None:  # 
     engine_end, frontend_end, echoed = uvloop.run(run())
     assert engine_end == frontend_end == wanted > 212_992  # the kernel's default
     assert echoed == [b"id", bytes(range(256)) * 4096]
+
+
+def test_calls_in_flight_fail_at_once_when_the_engine_s_end_closes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An engine that reads a call and then closes its end (it died): the call fails with
+    503 at once, not at its deadline, and the client connects again when an engine
+    listens at the address again."""
+    address = f"ipc://{tmp_path}/e.sock"
+    image = Image("0" * 64, 8, 8, np.zeros((8, 8, 3), dtype=np.uint8))
+
+    async def run() -> tuple[float, int, str]:
+        dying = wire.serve(address, lambda: wire.Framed(lambda peer, frames: peer.close()))
+        listening = await dying
+        client = EngineClient(address, None)
+        await client.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ServiceError) as caught:
+                await client.classify(image, 1, deadline=time.monotonic() + 30)
+            took = time.monotonic() - started
+            listening.close()
+            answers = await wire.serve(address, lambda: wire.Framed(_answer_lookups))
+            reply = await client.lookup("1" * 64)
+            answers.close()
+            return took, caught.value.status, reply
+        finally:
+            await client.close()
+
+    took, status, reply = asyncio.run(run())
+    assert status == 503 and took < 5
+    assert reply == "found"
+
+
+def _answer_lookups(peer: wire.Framed, frames: list[bytes]) -> None:
+    head, *payload = frames
+    if isinstance(load(payload), LookupCall):
+        peer.send([call_id_bytes(call_id_of(head)), *dump(Reply(value="found"))])

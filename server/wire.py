@@ -42,10 +42,11 @@ MAX_QUEUED_BYTES = 256 * 1024 * 1024
 # read yet (Linux caps it at twice net.core.wmem_max; 4 MiB on the CPU machine). With the
 # default 208 KiB three 64 KB replies (random weights' noise masks) filled a frontend's
 # connection: every further three waited for a turn of the frontend's loop and then one of
-# the engine's, both contending for their GILs. In a CPU stress of that case (GIL-holding
-# work per reply in the readers, 600 replies/s of 64 KB) the
-# wait's median fell from 52.9 to 30.7 ms with this room, against 85.5 through zmq
-# (`python -m bench.ipc_load`; 0 keeps the kernel's default, its `unix-small` mode).
+# the engine's, both contending for their GILs; clicks at 3,000/s collapsed so on an H200
+# (docs/BENCHMARKS.md, issue 19's thirty-fifth session). In `python -m bench.ipc_load`
+# (600 replies/s of 64 KB to readers holding the GIL 2 ms a reply; CPU machine, two runs)
+# the wait's p99 was 465 and 272 ms with this room, 964 and 627 with the default, 403 and
+# 375 through zmq. 0 keeps the kernel's default (the bench's `unix-small`).
 SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
 Frame = bytes | bytearray | memoryview

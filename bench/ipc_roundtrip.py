@@ -13,7 +13,8 @@ loop's readiness callback as `server.engine.process` does.
     zmq   DEALER -> ROUTER over ipc://, read on the loop's readiness callback (zmq's
           descriptor signals edges: everything queued is read, and again after a send),
           as the service did until the thirty-fifth session
-    unix  one stream connection, frames prefixed by their length (asyncio.Protocol)
+    unix  one stream connection, as the service's (`server.wire`; call 1 of issue 19's
+          thirty-fifth session ran the bench's own copy of its framing, before wire.py)
 
 Each call carries `--bytes` (a click's pickled call is about 1 KB, its reply 2 KB on
 trained weights). Calls go one at a time, `--gaps-ms` apart (0: back to back); latency is
@@ -30,7 +31,6 @@ import asyncio
 import multiprocessing
 import os
 import statistics
-import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,8 +39,9 @@ from typing import Any
 
 import zmq
 
+from server import wire
+
 MODES = ("zmq", "unix")
-HEADER = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -92,38 +93,13 @@ def _zmq_server(address: str, started: Any) -> None:
     asyncio.run(main())
 
 
-class _Framed(asyncio.Protocol):
-    """Length-prefixed frames over a stream; `on_frame` gets each whole one."""
-
-    def __init__(self, on_frame: Callable[[_Framed, bytes], None]) -> None:
-        self.on_frame = on_frame
-        self.buffer = bytearray()
-        self.transport: Any = None  # uvloop's transports are not asyncio.Transport's kind
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while len(self.buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self.buffer)
-            if len(self.buffer) < HEADER.size + size:
-                return
-            frame = bytes(self.buffer[HEADER.size : HEADER.size + size])
-            del self.buffer[: HEADER.size + size]
-            self.on_frame(self, frame)
-
-    def send(self, frame: bytes) -> None:
-        assert self.transport is not None
-        self.transport.writelines([HEADER.pack(len(frame)), frame])
+def _echo(connection: wire.Framed, frames: list[bytes]) -> None:
+    connection.send(frames)
 
 
 def _unix_server(path: str, started: Any) -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_unix_server(
-            lambda: _Framed(lambda conn, frame: conn.send(frame)), path
-        )
+        server = await wire.serve(path, lambda: wire.Framed(_echo))
         started.set()
         async with server:
             await server.serve_forever()
@@ -179,23 +155,23 @@ async def _unix_client(path: str, calls: int, gaps_ms: list[float], size: int) -
     loop = asyncio.get_running_loop()
     waiting: list[asyncio.Future[None]] = []
 
-    def on_frame(_: _Framed, frame: bytes) -> None:
+    def on_message(_: wire.Framed, frames: list[bytes]) -> None:
         if waiting:
             waiting.pop(0).set_result(None)
 
-    transport, protocol = await loop.create_unix_connection(lambda: _Framed(on_frame), path)
+    connection = await wire.connect(path, wire.Framed(on_message))
     payload = os.urandom(size)
 
     async def call() -> float:
         future = loop.create_future()
         waiting.append(future)
         started = time.perf_counter()
-        protocol.send(payload)
+        connection.send([payload])
         await future
         return (time.perf_counter() - started) * 1e6
 
     rows = await _run_gaps("unix", call, calls, gaps_ms)
-    transport.close()
+    connection.close()
     return rows
 
 

@@ -122,10 +122,6 @@ class Framed(asyncio.Protocol):
 
     # -- sending ----------------------------------------------------------------------
 
-    @property
-    def connected(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing()
-
     def send(self, frames: Sequence[Frame]) -> bool:
         """Queue one message without waiting; False when it cannot go (no connection, or
         the peer has left `MAX_QUEUED_BYTES` unread)."""

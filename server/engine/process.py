@@ -475,7 +475,7 @@ class EngineServer:
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's loop where it is installed (uvicorn's `standard` extra brings it), as the
     frontends run: since the loop reads and writes the frontends' sockets itself
-    (`server.wire`), its CPU per call fell 8-20% with uvloop and the p99 of classify and
+    (`server.wire`), its CPU per call fell 5-38% with uvloop and the p99 of classify and
     clicks at 1,000/s halved (`python -m bench.engine_loop --kinds classify click --rates
     1000 50 --clients 2 --stub-ms 1`, the loop switched between the two by hand, 2-core CPU
     machine, two runs each, 2026-11-29; docs/BENCHMARKS.md, issue 19's thirty-fifth

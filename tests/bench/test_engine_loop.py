@@ -4,6 +4,7 @@ processes as frontends serve it, answers every call it was sent, and the row cou
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from bench.engine_loop import _schedules, main
@@ -29,4 +30,9 @@ def test_every_call_is_answered_and_counted(tmp_path: Path) -> None:
         assert row["errors"] == ""
         assert 20 < row["ok/s"] < 60  # Poisson: about 60 calls in 1.5 s
         assert row["p50 ms"] > 0 and row["p99 ms"] >= row["p50 ms"]
-        assert row["loop ms/call"] > 0 and row["engine ms/call"] >= row["loop ms/call"]
+        # the process's CPU holds its loop's, up to the clock ticks both are counted in (a
+        # tick each of the four readings): with zmq's I/O threads gone from the engine the
+        # two are that close at this rate (a clean-clone run saw 1.132 against 1.321 ms a call)
+        ticks_ms = 4 * 1000 / os.sysconf("SC_CLK_TCK") / (row["ok/s"] * 1.5)
+        assert row["loop ms/call"] > 0
+        assert row["engine ms/call"] >= row["loop ms/call"] - ticks_ms

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from bench.ipc_roundtrip import readable, socket_fd
+from bench.ipc_roundtrip import quantile, readable, socket_fd
 from server import wire
 
 MODES = ("zmq", "unix", "unix-small")
@@ -58,10 +58,10 @@ def _stage_thread() -> None:
         time.sleep(0.001)
 
 
-def _uvloop_run(main: Callable[[], Any]) -> Any:
-    import uvloop
-
-    return uvloop.run(main())
+def _run(main: Callable[[], Any]) -> Any:
+    """`main()` on the loop the service's ends run on (uvloop's where installed)."""
+    with asyncio.Runner(loop_factory=wire.event_loop_factory()) as runner:
+        return runner.run(main())
 
 
 def _server(mode: str, address: str, size: int, started: Any) -> None:
@@ -93,7 +93,7 @@ def _server(mode: str, address: str, size: int, started: Any) -> None:
         started.set()
         await asyncio.Event().wait()
 
-    _uvloop_run(main)
+    _run(main)
 
 
 def _zmq_send(sock: zmq.Socket[Any], drain: Callable[[], None], call: int) -> None:
@@ -157,7 +157,7 @@ def _client(mode: str, addresses: list[str], rate: float, seconds: float, work_m
             await asyncio.sleep(0.01)
         return calls, waits
 
-    out.put(_uvloop_run(main))
+    out.put(_run(main))
 
 
 def run(mode: str, rate: float, seconds: float, size: int, work_ms: float, clients: int,
@@ -190,7 +190,7 @@ def run(mode: str, rate: float, seconds: float, size: int, work_ms: float, clien
                 proc.kill()
                 proc.join()
     waits.sort()
-    pick = lambda q: round(waits[min(len(waits) - 1, int(q * len(waits)))], 2) if waits else None  # noqa: E731
+    pick = lambda q: round(quantile(waits, q), 2) if waits else None  # noqa: E731
     return {"mode": mode, "sent": sent, "answered": len(waits), "p50 ms": pick(0.5),
             "p99 ms": pick(0.99), "max ms": pick(1.0)}  # fmt: skip
 

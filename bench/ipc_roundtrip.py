@@ -62,14 +62,6 @@ def socket_fd(sock: zmq.Socket[Any]) -> int:
     return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
 
 
-def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 # -- the echo servers (plain asyncio, as the engine's loop) -----------------------------
 
 
@@ -110,11 +102,15 @@ def _unix_server(path: str, started: Any) -> None:
 # -- the client (uvloop, as a frontend's) ------------------------------------------------
 
 
+def quantile(ordered: list[float], q: float) -> float:
+    """The value a fraction `q` of the way up `ordered` (sorted; 1.0: the largest)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _percentiles(mode: str, gap_ms: float, micros: list[float]) -> Row:
     micros.sort()
-    pick = lambda q: micros[min(len(micros) - 1, int(q * len(micros)))]  # noqa: E731
     return Row(mode, gap_ms, len(micros), round(statistics.median(micros), 1),
-               round(pick(0.9), 1), round(pick(0.99), 1))  # fmt: skip
+               round(quantile(micros, 0.9), 1), round(quantile(micros, 0.99), 1))  # fmt: skip
 
 
 async def _zmq_client(address: str, calls: int, gaps_ms: list[float], size: int) -> list[Row]:
@@ -207,7 +203,7 @@ def measure(modes: list[str], calls: int, gaps_ms: list[float], size: int) -> li
                 if not started.wait(30):
                     raise RuntimeError(f"the {mode} echo server did not start")
                 client = _zmq_client if mode == "zmq" else _unix_client
-                with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
+                with asyncio.Runner(loop_factory=wire.event_loop_factory()) as runner:
                     rows += runner.run(client(where, calls, gaps_ms, size))
             finally:
                 server.kill()

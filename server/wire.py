@@ -52,6 +52,22 @@ SEND_BUFFER_BYTES = 4 * 1024 * 1024
 Frame = bytes | bytearray | memoryview
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop the engine's end runs on: uvloop's where it is installed (uvicorn's
+    `standard` extra brings it), as the frontends' uvicorn picks it; None: asyncio's own.
+
+    Since the loop reads and writes the frontends' sockets itself, the engine's loop CPU a
+    call fell 5-38% with uvloop and the p99 of classify and clicks at 1,000/s halved
+    (`python -m bench.engine_loop --kinds classify click --rates 1000 50 --clients 2
+    --stub-ms 1`, the loop switched between the two by hand, 2-core CPU machine, two runs
+    each, 2026-11-29; docs/BENCHMARKS.md, issue 19's thirty-fifth session)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def socket_path(address: str) -> str:
     """The file of an `ipc://<path>` address (a bare path is taken as it is)."""
     return address.removeprefix("ipc://")

@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -472,21 +471,6 @@ class EngineServer:
         raise ServiceError(500, "internal", f"unknown call {type(call).__name__}")
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop where it is installed (uvicorn's `standard` extra brings it), as the
-    frontends run: since the loop reads and writes the frontends' sockets itself
-    (`server.wire`), its CPU per call fell 5-38% with uvloop and the p99 of classify and
-    clicks at 1,000/s halved (`python -m bench.engine_loop --kinds classify click --rates
-    1000 50 --clients 2 --stub-ms 1`, the loop switched between the two by hand, 2-core CPU
-    machine, two runs each, 2026-11-29; docs/BENCHMARKS.md, issue 19's thirty-fifth
-    session)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def engine_main(settings: Settings, address: str, role: str = "engine-0") -> None:
     """An engine process's entry point (spawned by the supervisor, one per GPU: the GPU is
     the one its CUDA_VISIBLE_DEVICES names, `cuda:0` here)."""
@@ -533,7 +517,7 @@ def engine_main(settings: Settings, address: str, role: str = "engine-0") -> Non
             watcher.cancel()
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=wire.event_loop_factory()) as runner:
             runner.run(main())
     finally:
         tracing.shutdown()  # export what is batched before the process ends

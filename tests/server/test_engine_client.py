@@ -61,7 +61,7 @@ def test_a_call_to_a_missing_engine_ends_at_its_deadline(tmp_path) -> None:  # t
     answers 504 once its deadline and the grace have passed, rather than hanging. (The
     frontend's timer also ended a 1 ms request once in CI, when a loaded engine answered
     late: tests/server/test_hostile_inputs.py expects the same code there.)"""
-    image = Image("0" * 64, 8, 8, np.zeros((8, 8, 3), dtype=np.uint8))
+    image = Image("0" * 64, np.zeros((8, 8, 3), dtype=np.uint8), 8, 8)
 
     async def run() -> float:
         client = EngineClient(f"ipc://{tmp_path}/nobody.sock", None)
@@ -121,42 +121,53 @@ def test_a_call_read_too_late_is_refused_at_the_door(live_server: LiveServer) ->
 
 def test_messages_split_or_run_together_on_the_stream_arrive_whole() -> None:
     """The stream has no message boundaries: a message cut into single bytes, and several
-    in one chunk with the next one's start, each reach the handler once and whole, in
-    order; frames of every size (empty, large, a memoryview) keep their bytes."""
-    got: list[list[bytes]] = []
-    receiver = wire.Framed(lambda _, frames: got.append(frames))
-    written: list[bytes] = []
+    in one write with the next one's start, each reach the handler once and whole, in
+    order; frames of every size (empty, large, a memoryview) keep their bytes. What one
+    `Framed` writes to a real socket is read back raw, then written to another `Framed`'s
+    socket in those pieces."""
+    import socket
 
-    class Transport:  # what `send` writes to, as a transport takes it
-        def is_closing(self) -> bool:
-            return False
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-        def get_extra_info(self, name: str) -> None:
-            return None  # no socket to size
-
-        def writelines(self, parts: list[bytes | memoryview]) -> None:
-            written.append(b"".join(bytes(p) for p in parts))
-
-    sender = wire.Framed(lambda _, frames: None)
-    sender.connection_made(Transport())  # type: ignore[arg-type]
     big = np.arange(300_000, dtype=np.uint8)
-    messages = [
+    messages: list[list[bytes | memoryview]] = [
         [b"a", b""],
         [call_id_bytes(7), *dump(Reply(value=big))],
         [b"x" * 10, memoryview(b"yz")],
     ]
-    for frames in messages:
-        assert sender.send(frames)
-    stream = b"".join(written)
-    first = len(written[0])
-    for k in range(first):  # the first message a byte at a time
-        receiver.data_received(stream[k : k + 1])
-    assert got == [[b"a", b""]]
-    receiver.data_received(stream[first:-3])  # the second whole, the third's start
-    receiver.data_received(stream[-3:])
+    lengths = [4 * (1 + len(m)) + sum(len(bytes(f)) for f in m) for m in messages]
+
+    async def run() -> list[list[bytes]]:
+        loop = asyncio.get_running_loop()
+        out_end, raw_in = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw_out, in_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sender = wire.Framed(lambda _, frames: None)
+        await loop.create_unix_connection(lambda: sender, sock=out_end)
+        for frames in messages:
+            assert sender.send(frames)
+        stream = b""
+        while len(stream) < sum(lengths):
+            stream += await loop.sock_recv(raw_in, 1 << 20)
+        got: list[list[bytes]] = []
+        receiver = wire.Framed(lambda _, frames: got.append(frames))
+        await loop.create_unix_connection(lambda: receiver, sock=in_end)
+        raw_out.setblocking(False)
+        for k in range(lengths[0]):  # the first message a byte at a time, each read alone
+            await loop.sock_sendall(raw_out, stream[k : k + 1])
+            await asyncio.sleep(0.002)
+        assert got == [[b"a", b""]]
+        await loop.sock_sendall(raw_out, stream[lengths[0] : -3])  # the second, the third's start
+        await asyncio.sleep(0.05)
+        await loop.sock_sendall(raw_out, stream[-3:])
+        for _ in range(100):
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.01)
+        for sock in (raw_in, raw_out):
+            sock.close()
+        sender.close()
+        receiver.close()
+        return got
+
+    got = asyncio.run(run())
     assert len(got) == 3
     head, *payload = got[1]
     assert call_id_of(head) == 7
@@ -181,7 +192,7 @@ def test_both_ends_ask_for_room_for_several_large_replies(tmp_path) -> None:  # 
         got: asyncio.Queue[list[bytes]] = asyncio.Queue()
 
         def accepted() -> wire.Framed:
-            served.append(wire.Framed(lambda peer, frames: peer.send(frames)))
+            served.append(wire.Framed(_echo))
             return served[-1]
 
         listening = await wire.serve(f"ipc://{tmp_path}/e.sock", accepted)
@@ -208,9 +219,9 @@ def test_calls_in_flight_fail_at_once_when_the_engine_s_end_closes(tmp_path) -> 
     503 at once, not at its deadline, and the client connects again when an engine
     listens at the address again."""
     address = f"ipc://{tmp_path}/e.sock"
-    image = Image("0" * 64, 8, 8, np.zeros((8, 8, 3), dtype=np.uint8))
+    image = Image("0" * 64, np.zeros((8, 8, 3), dtype=np.uint8), 8, 8)
 
-    async def run() -> tuple[float, int, str]:
+    async def run() -> tuple[float, int, object]:
         dying = wire.serve(address, lambda: wire.Framed(lambda peer, frames: peer.close()))
         listening = await dying
         client = EngineClient(address, None)
@@ -231,6 +242,10 @@ def test_calls_in_flight_fail_at_once_when_the_engine_s_end_closes(tmp_path) -> 
     took, status, reply = asyncio.run(run())
     assert status == 503 and took < 5
     assert reply == "found"
+
+
+def _echo(peer: wire.Framed, frames: list[bytes]) -> None:
+    peer.send(frames)
 
 
 def _answer_lookups(peer: wire.Framed, frames: list[bytes]) -> None:

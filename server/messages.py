@@ -1,14 +1,14 @@
-"""The messages between the frontends and the engine, and how they cross the socket.
+"""The messages between the frontends and the engine, and the frames they become (the
+stream that carries the frames is `server.wire`).
 
-A frontend sends `[call id, payload, *buffers]` to its engine over their connection
-(`server.wire`); the engine answers `[call id, payload, *buffers]` when the call is done,
-and `[RELEASE, payload]` when pixels a frontend lent it in shared memory are no longer
-read. Payloads are
-pickles of the dataclasses below (protocol 5: numpy arrays, such as mask runs or inline
-pixels, travel as separate frames without a copy). Both ends are this package at one
-version, started together by the supervisor, so pickle's lack of a schema costs nothing,
-and nothing untrusted is ever unpickled: clients' bytes are parsed by the frontend and
-only its own messages cross.
+A frontend sends `[call id, payload, *buffers]` to its engine over their connection; the
+engine answers `[call id, payload, *buffers]` when the call is done, and `[RELEASE,
+payload]` when pixels a frontend lent it in shared memory are no longer read. Payloads
+are pickles of the dataclasses below (protocol 5: numpy arrays, such as mask runs or
+inline pixels, travel as frames of their own, not inside the pickle). Both ends are this
+package at one version, started together by the supervisor, so pickle's lack of a schema
+costs nothing, and nothing untrusted is ever unpickled: clients' bytes are parsed by the
+frontend and only its own messages cross.
 
 Deadlines are `time.monotonic()` instants: Linux's monotonic clock is one clock for every
 process on the host.

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import ROOT
+from tests.test_readme import readme_test_line
 
 pytestmark = pytest.mark.fresh_clone
 
@@ -37,15 +38,6 @@ QUICK = [
     "tests/server/test_imaging.py",
     "tests/server/test_api_service.py::test_python_dash_m_server_serves",
 ]
-
-
-def readme_test_command() -> str:
-    """The README's second line's last step: the pytest command CI runs."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text, re.S)
-    assert block, "the README opens with a bash block"
-    (line,) = [ln for ln in block.group(1).splitlines() if "pytest" in ln]
-    return line.split("&&")[-1].strip()
 
 
 def lone_env() -> dict[str, str]:
@@ -61,7 +53,7 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 
 
 def test_a_lone_clone_passes_its_quick_tests(tmp_path: Path) -> None:
-    command = readme_test_command()
+    command = readme_test_line().split("&&")[-1].strip()
     assert command.startswith("python -m pytest -q"), command
 
     head = git("rev-parse", "HEAD")

@@ -56,6 +56,18 @@ def fenced(section: str, language: str) -> list[str]:
     return [body for lang, body in FENCE.findall(section) if lang == language]
 
 
+def readme_test_line() -> str:
+    """The README's second set-up command: the one that installs the test tools and tests."""
+    (line,) = [ln for ln in fenced(README.read_text(), "bash")[0].splitlines() if "pytest" in ln]
+    return line
+
+
+def test_ci_runs_the_readme_test_line_as_written() -> None:
+    """A missing install step shows in CI only if CI installs as the README says; the
+    fresh-clone step (tests/test_fresh_clone.py) runs in the virtualenv this line makes."""
+    assert readme_test_line() in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
 def shape(value: Any) -> Any:
     """Keys and types, int told from float; a list by its first element (they are uniform)."""
     if isinstance(value, dict):

@@ -21,6 +21,7 @@ ready once every engine is), so probes and `require_engine` never wait on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -99,6 +100,7 @@ class EngineLink:
     index: int
     address: str
     connection: wire.Framed | None = None  # None until connected (and after it is lost)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set when a connection ends
     # each call's future: its reply and when that was read (perf_counter)
     waiting: dict[int, asyncio.Future[tuple[Reply, float]]] = field(default_factory=dict)
     status: Status | None = None
@@ -247,20 +249,22 @@ class EngineClient:
     # -- the connections ----------------------------------------------------------------
 
     async def _connect(self, link: EngineLink) -> None:
-        """Connect to `link`'s engine, trying again every few ms until it listens (engines
-        bind while the frontends start), and again whenever the connection is lost."""
+        """Connect to `link`'s engine, trying again every 20 ms until it listens (engines
+        bind while the frontends start) and 20 ms after each connection ends. While one
+        holds this waits on `link.lost`: a 20 ms poll of every link woke each frontend's
+        loop 50 times a second per engine."""
         while not self._closing:
-            if link.connection is None:
-                connection = wire.Framed(
-                    lambda _, frames: self._on_message(link, frames),
-                    lambda lost: self._on_lost(link, lost),
-                )
-                try:
-                    link.connection = await wire.connect(link.address, connection)
-                    log.debug("connected to engine %d at %s", link.index, link.address)
-                    continue
-                except OSError:  # not listening yet (no file, or refused)
-                    pass
+            link.lost.clear()
+            connection = wire.Framed(
+                lambda _, frames: self._on_message(link, frames),
+                lambda lost: self._on_lost(link, lost),
+            )
+            with contextlib.suppress(OSError):  # not listening yet (no file, or refused)
+                await wire.connect(link.address, connection)
+            if connection.transport is not None:  # connected, and not lost meanwhile
+                link.connection = connection
+                log.debug("connected to engine %d at %s", link.index, link.address)
+                await link.lost.wait()
             await asyncio.sleep(0.02)
 
     def _on_message(self, link: EngineLink, frames: list[bytes]) -> None:
@@ -278,6 +282,7 @@ class EngineClient:
         """The engine's end closed: its answers to the calls in flight will not come."""
         if link.connection is lost:
             link.connection = None
+        link.lost.set()
         if not self._closing:
             log.warning("the connection to engine %d was lost", link.index)
             self._fail_waiting(link, ServiceError(503, "not_ready", "the engine went away"))

@@ -482,3 +482,119 @@ def test_the_gpu_span_lands_in_its_histogram():
     }
     assert samples["serve_batch_gpu_seconds_count"] == 2
     assert samples["serve_batch_gpu_seconds_sum"] == pytest.approx(0.006)
+
+
+class Gated:
+    """A batch function whose calls each wait for their own gate: the test decides which
+    of the batches running at once ends first."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gates: list[threading.Event] = []
+        self.lock = threading.Lock()
+        self.threads: set[str] = set()
+
+    def __call__(self, items: list[int]) -> list[int]:
+        gate = threading.Event()
+        with self.lock:
+            self.batches.append(list(items))
+            self.gates.append(gate)
+            self.threads.add(threading.current_thread().name)
+        gate.wait(30)
+        return [x * 10 for x in items]
+
+    async def wait_for(self, batches: int) -> None:
+        for _ in range(2000):
+            if len(self.batches) >= batches:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"{len(self.batches)} batches began, not {batches}")
+
+
+def test_a_free_lane_takes_a_batch_at_once_while_another_lane_computes():
+    work = Gated()
+
+    async def main():
+        pool = ThreadPoolExecutor(2)
+        batcher, rec = make(work, pool, max_delay_s=5.0, load=WorkerLoad(lanes=2))
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(1))
+        await work.wait_for(1)
+        start = time.perf_counter()
+        second = asyncio.create_task(batcher.submit(2))  # lane 2 is free: no 5 s wait
+        await work.wait_for(2)
+        went_after = time.perf_counter() - start
+        assert len(batcher._running) == 2 and batcher.busy_for() > 0
+        # both lanes busy: these collect into one batch for whichever lane frees first
+        third = [asyncio.create_task(batcher.submit(i)) for i in (3, 4, 5)]
+        await asyncio.sleep(0.05)
+        waiting = batcher.depth
+        expected = batcher.expected_wait()
+        work.gates[1].set()  # the second batch ends first: its lane takes the three
+        assert await second == 20
+        await work.wait_for(3)
+        for gate in work.gates:
+            gate.set()
+        results = [await first, *await asyncio.gather(*third)]
+        await batcher.close()
+        pool.shutdown(wait=True)
+        return went_after, waiting, expected, results, rec, batcher
+
+    went_after, waiting, expected, results, rec, batcher = run(main())
+    assert went_after < 1.0, went_after
+    assert waiting == 3
+    assert expected is None  # no batch measured yet while both lanes held theirs
+    assert results == [10, 30, 40, 50]
+    assert rec.sizes == [1, 1, 3]
+    assert work.batches == [[1], [2], [3, 4, 5]]
+    assert len(work.threads) == 2  # the two batches at once ran on two threads
+    assert batcher.idle and batcher.busy_for() == 0.0
+
+
+def test_expected_wait_shares_the_queue_among_the_lanes():
+    work = Gated()
+
+    async def main():
+        pool = ThreadPoolExecutor(2)
+        batcher, _ = make(work, pool, max_batch_cost=2, max_delay_s=5.0, load=WorkerLoad(2))
+        batcher.batch_seconds = 1.0  # as if measured
+        batcher.start()
+        running = [asyncio.create_task(batcher.submit(i)) for i in (1, 2)]
+        await work.wait_for(1)
+        await asyncio.sleep(0.02)
+        if len(work.batches) == 1:  # both went in one batch; a third fills lane 2
+            running.append(asyncio.create_task(batcher.submit(3)))
+            await work.wait_for(2)
+        queued = [asyncio.create_task(batcher.submit(i)) for i in (4, 5, 6, 7)]
+        await asyncio.sleep(0.02)
+        wait = batcher.expected_wait(cost=2)
+        for _ in range(20):
+            for gate in work.gates:
+                gate.set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*running, *queued)
+        await batcher.close()
+        pool.shutdown(wait=True)
+        return wait
+
+    wait = run(main())
+    # 4 queued + 2 of its own = 3 batches of 2, over 2 lanes: 2 rounds of 1 s after the
+    # running batches' remaining second
+    assert wait is not None and 2.9 < wait <= 3.0, wait
+
+
+def test_a_load_knows_its_lanes():
+    pool = ThreadPoolExecutor(2)
+    try:
+        load = WorkerLoad.of(pool, lanes=2)
+        assert WorkerLoad.of(pool, lanes=2) is load
+        with pytest.raises(ValueError, match="2 lane"):
+            WorkerLoad.of(pool)
+        load.started()
+        assert not load.busy  # one lane of two is free
+        load.started()
+        assert load.busy
+    finally:
+        pool.shutdown()
+    with pytest.raises(ValueError):
+        WorkerLoad(lanes=0)

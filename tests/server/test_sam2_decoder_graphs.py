@@ -160,7 +160,8 @@ def test_the_stages_decode_through_the_padded_buffers(photos) -> None:
     call after warm-up is on a whole bucket's buffers."""
     plain, graphed = _stages(), _stages()
     graphed.compiled = True  # a mask input always, every warm-up form: as compiled on CUDA
-    graphed._graphs = buffers = graphed.decoder_graphs(graphs=False)
+    buffers = graphed.decoder_graphs(graphs=False)
+    graphed._lane_graphs = [buffers]
     graphed.warmup()
     assert buffers.captured == [(s, t) for s in BUCKETS for t in (2, 4, 8)]
     seen: list[PromptBatch] = []
@@ -246,7 +247,8 @@ def test_a_refused_capture_turns_the_graphs_off_and_decoding_goes_on(photos, cap
     start-up: the warm-up logs why and the decoder runs as it does without graphs."""
     plain, graphed = _stages(), _stages()
     graphed.compiled = True
-    graphed._graphs = buffers = graphed.decoder_graphs(graphs=False)
+    buffers = graphed.decoder_graphs(graphs=False)
+    graphed._lane_graphs = [buffers]
     decode = buffers.decode
 
     def refusing(*args: object) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,8 @@
 # busy wait before each arrival), on the same server: the client's share of the latency.
 #
 # EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
-# MIX replace the targets ("" skips one); PROCS_<KIND> the client processes.
+# MIX replace the targets ("" skips one); PROCS_<KIND> the client processes; CLICK_IMAGES
+# the images clicks spread over (bench.openloop --click-images).
 # BASELINE_CLASSIFY_RATES (none by default) runs classify once more with only the photos the
 # engine decodes on its GPU (upright baseline JPEGs; the frontends decode the rest, e.g. the
 # progressive assets_picture4.jpg): how much of classify's cost is the frontends' decoding.
@@ -113,6 +114,9 @@ memory_note() {
 
 COMMON=(--url "$URL" --images "$IMAGES" --seconds "$SECONDS_PER_RATE" --warmup-seconds "$WARMUP"
   --pause-seconds 1 --timeout 5)
+# CLICK_IMAGES: the images clicks spread over (copies of the photos with new image_ids);
+# unset, the photos themselves: seven images on six engines load them unevenly
+[ -n "${CLICK_IMAGES:-}" ] && COMMON+=(--click-images "$CLICK_IMAGES")
 # The GPU's busy share over a step, from `nvidia-smi dmon` (its sm %: the time some kernel
 # was running, warm-up and pauses included): a step whose latency grows while this stays
 # well under 100% waits on the hosts, not on the GPU.

@@ -43,22 +43,44 @@ def stage_sums(metrics_text: str, family: str) -> dict[str, tuple[float, float]]
     return {stage: (total, count) for stage, (total, count) in sums.items()}
 
 
+def engine_items(metrics_text: str) -> dict[str, float]:
+    """ "stage engine" -> the items that engine's stage took from its queue
+    (`serve_queue_wait_seconds`' count, one per item)."""
+    items: dict[str, float] = {}
+    for parsed in text_string_to_metric_families(metrics_text):
+        if parsed.name != "serve_queue_wait_seconds":
+            continue
+        for sample in parsed.samples:
+            if sample.name.endswith("_count"):
+                # no engine label: a service of one process (the tests' in-process one)
+                engine = sample.labels.get("engine") or "-"
+                key = f"{sample.labels.get('stage', '')} {engine}"
+                items[key] = items.get(key, 0.0) + sample.value
+    return items
+
+
 def totals(metrics_text: str) -> dict[str, dict[str, float]]:
-    """stage -> its batches' count, wall seconds, spans' count and GPU seconds."""
+    """stage -> its batches' count, wall seconds, spans' count and GPU seconds, and the
+    items each engine's stage took (`item engine <n>`)."""
     wall = stage_sums(metrics_text, "serve_batch_duration_seconds")
     gpu = stage_sums(metrics_text, "serve_batch_gpu_seconds")
+    per_engine: dict[str, dict[str, float]] = defaultdict(dict)
+    for key, count in engine_items(metrics_text).items():
+        stage, engine = key.split(" ", 1)
+        per_engine[stage][f"items engine {engine}"] = count
     return {
         stage: {
             "batches": wall[stage][1],
             "wall_s": wall[stage][0],
             "spans": gpu.get(stage, (0.0, 0.0))[1],
             "gpu_s": gpu.get(stage, (0.0, 0.0))[0],
+            **per_engine.get(stage, {}),
         }
         for stage in wall
     }
 
 
-COLUMNS = ["stage", "batches", "wall ms, mean", "gpu span ms, mean"]
+COLUMNS = ["stage", "batches", "wall ms, mean", "gpu span ms, mean", "items by engine"]
 
 
 def rows(
@@ -78,6 +100,12 @@ def rows(
             "gpu span ms, mean": (
                 1000 * delta["gpu_s"] / delta["spans"] if delta["spans"] > 0 else "-"
             ),
+            # how evenly the engines shared the stage's work: clicks follow their image
+            "items by engine": " ".join(
+                f"{key.rsplit(' ', 1)[1]}:{int(delta[key])}"
+                for key in sorted(delta)
+                if key.startswith("items engine ")
+            ) or "-",
         })  # fmt: skip
     return table
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from bench.openloop import report
-from bench.openloop.kinds import KINDS, Photo
+from bench.openloop.kinds import KINDS, Photo, click_copy
 from bench.openloop.worker import StepSpec, run_step
 from bench.service_load import DEFAULT_IMAGES, load_images
 from server.client import Client, ServiceError
@@ -63,11 +63,19 @@ def build_steps(kind: str | None, rates: list[float] | None, mixes: list[Any]) -
     return [(f"{kind}@{rate:g}", ((kind, rate),)) for rate in rates]
 
 
-def embed_photos(url: str, images: tuple[Photo, ...], api_key: str | None) -> tuple[str, ...]:
-    """Encode each photo once, before any click is timed (the annotation tool's first call)."""
+def embed_photos(
+    url: str, images: tuple[Photo, ...], api_key: str | None, count: int | None = None
+) -> tuple[str, ...]:
+    """Encode each click image once, before any click is timed (the annotation tool's first
+    call): `count` images, image i a copy of photo `i % len(images)` (`click_copy`); by
+    default the photos themselves."""
+    count = len(images) if count is None else count
     try:
         with Client(url, api_key=api_key, timeout=120) as client:
-            return tuple(client.embed(data).image_id for _, data, _, _ in images)
+            return tuple(
+                client.embed(click_copy(images[i % len(images)][1], i // len(images))).image_id
+                for i in range(count)
+            )
     except (ServiceError, httpx.HTTPError) as exc:
         raise SystemExit(f"embedding the photos for the clicks failed: {exc!r}") from None
 
@@ -101,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     pool_help = "connection pool: rate x this many seconds of requests in flight"
     p.add_argument("--inflight-seconds", type=float, default=2.0, help=pool_help)
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES, help="folder of .jpg photos")
+    click_help = (
+        "images the clicks spread over: copies of the photos with new bytes, so new image_ids "
+        "(default: the photos). Engines are chosen by image_id: a few photos load a few "
+        "engines, where many annotators each on an image of their own load all alike"
+    )
+    p.add_argument("--click-images", type=int, default=None, help=click_help)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--client", choices=("wire", "httpx"), default="wire",
@@ -127,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/")
     images = load_images(args.images)
     clicks = any(kind == "click" for _, rates in steps for kind, _ in rates)
-    image_ids = embed_photos(url, images, args.api_key) if clicks else ()
+    if args.click_images is not None and args.click_images < len(images):
+        p.error(f"--click-images: at least one a photo ({len(images)} in {args.images})")
+    image_ids = embed_photos(url, images, args.api_key, args.click_images) if clicks else ()
     base = StepSpec(
         url=url, rates=(), seconds=args.seconds, warmup_s=args.warmup_seconds,
         timeout_s=args.timeout, processes=args.processes, seed=args.seed,
@@ -146,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "client": args.client,
         "spin_ms": args.spin_ms,
         "images": [name for name, _, _, _ in images],
+        "click_images": len(image_ids),
         "client_host": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "models": served_models(url, args.api_key),
     }

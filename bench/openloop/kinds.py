@@ -5,7 +5,10 @@ segment   a photo never seen before (the JPEG with a unique comment segment afte
           bytes, changes, so the embedding cache never hits) with one box: decode, encoder,
           mask decoder, masks
 click     1-2 points on an embedding cached beforehand (POST /v1/embed), by image_id, as
-          JSON: the interactive-annotation path, mask decoder only
+          JSON: the interactive-annotation path, mask decoder only. The images clicked on
+          are the photos themselves, or `--click-images` copies of them with new bytes
+          (`click_copy`), so that clicks spread over that many image_ids, and engines, as
+          many annotators' clicks on their own images do
 classify  a photo (multipart) with top_k 5: Swin
 
 Every request names its image in X-Image-Id (the SHA-256 of the bytes it sends), as the
@@ -66,6 +69,12 @@ def unique_jpeg(data: bytes, tag: str) -> bytes:
     return data[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + data[2:]
 
 
+def click_copy(data: bytes, n: int) -> bytes:
+    """Click image n of a photo: its own bytes for n = 0, else the same picture with new
+    bytes (`unique_jpeg`), hence another image_id and maybe another engine."""
+    return data if n == 0 else unique_jpeg(data, f"click-image-{n}")
+
+
 def random_box(rng: random.Random, width: int, height: int) -> list[float]:
     """[x0, y0, x1, y1] inside the image, 10-50% of each side."""
     bw, bh = rng.uniform(0.1, 0.5) * width, rng.uniform(0.1, 0.5) * height
@@ -97,16 +106,20 @@ class RequestMaker:
         nonce: str,
         process: int,
     ) -> None:
+        """`image_ids`: the click images', each image i a copy of photo `i % len(images)`
+        (`click_copy`); none when no click is sent."""
         if not images:
             raise ValueError("no photos")
-        if image_ids and len(image_ids) != len(images):
-            raise ValueError("one image_id per photo, or none")
+        if image_ids and len(image_ids) < len(images):
+            raise ValueError("an image_id for every photo at least, or none")
         self.images, self.image_ids, self.rng = images, image_ids, rng
         self.nonce, self.process = nonce, process
 
     def make(self, kind: str, seq: int) -> Request:
-        k = self.rng.randrange(len(self.images))
-        name, data, width, height = self.images[k]
+        # a click draws among its images (one per photo, as the other kinds draw, by default)
+        choices = len(self.image_ids) if kind == "click" and self.image_ids else len(self.images)
+        k = self.rng.randrange(choices)
+        name, data, width, height = self.images[k % len(self.images)]
         if kind == "segment":
             data = unique_jpeg(data, f"{self.nonce}:{self.process}:{seq}")
             fields: dict[str, Any] = {"box": random_box(self.rng, width, height)}

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.openloop import report
 from bench.openloop.__main__ import main as openloop_main
-from bench.openloop.kinds import RequestMaker, random_box, random_points, unique_jpeg
+from bench.openloop.kinds import RequestMaker, click_copy, random_box, random_points, unique_jpeg
 from bench.openloop.pools import SHARD, ShardedPools
 from bench.openloop.schedule import (
     Outcome,
@@ -261,6 +261,31 @@ def test_segment_bytes_never_repeat_and_click_names_the_embedding(small_jpeg_dir
         unique_jpeg(b"\x89PNG\r\n\x1a\n", "x")
 
 
+def test_clicks_spread_over_copies_of_the_photos(small_jpeg_dir: Path) -> None:
+    """`--click-images`: image i is a copy of photo i % photos; every copy is clicked on, at
+    a point inside its own photo."""
+    images = load_images(small_jpeg_dir)
+    n = len(images)
+    ids = tuple(f"copy{i}" for i in range(3 * n))
+    maker = RequestMaker(images, ids, random.Random(5), "run", 0)
+    clicked = set()
+    for seq in range(60 * n):
+        body = json.loads(maker.make("click", seq).body)
+        i = ids.index(body["image_id"])
+        clicked.add(i)
+        _, _, w, h = images[i % n]
+        assert all(0 <= x <= w - 1 and 0 <= y <= h - 1 for x, y in body["point_coords"])
+    assert clicked == set(range(3 * n))
+    with pytest.raises(ValueError, match="every photo"):
+        RequestMaker(images, ids[: n - 1], random.Random(5), "run", 0)
+    # copy 0 is the photo's own bytes; the others are new files of the same picture
+    data = images[0][1]
+    copies = [click_copy(data, c) for c in range(3)]
+    assert copies[0] == data and len({hashlib.sha256(c).digest() for c in copies}) == 3
+    pixels = [decode_image(c, max_pixels=10**8, max_bytes=10**8).pixels for c in copies]
+    assert all(np.array_equal(pixels[0], other) for other in pixels[1:])
+
+
 def test_the_service_decodes_the_tagged_jpeg_as_a_new_image(
     live_server: LiveServer, small_jpeg_dir: Path
 ) -> None:
@@ -372,6 +397,30 @@ def test_segment_photos_never_hit_the_embedding_cache_across_steps(
     after = cache_events(live_server.url)
     assert after.get("hit", 0) == before.get("hit", 0)
     assert after["miss"] - before.get("miss", 0) == sum(r["sent"] for r in rows)
+
+
+def test_clicks_on_copies_find_their_embeddings(
+    live_server: LiveServer, small_jpeg_dir: Path, tmp_path: Path
+) -> None:
+    """The tool embeds each click image before the step (a cache miss each, a new image_id
+    each), and every click on them is answered."""
+    photos = len(load_images(small_jpeg_dir))
+    before = cache_events(live_server.url)
+    out = tmp_path / "rows.json"
+    argv = [
+        "--url", live_server.url, "--kind", "click", "--rates", "6", "--seconds", "1.5",
+        "--warmup-seconds", "0", "--processes", "1", "--click-images", str(2 * photos + 1),
+        "--images", str(small_jpeg_dir), "--json", str(out),
+    ]  # fmt: skip
+    assert openloop_main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["run"]["click_images"] == 2 * photos + 1
+    (row,) = payload["rows"]
+    assert row["errors"] == {} and row["ok"] == row["sent"] >= 1, row
+    after = cache_events(live_server.url)
+    # the photos themselves may have been embedded by an earlier test: copies 1 and 2 not
+    assert after["miss"] - before.get("miss", 0) >= photos + 1
+    assert after["hit"] - before.get("hit", 0) >= row["sent"]
 
 
 def test_refusals_are_counted_by_status(

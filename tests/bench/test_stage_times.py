@@ -38,18 +38,31 @@ def test_the_batches_of_a_step_are_counted_per_stage(
     assert set(table) == {"swin", "sam_encoder", "sam_decoder"}, table
     assert 1 <= int(table["swin"][0]) <= 2
     assert int(table["sam_encoder"][0]) == int(table["sam_decoder"][0]) == 1
-    for _, wall_ms, gpu_ms in table.values():
+    for _, wall_ms, gpu_ms, _ in table.values():
         assert float(wall_ms) > 0
         assert gpu_ms == "-"  # no CUDA stream here: no span
+    # the items each engine's stage took (one engine here): one image encoded, one decoded
+    for stage in ("sam_encoder", "sam_decoder"):
+        engine, items = table[stage][3].split(":")
+        assert (engine.isdigit() or engine == "-") and int(items) == 1, table[stage]
 
 
 def test_rows_take_the_difference_and_skip_idle_stages() -> None:
-    then = {"swin": {"batches": 2.0, "wall_s": 0.02, "spans": 2.0, "gpu_s": 0.01}}
+    then = {"swin": {"batches": 2.0, "wall_s": 0.02, "spans": 2.0, "gpu_s": 0.01,
+                     "items engine 0": 5.0}}  # fmt: skip
     now = {
-        "swin": {"batches": 6.0, "wall_s": 0.10, "spans": 6.0, "gpu_s": 0.03},
+        "swin": {
+            "batches": 6.0,
+            "wall_s": 0.10,
+            "spans": 6.0,
+            "gpu_s": 0.03,
+            "items engine 0": 9.0,
+            "items engine 1": 7.0,
+        },
         "sam_encoder": {"batches": 0.0, "wall_s": 0.0, "spans": 0.0, "gpu_s": 0.0},
     }
     (row,) = stage_times.rows(then, now)
     assert row["stage"] == "swin" and row["batches"] == 4
     assert row["wall ms, mean"] == pytest.approx(20.0)
     assert row["gpu span ms, mean"] == pytest.approx(5.0)
+    assert row["items by engine"] == "0:4 1:7"

@@ -320,14 +320,6 @@ class Settings(BaseSettings):
     """SMs the encoder stages (SAM's encoder, segment-everything) may use, through a CUDA
     green context shared by every engine on the GPU; 0: all of them. CUDA only; Hopper
     hands out SMs in groups of 8, so a multiple of 8 is what runs exactly"""
-    # A decoder batch beside encoder batches is mostly waiting for SMs, kernel by kernel: a
-    # click queued behind one waited for all of it (the mix's clicks spent half their
-    # engine time in the decoder's queue, docs/BENCHMARKS.md issue 19). With two lanes a
-    # click goes at once on a free lane while the other lane's batch runs.
-    decoder_lanes: int = Field(1, ge=1, le=8)
-    """SAM decoder batches one engine runs at once, each on its own thread and CUDA stream
-    with graphs of its own (GPU memory: one set of decoder graph buffers a lane); more than
-    1 needs a thread per stage (SERVE_STAGE_THREADS=per_stage, or auto on CUDA)"""
     # Python's GIL hand-over interval. PyTorch releases the GIL around every op, so the
     # worker thread hands it over hundreds of times a batch and, beside busy Python threads,
     # waits up to this long each time to get it back. With 6 busy threads a tiny SAM's

@@ -11,10 +11,6 @@ batch is full (cost or memory), or the oldest item has waited `max_delay_s`. So 
 request never waits for company, and under load the items that arrive while one batch
 computes ride together in the next. Every stage sharing the worker shares one `WorkerLoad`,
 so a running encoder batch also makes the decoder's queue collect.
-
-A worker of several lanes (threads, each with its own CUDA stream: the decoder's, with
-`SERVE_DECODER_LANES`) is idle while any lane is: a batch goes at once on a free lane
-while another lane's batch runs, and a batcher runs at most one batch a lane at a time.
 """
 
 from __future__ import annotations
@@ -56,33 +52,26 @@ class WorkerLoad:
     """The batches running (or queued) on one worker executor, shared by its batchers.
 
     Lives on the event loop: only the batchers' collectors touch it, between awaits. When
-    a batch ends and leaves a lane free, every batcher waiting for the worker to go idle is
-    woken (its own wake-up event), so its queue is dispatched with no further delay.
+    the last batch ends, every batcher waiting for the worker to go idle is woken (its own
+    wake-up event), so its queue is dispatched with no further delay.
     """
 
-    def __init__(self, lanes: int = 1) -> None:
-        if lanes < 1:
-            raise ValueError("a worker has at least one lane")
-        self.lanes = lanes  # batches the worker runs at once (its threads)
+    def __init__(self) -> None:
         self.running = 0
         self._listeners: list[asyncio.Event] = []
 
     @classmethod
-    def of(cls, executor: Executor, lanes: int = 1) -> WorkerLoad:
-        """The one load of `executor` (of `lanes` threads): what its batchers share, made on
-        first asking."""
+    def of(cls, executor: Executor) -> WorkerLoad:
+        """The one load of `executor`: what its batchers share, made on first asking."""
         load = _LOADS.get(executor)
         if load is None:
-            load = _LOADS[executor] = cls(lanes)
-        elif load.lanes != lanes:
-            raise ValueError(f"the worker has {load.lanes} lane(s), not {lanes}")
+            load = _LOADS[executor] = cls()
         return load
 
     @property
     def busy(self) -> bool:
-        """True while every lane holds a batch (of any stage sharing the worker) submitted and
-        unfinished: with one lane, while any batch runs."""
-        return self.running >= self.lanes
+        """True while any batch of any stage sharing the worker is submitted and unfinished."""
+        return self.running > 0
 
     def listen(self, wakeup: asyncio.Event) -> None:
         """Set `wakeup` whenever the worker goes idle."""
@@ -93,7 +82,7 @@ class WorkerLoad:
 
     def finished(self) -> None:
         self.running -= 1
-        if self.running < self.lanes:
+        if self.running == 0:
             for wakeup in self._listeners:
                 wakeup.set()
 
@@ -236,9 +225,8 @@ class Batcher(Generic[Item, Result]):
         self._load.listen(self._wakeup)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        # the batches running, each with when it began: at most one a lane of the worker
-        self._running: dict[asyncio.Task[None], float] = {}
-        self._lane_freed = asyncio.Event()
+        self._busy = False
+        self._busy_since: float | None = None
         self.batches_run = 0
         self.items_run = 0
         self.largest_batch = 0
@@ -250,21 +238,16 @@ class Batcher(Generic[Item, Result]):
         """Items waiting (not counting the batch being computed)."""
         return len(self._queue)
 
-    @property
-    def _lanes(self) -> int:
-        return self._load.lanes
-
     def busy_for(self) -> float:
-        """Seconds the longest-running batch has been computing (0 when none runs): the
-        watchdog's measure of a stuck worker."""
-        if not self._running:
-            return 0.0
-        return time.monotonic() - min(self._running.values())
+        """Seconds the running batch has been computing (0 when none runs): the watchdog's
+        measure of a stuck worker."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def idle(self) -> bool:
         """True when nothing waits and nothing runs: what a drain waits for."""
-        return not self._queue and not self._running
+        return not self._queue and not self._busy
 
     def start(self) -> None:
         """Start the collector on the running loop."""
@@ -307,22 +290,21 @@ class Batcher(Generic[Item, Result]):
         """Seconds until an item of `cost` queued now would be answered, or None when
         nothing is ahead of it (or no batch has been measured yet).
 
-        Batches run one after another on each lane, so the wait is what the running batch
-        has left when every lane runs one (or, while another stage's batch holds the worker,
-        at most the queue delay; nothing on a free lane), one measured batch per
-        `max_batch_cost` of queued work ahead, shared among the lanes, and the item's own
-        batch. Measured batches shrink or grow with load, so this follows the service's real
-        rate.
+        Batches run one after another, so the wait is what the running batch has left (or,
+        while another stage's batch holds the worker, at most the queue delay; nothing on an
+        idle worker), one measured batch per `max_batch_cost` of queued work ahead, and the
+        item's own batch. Measured batches shrink or grow with load, so this follows the
+        service's real rate.
         """
         per_batch = self.batch_seconds
-        if per_batch is None or (not self._queue and not self._running):
+        if per_batch is None or (not self._queue and not self._busy):
             return None
-        if len(self._running) >= self._lanes:
+        if self._busy:
             running = max(0.0, per_batch - self.busy_for())
         else:
             running = self._max_delay_s if self._load.busy else 0.0
         ahead = math.ceil((self._queue.cost + cost) / self._max_cost)
-        return running + math.ceil(ahead / self._lanes) * per_batch
+        return running + ahead * per_batch
 
     def _admit(self, cost: int, deadline: float | None) -> None:
         """Refuse now (429) what the queue ahead would keep past its deadline (a 504 later),
@@ -515,8 +497,6 @@ class Batcher(Generic[Item, Result]):
                 if self._queue:
                     self._wakeup.set()
         self._fail_waiting()
-        if self._running:  # closing lets the running batches finish
-            await asyncio.gather(*self._running, return_exceptions=True)
 
     async def _collect_once(self, loop: asyncio.AbstractEventLoop) -> None:
         """One round: wait (while the worker is busy) for a fuller batch, then run one."""
@@ -535,41 +515,22 @@ class Batcher(Generic[Item, Result]):
             except TimeoutError:
                 break
             self._wakeup.clear()
-        # at most one batch of this stage a lane: with every lane running one, the next
-        # batch forms until a lane is free (what arrives meanwhile joins it)
-        while len(self._running) >= self._lanes and not self._closing:
-            self._lane_freed.clear()
-            await self._lane_freed.wait()
         self._prune()
         batch = self._take_batch()
         if not batch or self._closing:
             self._queue.put_back(batch)
             return
-        task = loop.create_task(self._run_held(loop, batch), name=f"batch-{self.stage}")
-        self._running[task] = time.monotonic()
-        task.add_done_callback(self._batch_ended)
+        try:
+            await self._run(loop, batch)
+        finally:  # whatever happened, nobody in this batch is left waiting for ever
+            for entry in batch:
+                if not entry.future.done():
+                    entry.future.set_exception(_internal(self.stage, RuntimeError()))
         # not kept while the collector waits: the items hold their inputs (an image's
         # pixels, lent by a frontend until nothing here references them)
         del batch
         if self._queue:
             self._wakeup.set()
-
-    def _batch_ended(self, task: asyncio.Task[None]) -> None:
-        self._running.pop(task, None)
-        self._lane_freed.set()
-        if not task.cancelled() and task.exception() is not None:  # _run_held catches all
-            log.error("%s batch task failed: %r", self.stage, task.exception())
-
-    async def _run_held(
-        self, loop: asyncio.AbstractEventLoop, batch: list[_Entry[Item, Result]]
-    ) -> None:
-        """Run one batch; whatever happens, nobody in it is left waiting for ever."""
-        try:
-            await self._run(loop, batch)
-        finally:
-            for entry in batch:
-                if not entry.future.done():
-                    entry.future.set_exception(_internal(self.stage, RuntimeError()))
 
     async def _run(
         self, loop: asyncio.AbstractEventLoop, batch: list[_Entry[Item, Result]]
@@ -580,6 +541,8 @@ class Batcher(Generic[Item, Result]):
         self._observer.batch_started(
             self.stage, len(batch), sum(e.cost for e in batch), [now - e.enqueued for e in batch]
         )
+        self._busy = True
+        self._busy_since = time.monotonic()
         self._load.started()
         started = time.perf_counter()
         failed = False
@@ -597,6 +560,8 @@ class Batcher(Generic[Item, Result]):
             error = exc if isinstance(exc, ServiceError) else _internal(self.stage, exc)
             results = [error] * len(batch)
         finally:
+            self._busy = False
+            self._busy_since = None
             self._load.finished()
         if not failed:
             took = time.perf_counter() - started

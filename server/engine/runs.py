@@ -10,7 +10,6 @@ pageable copy before (H100, `python -m bench.decoder_batch`, docs/BENCHMARKS.md)
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
 
 import numpy as np
@@ -158,22 +157,18 @@ class RunsCapacity:
         self._floor = floor
         self._recent: deque[float] = deque(maxlen=window)  # runs a pixel
         self.overflows = 0  # batches that needed a second copy
-        # decoder lanes share it: max() over a deque another thread appends to can fail
-        self._lock = threading.Lock()
 
     def room(self, masks: int, pixels: int) -> int:
         """Positions to keep for `masks` masks of `pixels` pixels in all: their run starts
         and the sentinel past the last mask (never more than there are pixels)."""
-        with self._lock:
-            density = max(self._recent, default=0.0)
+        density = max(self._recent, default=0.0)
         expected = math.ceil(density * 1.25 * pixels / 1024) * 1024  # up to a whole 1,024
         return min(pixels, max(masks * self._floor, expected)) + 1
 
     def saw(self, pixels: int, runs: int) -> None:
         """A batch whose masks had `pixels` pixels in all had `runs` runs."""
         if pixels > 0:
-            with self._lock:
-                self._recent.append(runs / pixels)
+            self._recent.append(runs / pixels)
 
 
 def low_res_runs(

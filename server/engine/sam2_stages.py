@@ -79,7 +79,6 @@ class Sam2Stages(SamStages):
         decoder_graphs: bool = True,
         fused_runs: bool = True,
         aot: AotStore | None = None,
-        decoder_lanes: int = 1,
     ) -> None:
         self.sam2 = model
         self.sam2_config = model.config
@@ -112,9 +111,9 @@ class Sam2Stages(SamStages):
         self._decode_sets = compile_fn(self._decode_tensors, decoder_mode, dynamic=True)
         # graphs of the decoder on CUDA (SamStages.warm_decoder captures them); larger
         # batches and other devices run the decoder function itself
-        self._lane_graphs: list[DecoderGraphs] = []
+        self._graphs: DecoderGraphs | None = None
         if decoder_graphs and options.cuda_graphs and device.type == "cuda":
-            self._lane_graphs = [self.decoder_graphs() for _ in range(decoder_lanes)]
+            self._graphs = self.decoder_graphs()
         # segment everything's decoder call, compiled once and shared by every request's
         # generator: on hiera-large its 16 calls per photo took 303 ms eager and 227 compiled
         # in fp32, 167 and 92 in bf16 (H100, `python -m bench.everything_stages`)

@@ -143,9 +143,7 @@ class Engine:
             )
         self.rle_from_low_res = self.rle_on_device and settings.mask_rle in ("low_res", "auto")
         self.observer = observer or BatchObserver()
-        self.workers = StageWorkers(
-            self.device, settings.stage_threads, settings.encoder_sms, settings.decoder_lanes
-        )
+        self.workers = StageWorkers(self.device, settings.stage_threads, settings.encoder_sms)
         # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
         self.worker = self.workers["sam_encoder"]
         self.cache = EmbeddingCache(
@@ -284,14 +282,6 @@ class Engine:
         )
 
     def _warm_now(self, stage: str, bucket: int) -> None:
-        if stage == "sam_decoder":
-            assert self.sam is not None
-            # each lane's graphs, captured on that lane's stream
-            for lane in range(self.sam.stages.decoder_lanes):
-                with self.workers.on_lane(stage, lane):
-                    self.sam.stages.warm_decoder(bucket)
-            self.warm_released_bytes += self.workers.release_cached()
-            return
         with self.workers.on_stream(stage):  # a stage of STAGES
             if stage == "swin":
                 assert self.swin is not None
@@ -301,8 +291,10 @@ class Engine:
                 if stage == "everything":
                     assert isinstance(self.sam.stages, Sam2Stages)
                     self.sam.stages.warm_everything(bucket)
-                else:
+                elif stage == "sam_encoder":
                     self.sam.stages.warm_encoder(bucket)
+                else:
+                    self.sam.stages.warm_decoder(bucket)
         self.warm_released_bytes += self.workers.release_cached()
 
     def _stage_fn(self, stage: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -344,8 +336,7 @@ class Engine:
         worker = self.workers[stage]
         return {
             "executor": worker,
-            # shared by the stages sharing the thread
-            "load": WorkerLoad.of(worker, self.workers.lanes[stage]),
+            "load": WorkerLoad.of(worker),  # shared by the stages sharing the thread
             "max_delay_s": s.max_queue_delay_ms / 1000.0,
             "max_queue_size": s.max_queue_size,
             "observer": self.observer,
@@ -403,7 +394,6 @@ class Engine:
                 f"sam_{s.sam_model}", model.image_encoder, attention=opts.attention
             ),
             decoder_graphs=s.decoder_graphs, fused_runs=self.rle_from_low_res,
-            decoder_lanes=self.workers.lanes["sam_decoder"],
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         return self._sam_parts(stages, info, sam_generators(model, info.name))
@@ -431,7 +421,6 @@ class Engine:
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
             work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
             fused_runs=self.rle_from_low_res, aot=self._aot_store(s.sam_model, Sam2Encoder(model)),
-            decoder_lanes=self.workers.lanes["sam_decoder"],
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(

@@ -36,7 +36,6 @@ from models.triton_device import runs_triton
 from server.domain import Prompt, PromptMasks
 from server.engine.cache import ImageEmbedding
 from server.engine.runs import RunsCapacity, RunsGroup, low_res_runs, mask_runs
-from server.engine.workers import current_lane
 from server.rle import MaskRuns
 
 log = logging.getLogger(__name__)
@@ -175,10 +174,7 @@ class SamStages:
         aot: AotStore | None = None,
         decoder_graphs: bool = True,
         fused_runs: bool = True,
-        decoder_lanes: int = 1,
     ) -> None:
-        """`decoder_lanes`: decoder batches that may run at once, each on its own thread
-        (`StageWorkers`); each lane replays graphs of its own."""
         self.model = model
         self.rle_on_device = rle_on_device
         # RLE runs straight from the low-res logits (`low_res_runs`) where the kernel runs
@@ -210,35 +206,16 @@ class SamStages:
         # one CUDA graph per (prompt sets, tokens) bucket up to GRAPHED_SETS sets; larger
         # batches (segment everything's) run the compiled decoder
         graphed = [b for b in self.decoder_buckets if b <= GRAPHED_SETS] or [1]
-        self._lane_graphs: list[DecoderGraphs] = []
+        self._graphs: DecoderGraphs | None = None
         if decoder_graphs and options.cuda_graphs and device.type == "cuda":
-            self._lane_graphs = [
-                DecoderGraphs(
-                    self._decode_unpadded_tokens,
-                    embedding_shape=(config.prompt_embed_dim, *(config.embedding_size,) * 2),
-                    mask_size=4 * config.embedding_size,
-                    dtype=self.dtype,
-                    device=device,
-                    set_buckets=graphed,
-                )
-                for _ in range(decoder_lanes)
-            ]
-
-    @property
-    def _graphs(self) -> DecoderGraphs | None:
-        """The calling thread's lane's decoder graphs (None without graphs).
-
-        A graph replays into fixed buffers, so two batches at once on one set would
-        overwrite each other's inputs and outputs: each lane (a thread of the decoder's
-        worker, with its own stream) has a set of its own."""
-        if not self._lane_graphs:
-            return None
-        return self._lane_graphs[current_lane()]
-
-    @property
-    def decoder_lanes(self) -> int:
-        """The lanes whose graphs warm-up captures (`warm_decoder` on each lane's stream)."""
-        return max(1, len(self._lane_graphs))
+            self._graphs = DecoderGraphs(
+                self._decode_unpadded_tokens,
+                embedding_shape=(config.prompt_embed_dim, *(config.embedding_size,) * 2),
+                mask_size=4 * config.embedding_size,
+                dtype=self.dtype,
+                device=device,
+                set_buckets=graphed,
+            )
 
     @torch.inference_mode()
     def encode(self, items: list[EncodeItem]) -> list[ImageEmbedding]:
@@ -564,11 +541,8 @@ class SamStages:
         log.info("warmed encoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
     def warm_decoder(self, bucket: int) -> None:
-        """Run the decoder on `bucket` prompt sets of every form it specialises on, and
-        capture the graphs of the calling thread's lane (`StageWorkers.on_lane`). Only the
-        first lane runs every form: the others' captures run the same decoder."""
+        """Run the decoder on `bucket` prompt sets of every form it specialises on."""
         started = time.perf_counter()
-        lane = current_lane()
         entry = self._warm_entry
         if entry is None:
             size = self.config.image_size
@@ -588,12 +562,10 @@ class SamStages:
         ][: 4 if self.compiled else 1]
         if not self.compiled and self._graphs is not None and bucket != self.decoder_buckets[0]:
             prompts = []  # eager code has nothing to warm: the capture below runs it
-        if lane > 0:
-            prompts = []  # the first lane warmed every form; this one needs its graphs only
         for prompt in prompts:
             # compiled, a refinement click (mask_input) runs the same graph: see decode
             self.decode([DecodeItem(entry, (prompt,) * bucket, multimask=True)])
-        if bucket == self.decoder_buckets[0] and self.fused_runs and lane == 0:
+        if bucket == self.decoder_buckets[0] and self.fused_runs:
             # the runs kernel compiles once per mask count: a single-mask request (a box's
             # segment) would otherwise compile it, a second on the decoder's thread
             one = Prompt(points=((w / 2, h / 2),), labels=(1,))
@@ -607,10 +579,9 @@ class SamStages:
                 # decoder runs as it does without graphs, and the log says why
                 log.warning("decoder CUDA graphs off: capturing %d prompt sets failed (%s: %s)",
                             bucket, type(exc).__name__, str(exc)[:200])  # fmt: skip
-                self._lane_graphs = []  # every lane's: they run the same decoder
+                self._graphs = None
             else:
-                log.info("captured decoder graphs for %d prompt sets in %.2fs (lane %d)",
-                         bucket, took, lane)  # fmt: skip
+                log.info("captured decoder graphs for %d prompt sets in %.2fs", bucket, took)
         log.info("warmed decoder bucket %d in %.2fs", bucket, time.perf_counter() - started)
 
 

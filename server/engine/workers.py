@@ -8,13 +8,6 @@ streams have a higher priority than the encoder's, so their short kernels are sc
 first whenever the encoder's leave room; the decoder's is the highest, since a click is what
 a user waits on and its batches are the shortest (a classify batch of 64 photos is not).
 
-The decoder may have several lanes (`SERVE_DECODER_LANES`): threads of its executor, each
-with a stream of the decoder's priority, so that its batcher runs that many batches at once.
-Beside encoder batches a decoder batch is mostly its kernels waiting for SMs; with one lane a
-click waited behind all of it, with two it starts on the free lane. What a lane keeps for
-itself (the decoder's CUDA graphs, whose buffers a replay overwrites) the stage picks by
-`current_lane()`.
-
 What crosses between stages (an image's embedding, encoded on one stream and decoded on
 another) is handed over only once complete: every batch function waits for its own
 stream before its results are returned (`handed_over`). The encoder thus gives up starting
@@ -25,19 +18,17 @@ still reads it, without events and `record_stream` threaded through the cache.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
 
 from server.threadnames import name_this_thread
 
-__all__ = ["CONFINED", "LANED", "STAGES", "StageWorkers", "current_lane"]
+__all__ = ["CONFINED", "STAGES", "StageWorkers"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -47,70 +38,23 @@ log = logging.getLogger(__name__)
 STAGES: dict[str, int] = {"sam_encoder": 0, "sam_decoder": -2, "swin": -1, "everything": 0}
 # the stages of long batches that SERVE_ENCODER_SMS keeps to a share of the SMs
 CONFINED = ("sam_encoder", "everything")
-# the stage that SERVE_DECODER_LANES runs as several batches at once
-LANED = "sam_decoder"
-
-_lane = threading.local()  # `index`: the lane of the calling thread (0 where unset)
 
 
-def current_lane() -> int:
-    """The lane the calling thread runs batches of a laned stage on: its thread's, or the
-    one warm-up holds (`StageWorkers.on_lane`); 0 everywhere else. What a stage keeps per
-    lane (the decoder's CUDA graphs and their buffers) it picks by this."""
-    return int(getattr(_lane, "index", 0))
-
-
-def _bind(streams: list[torch.cuda.Stream | None], lanes: Iterator[int]) -> None:
-    """A worker thread's initializer: the thread takes the next lane of its stage, and its
-    current stream is that lane's for good (the current stream is per thread in PyTorch);
-    the OS knows it by its stage's name. A stage of one lane has one thread."""
+def _bind(stream: torch.cuda.Stream | None) -> None:
+    """A worker thread's initializer: its current stream is the stage's for good (the
+    current stream is per thread in PyTorch), and the OS knows it by its stage's name."""
     name_this_thread()
-    index = next(lanes)  # each thread of a stage's executor calls this once
-    _lane.index = index
-    stream = streams[index]
     if stream is not None:
         torch.cuda.set_stream(stream)
-
-
-@contextmanager
-def _on_lane(stream: torch.cuda.Stream | None, lane: int) -> Iterator[None]:
-    """The calling thread on `lane` (and its stream) until the block ends."""
-    before = getattr(_lane, "index", None)
-    _lane.index = lane
-    try:
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            yield
-    finally:
-        if before is None:
-            del _lane.index
-        else:
-            _lane.index = before
 
 
 class StageWorkers:
     """The executor of each stage: its own thread (and stream) or one shared by all."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        mode: str = "auto",
-        encoder_sms: int = 0,
-        decoder_lanes: int = 1,
-    ) -> None:
-        """`decoder_lanes`: threads (and streams) the decoder's batches run on, each batch
-        on one; more than one needs a thread per stage (refused otherwise)."""
+    def __init__(self, device: torch.device, mode: str = "auto", encoder_sms: int = 0) -> None:
         self.device = device
         self.per_stage = mode == "per_stage" or (mode == "auto" and device.type == "cuda")
-        if decoder_lanes < 1:
-            raise ValueError(f"SERVE_DECODER_LANES={decoder_lanes}: give 1 or more")
-        if decoder_lanes > 1 and not self.per_stage:
-            raise ValueError(
-                f"SERVE_DECODER_LANES={decoder_lanes}: several decoder lanes need a thread per "
-                "stage (SERVE_STAGE_THREADS=per_stage, or auto on CUDA); set it to 1"
-            )
-        self.lanes = {stage: decoder_lanes if stage == LANED else 1 for stage in STAGES}
-        self.streams: dict[str, torch.cuda.Stream] = {}  # each stage's first lane's
-        self.lane_streams: dict[str, list[torch.cuda.Stream]] = {}
+        self.streams: dict[str, torch.cuda.Stream] = {}
         self.encoder_sms = 0  # the SMs the confined stages' green context has (0: all)
         self._green: Any = None  # the green context, kept alive as long as its streams
         if encoder_sms:
@@ -124,22 +68,16 @@ class StageWorkers:
             self._executors = dict.fromkeys(STAGES, one)
             return
         for stage, priority in STAGES.items():
-            streams: list[torch.cuda.Stream | None] = []
-            for _ in range(self.lanes[stage]):
-                stream = None
-                if device.type == "cuda" and self._green is not None and stage in CONFINED:
-                    stream = self._green.Stream()
-                elif device.type == "cuda":
-                    stream = torch.cuda.Stream(device, priority=priority)
-                streams.append(stream)
-            if streams[0] is not None:
-                self.streams[stage] = streams[0]
-                self.lane_streams[stage] = [s for s in streams if s is not None]
+            stream = None
+            if device.type == "cuda" and self._green is not None and stage in CONFINED:
+                stream = self.streams[stage] = self._green.Stream()
+            elif device.type == "cuda":
+                stream = self.streams[stage] = torch.cuda.Stream(device, priority=priority)
             self._executors[stage] = ThreadPoolExecutor(
-                max_workers=self.lanes[stage],
+                max_workers=1,
                 thread_name_prefix=f"gpu-{stage}",
                 initializer=_bind,
-                initargs=(streams, itertools.count()),
+                initargs=(stream,),
             )
 
     def _confine(self, sms: int) -> Any:
@@ -194,19 +132,10 @@ class StageWorkers:
         issue 19, twenty-fifth session). A no-op without a stream of the stage's own; a name
         that is no stage is an error, not a silent no-op (warm-up's names are checked on
         the CPU, where no stage has a stream)."""
-        return self.on_lane(stage, 0)
-
-    def on_lane(self, stage: str, lane: int) -> AbstractContextManager[None]:
-        """`on_stream` for one lane of a stage: its stream, and `current_lane()` says
-        `lane` on the calling thread meanwhile (warm-up captures each lane's graphs)."""
         if stage not in STAGES:
             raise KeyError(f"no stage {stage!r}; the stages are {', '.join(STAGES)}")
-        if not 0 <= lane < self.lanes[stage]:
-            raise ValueError(f"{stage} has {self.lanes[stage]} lane(s); no lane {lane}")
-        streams = self.lane_streams.get(stage)
-        return _on_lane(streams[lane] if streams else None, lane)
-
-        _lane.index = lane
+        stream = self.streams.get(stage)
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def started(self) -> torch.cuda.Event | None:
         """A timing event queued on the calling thread's stream before a batch queues its

@@ -160,8 +160,7 @@ def test_the_stages_decode_through_the_padded_buffers(photos) -> None:
     call after warm-up is on a whole bucket's buffers."""
     plain, graphed = _stages(), _stages()
     graphed.compiled = True  # a mask input always, every warm-up form: as compiled on CUDA
-    buffers = graphed.decoder_graphs(graphs=False)
-    graphed._lane_graphs = [buffers]
+    graphed._graphs = buffers = graphed.decoder_graphs(graphs=False)
     graphed.warmup()
     assert buffers.captured == [(s, t) for s in BUCKETS for t in (2, 4, 8)]
     seen: list[PromptBatch] = []
@@ -247,8 +246,7 @@ def test_a_refused_capture_turns_the_graphs_off_and_decoding_goes_on(photos, cap
     start-up: the warm-up logs why and the decoder runs as it does without graphs."""
     plain, graphed = _stages(), _stages()
     graphed.compiled = True
-    buffers = graphed.decoder_graphs(graphs=False)
-    graphed._lane_graphs = [buffers]
+    graphed._graphs = buffers = graphed.decoder_graphs(graphs=False)
     decode = buffers.decode
 
     def refusing(*args: object) -> tuple[Tensor, Tensor]:

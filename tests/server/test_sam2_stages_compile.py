@@ -49,7 +49,7 @@ def traced_stages(graphs: dict[str, list[object]], decoder_graphs: bool = False)
     stages._decode_sets = compiled(stages._decode_tensors, "decoder")  # type: ignore[assignment]
     stages.encoder_compiled = stages.compiled = True
     if decoder_graphs:
-        stages._lane_graphs = [stages.decoder_graphs(graphs=False)]
+        stages._graphs = stages.decoder_graphs(graphs=False)
     stages.warmup()
     return stages
 

@@ -19,7 +19,7 @@ import torch
 
 from server.domain import Image, Prompt, SegmentRequest
 from server.engine.services import Engine
-from server.engine.workers import STAGES, StageWorkers, current_lane
+from server.engine.workers import STAGES, StageWorkers
 from server.threadnames import os_thread_name
 from tests.server.conftest import small_settings
 
@@ -71,11 +71,8 @@ def click(k: int) -> Prompt:
     return Prompt(points=((20.0 + k, 30.0),), labels=(1,))
 
 
-async def _serve(
-    engine: Engine, threads: set[str] | None = None
-) -> tuple[list[object], list[object]]:
-    """Many segment, click and classify calls at once, so the stages' batches overlap;
-    `threads` gets the names of the decoder's threads before the engine closes."""
+async def _serve(engine: Engine) -> tuple[list[object], list[object]]:
+    """Many segment, click and classify calls at once, so the stages' batches overlap."""
     await engine.load()
     engine.start()
     await engine.warmup()
@@ -92,31 +89,18 @@ async def _serve(
         for k in range(3)
     ]
     clicked = await asyncio.gather(*clicks, *[engine.classify(img, 2) for img in images])
-    if threads is not None:
-        threads.update(t.name for t in threading.enumerate() if "sam_decoder" in t.name)
     await engine.close()
     return list(segmented), list(clicked)
 
 
-def test_per_stage_threads_and_decoder_lanes_answer_as_one_thread_does() -> None:
+def test_per_stage_threads_answer_as_one_thread_does() -> None:
     answers = []
-    lanes_used: set[str] = set()
-    for mode, lanes in (("one", 1), ("per_stage", 1), ("per_stage", 2)):
-        engine = Engine(
-            small_settings(stage_threads=mode, max_queue_delay_ms=2.0, decoder_lanes=lanes)
-        )
+    for mode in ("one", "per_stage"):
+        engine = Engine(small_settings(stage_threads=mode, max_queue_delay_ms=2.0))
         assert engine.workers.per_stage == (mode == "per_stage")
-        assert engine.workers.lanes["sam_decoder"] == lanes
-        # with two lanes the decoder's batches overlapped: its second thread started
-        answers.append(asyncio.run(_serve(engine, lanes_used if lanes == 2 else None)))
-    assert len(lanes_used) == 2, lanes_used
-    (one_seg, one_click), *others = answers
-    for many_seg, many_click in others:
-        _same_answers(one_seg + one_click, many_seg + many_click)
-
-
-def _same_answers(first: list[object], second: list[object]) -> None:
-    for a, b in zip(first, second, strict=True):
+        answers.append(asyncio.run(_serve(engine)))
+    (one_seg, one_click), (many_seg, many_click) = answers
+    for a, b in zip(one_seg + one_click, many_seg + many_click, strict=True):
         assert type(a) is type(b)
         if hasattr(a, "predictions"):
             assert [p.index for p in a.predictions] == [p.index for p in b.predictions]
@@ -127,41 +111,6 @@ def _same_answers(first: list[object], second: list[object]) -> None:
             assert pa.masks is not None and pb.masks is not None  # host RLE on the CPU
             assert pa.masks.shape == pb.masks.shape
             assert (pa.masks == pb.masks).mean() > 0.99
-
-
-def test_a_laned_stage_has_a_thread_a_lane_and_each_knows_its_lane() -> None:
-    cpu = torch.device("cpu")
-    workers = StageWorkers(cpu, "per_stage", decoder_lanes=2)
-    try:
-        assert workers.lanes == {stage: 2 if stage == "sam_decoder" else 1 for stage in STAGES}
-        gate = threading.Barrier(2, timeout=10)
-
-        def lane_of() -> int:
-            gate.wait()  # both calls at once: two threads
-            return current_lane()
-
-        futures = [workers["sam_decoder"].submit(lane_of) for _ in range(2)]
-        assert sorted(f.result() for f in futures) == [0, 1]
-        assert workers["sam_encoder"].submit(current_lane).result() == 0
-        # warm-up takes each lane in turn on its own thread, and gives it back after
-        assert current_lane() == 0
-        with workers.on_lane("sam_decoder", 1):
-            assert current_lane() == 1
-            with workers.on_lane("sam_decoder", 0):
-                assert current_lane() == 0
-            assert current_lane() == 1
-        assert current_lane() == 0
-        with pytest.raises(ValueError, match="2 lane"):
-            workers.on_lane("sam_decoder", 2).__enter__()
-        with pytest.raises(ValueError, match="1 lane"):
-            workers.on_lane("swin", 1).__enter__()
-    finally:
-        workers.shutdown()
-    # one thread for every stage cannot run two decoder batches at once: refused, named
-    with pytest.raises(ValueError, match=r"SERVE_DECODER_LANES=2.*SERVE_STAGE_THREADS"):
-        StageWorkers(cpu, "one", decoder_lanes=2)
-    with pytest.raises(ValueError, match="SERVE_DECODER_LANES=2"):
-        Engine(small_settings(stage_threads="auto", decoder_lanes=2))  # auto: one on the CPU
 
 
 def test_releasing_the_cache_gives_nothing_back_without_cuda() -> None:
@@ -191,13 +140,13 @@ def test_warm_up_gives_each_bucket_s_transients_back_before_the_next() -> None:
     # each bucket warms with its stage's stream current, so that on a GPU the graphs it
     # captures keep the stage's priority (a graph runs at its capture stream's: measured)
     streams: list[str] = []
-    on_lane = engine.workers.on_lane
+    on_stream = engine.workers.on_stream
 
-    def entered(stage: str, lane: int) -> AbstractContextManager[None]:
-        streams.append(stage if lane == 0 else f"{stage} lane {lane}")
-        return on_lane(stage, lane)
+    def entered(stage: str) -> AbstractContextManager[object]:
+        streams.append(stage)
+        return on_stream(stage)
 
-    engine.workers.on_lane = entered  # type: ignore[method-assign]
+    engine.workers.on_stream = entered  # type: ignore[method-assign]
 
     async def warm() -> tuple[int, str]:
         await engine.load()

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import io
 import json
+import struct
 import sys
 import threading
 import time
@@ -37,7 +38,9 @@ from starlette.requests import Request
 from bench.common import DEFAULT_IMAGES, environment, host_time_ms, print_table
 from server.http.multipart import boundary_of, read_form
 from server.imaging import decode_image
-from server.rle import counts_string
+from server.messages import dump, load
+from server.rle import MaskRuns, counts_string
+from server.wire import Framed
 
 
 def numpy_counts_string(counts: np.ndarray) -> str:
@@ -100,6 +103,26 @@ def segment_body(masks: list[np.ndarray]) -> dict[str, Any]:
         "results": [{"masks": objects}],
         "timing_ms": {"encode": 12.5, "decode": 3.25},
     }
+
+
+def runs_crossing(runs: np.ndarray, size: tuple[int, int]) -> tuple[int, Callable[[], object]]:
+    """The bytes of one mask's runs as an engine sends them (`server.messages.dump` of a
+    `MaskRuns`, framed as `server.wire` frames it), and a call that receives and unpickles
+    them as a frontend does (`Framed.data_received` on the whole message, then `load`)."""
+    frames = [
+        memoryview(f).cast("B") for f in dump(MaskRuns(size, [runs], np.ones(1), np.zeros((1, 4))))
+    ]
+    header = struct.pack(f"<I{len(frames)}I", len(frames), *(f.nbytes for f in frames))
+    message = header + b"".join(bytes(f) for f in frames)
+    got: list[list[bytes]] = []
+    end = Framed(lambda _, received: got.append(received))
+
+    def receive() -> object:
+        got.clear()
+        end.data_received(message)
+        return load(got[0])
+
+    return len(message), receive
 
 
 def gil_held_ms(fn: Callable[[], object], iters: int) -> float:
@@ -254,6 +277,15 @@ def main() -> None:
             ),
             (f"{kind} body, 3 masks: orjson (now)", partial(orjson.dumps, response)),
         ]
+        # the runs on their way from the engine: int64 before 2026-11-30, now the narrowest
+        # unsigned type that holds them (server.engine.runs._counts)
+        narrow = runs.astype(np.uint16 if runs.max() <= 0xFFFF else np.uint32)
+        for name, counts in (
+            ("int64 (before)", runs.astype(np.int64)),
+            (narrow.dtype.name + " (now)", narrow),
+        ):
+            size, receive = runs_crossing(counts, (height, width))
+            steps.append((f"{label}: runs to a frontend, {size / 1024:,.0f} KB {name}", receive))
         rows += [measure(step, fn, n) for step, fn in steps]
     print_table(rows, ["step", "ms", "GIL ms"])
 

@@ -26,7 +26,8 @@ class MaskRuns:
     """K masks of one size as COCO runs, on the host."""
 
     size: tuple[int, int]  # (H, W)
-    counts: list[np.ndarray]  # per mask: run lengths, the first one a run of zeros
+    # per mask: run lengths, the first one a run of zeros; uint16 or uint32 (`_counts`)
+    counts: list[np.ndarray]
     areas: np.ndarray  # int64 [K]
     boxes: np.ndarray  # float64 [K, 4] (x, y, w, h) of the set pixels; zeros when empty
 

@@ -119,12 +119,20 @@ def mask_runs(stacks: list[Tensor]) -> list[MaskRuns]:
 def _counts(lengths: np.ndarray, per: np.ndarray, first: np.ndarray) -> list[np.ndarray]:
     """Each mask's COCO counts from all masks' run lengths one after the other, each
     mask's number of runs, and whether its first pixel is set (COCO counts start with a
-    run of zeros, here an empty one)."""
+    run of zeros, here an empty one).
+
+    In the narrowest unsigned type that holds the batch's longest run (uint16 or uint32):
+    the counts cross to a frontend as they are, and a noise mask's 164,000 runs were
+    1.3 MB as int64 where uint16 holds them in 0.33 MB (`counts_string` widens them itself).
+    """
     if len(per) == 0:  # stacks of no masks (np.split would still give one piece)
         return []
-    split = np.split(lengths, np.cumsum(per)[:-1])
+    longest = int(lengths.max()) if lengths.size else 0
+    dtype = np.uint16 if longest <= np.iinfo(np.uint16).max else np.uint32
+    split = np.split(lengths.astype(dtype), np.cumsum(per)[:-1])
+    zero = np.zeros(1, dtype=dtype)
     return [
-        (np.concatenate(([0], runs)) if starts_set else runs).astype(np.int64)
+        np.concatenate((zero, runs)) if starts_set else runs
         for runs, starts_set in zip(split, first, strict=True)
     ]
 

@@ -53,6 +53,23 @@ def test_counts_match_pycocotools_in_one_batch():
             assert (decoded.astype(bool) == stack[k]).all()
 
 
+def test_counts_cross_in_the_narrowest_type_that_holds_the_batch_s_runs():
+    """A noise mask's runs are short: uint16 takes a quarter of int64's bytes on their way to
+    a frontend. A run of 65,536 or more makes the whole batch uint32."""
+    rng = np.random.default_rng(1)
+    noise = torch.from_numpy(rng.random((2, 200, 300)) > 0.5)
+    short = mask_runs([noise])
+    assert all(c.dtype == np.uint16 for c in short[0].counts)
+    empty = torch.zeros(1, 300, 300, dtype=torch.bool)  # one run of 90,000 zeros
+    full = torch.ones(1, 300, 300, dtype=torch.bool)  # a run of none, then 90,000 ones
+    wide = mask_runs([noise, empty, full])
+    assert all(c.dtype == np.uint32 for r in wide for c in r.counts)
+    assert list(wide[1].counts[0]) == [90_000] and list(wide[2].counts[0]) == [0, 90_000]
+    for masks, runs in ((noise, short[0]), (noise, wide[0]), (empty, wide[1]), (full, wide[2])):
+        for k in range(masks.shape[0]):
+            assert runs.rle(k)["counts"] == reference(masks[k].numpy())["counts"].decode()
+
+
 def test_empty_stacks_give_no_runs():
     empty = torch.zeros(0, 12, 9, dtype=torch.bool)
     one = torch.ones(1, 4, 4, dtype=torch.bool)

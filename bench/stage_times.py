@@ -43,31 +43,31 @@ def stage_sums(metrics_text: str, family: str) -> dict[str, tuple[float, float]]
     return {stage: (total, count) for stage, (total, count) in sums.items()}
 
 
-def engine_items(metrics_text: str) -> dict[str, float]:
-    """ "stage engine" -> the items that engine's stage took from its queue
-    (`serve_queue_wait_seconds`' count, one per item)."""
-    items: dict[str, float] = {}
+ENGINE_ITEMS = "items engine "  # the key prefix of an engine's items in `totals`
+
+
+def engine_items(metrics_text: str) -> dict[str, dict[str, float]]:
+    """stage -> `items engine <n>` -> the items engine n's stage took from its queue
+    (`serve_queue_wait_seconds`' count, one per item); engine `-` where the service is one
+    process (the tests' in-process one has no engine label)."""
+    items: dict[str, dict[str, float]] = defaultdict(dict)
     for parsed in text_string_to_metric_families(metrics_text):
         if parsed.name != "serve_queue_wait_seconds":
             continue
         for sample in parsed.samples:
             if sample.name.endswith("_count"):
-                # no engine label: a service of one process (the tests' in-process one)
-                engine = sample.labels.get("engine") or "-"
-                key = f"{sample.labels.get('stage', '')} {engine}"
-                items[key] = items.get(key, 0.0) + sample.value
+                key = ENGINE_ITEMS + (sample.labels.get("engine") or "-")
+                stage = items[sample.labels.get("stage", "")]
+                stage[key] = stage.get(key, 0.0) + sample.value
     return items
 
 
 def totals(metrics_text: str) -> dict[str, dict[str, float]]:
     """stage -> its batches' count, wall seconds, spans' count and GPU seconds, and the
-    items each engine's stage took (`item engine <n>`)."""
+    items each engine's stage took (`engine_items`)."""
     wall = stage_sums(metrics_text, "serve_batch_duration_seconds")
     gpu = stage_sums(metrics_text, "serve_batch_gpu_seconds")
-    per_engine: dict[str, dict[str, float]] = defaultdict(dict)
-    for key, count in engine_items(metrics_text).items():
-        stage, engine = key.split(" ", 1)
-        per_engine[stage][f"items engine {engine}"] = count
+    per_engine = engine_items(metrics_text)
     return {
         stage: {
             "batches": wall[stage][1],
@@ -102,9 +102,9 @@ def rows(
             ),
             # how evenly the engines shared the stage's work: clicks follow their image
             "items by engine": " ".join(
-                f"{key.rsplit(' ', 1)[1]}:{int(delta[key])}"
+                f"{key.removeprefix(ENGINE_ITEMS)}:{int(delta[key])}"
                 for key in sorted(delta)
-                if key.startswith("items engine ")
+                if key.startswith(ENGINE_ITEMS)
             ) or "-",
         })  # fmt: skip
     return table

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     images = load_images(args.images)
     clicks = any(kind == "click" for _, rates in steps for kind, _ in rates)
     if args.click_images is not None and args.click_images < len(images):
-        p.error(f"--click-images: at least one a photo ({len(images)} in {args.images})")
+        p.error(f"--click-images: at least one per photo ({len(images)} in {args.images})")
     image_ids = embed_photos(url, images, args.api_key, args.click_images) if clicks else ()
     base = StepSpec(
         url=url, rates=(), seconds=args.seconds, warmup_s=args.warmup_seconds,

@@ -27,7 +27,8 @@
 #
 # EXTRA_ENV adds server settings (SERVE_X=y ...); SEGMENT_RATES, CLICK_RATES, CLASSIFY_RATES,
 # MIX replace the targets ("" skips one); PROCS_<KIND> the client processes; CLICK_IMAGES
-# the images clicks spread over (bench.openloop --click-images).
+# the images clicks spread over (bench.openloop --click-images); SPREAD_CLICKS=N runs the
+# click rates and the mix again, spread over N images, on the same server.
 # BASELINE_CLASSIFY_RATES (none by default) runs classify once more with only the photos the
 # engine decodes on its GPU (upright baseline JPEGs; the frontends decode the rest, e.g. the
 # progressive assets_picture4.jpg): how much of classify's cost is the frontends' decoding.
@@ -199,6 +200,15 @@ PY
     --rates "$BASELINE_CLASSIFY_RATES" --processes "${PROCS_CLASSIFY:-6}"
 fi
 [ -n "$MIX" ] && load mix $((per_step + 30)) --mix "$MIX" --processes "${PROCS_MIX:-8}"
+# SPREAD_CLICKS=N: the click rates and the mix once more on the same server, their clicks
+# spread over N copies of the photos (steps "click_spread", "mix_spread"): what the seven
+# photos' uneven load on the engines costs, without a second start-up
+if [ -n "${SPREAD_CLICKS:-}" ]; then
+  [ -n "$CLICK_RATES" ] && load click_spread $((3 * per_step + 30)) --kind click \
+    --rates "$CLICK_RATES" --processes "${PROCS_CLICK:-8}" --click-images "$SPREAD_CLICKS"
+  [ -n "$MIX" ] && load mix_spread $((per_step + 30)) --mix "$MIX" \
+    --processes "${PROCS_MIX:-8}" --click-images "$SPREAD_CLICKS"
+fi
 
 python3 -c "import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + '/metrics').text)" \
   "$URL" > "$OUT/metrics.txt" 2>&1

@@ -43,7 +43,8 @@ for pair in $TREES; do
     bash bench/gpu_openloop.sh) > "$OUT/$name/run.txt" 2>&1
   echo "$name ($tree${settings:+, $settings}): exit $?"
   # the summary rows (offered rate in the third column), not the per-hop rows
-  grep -E '^ready|^\| [a-z@0-9,]+ \| [a-z]+ \| [0-9]+ \|' "$OUT/$name/openloop.txt"
+  # (each load's "== name: arguments" line first: SPREAD_CLICKS runs the same steps twice)
+  grep -E '^ready|^== |^\| [a-z@0-9,]+ \| [a-z]+ \| [0-9]+ \|' "$OUT/$name/openloop.txt"
   # each step's decoder batches, wall time and GPU span (bench/stage_times.py): what the
   # priority changes
   grep -E "stage batches during|sam_decoder" "$OUT/$name/openloop.txt"

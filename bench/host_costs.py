@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import io
 import json
-import struct
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from server.http.multipart import boundary_of, read_form
 from server.imaging import decode_image
 from server.messages import dump, load
 from server.rle import MaskRuns, counts_string
-from server.wire import Framed
+from server.wire import Framed, framed
 
 
 def numpy_counts_string(counts: np.ndarray) -> str:
@@ -112,8 +111,7 @@ def runs_crossing(runs: np.ndarray, size: tuple[int, int]) -> tuple[int, Callabl
     frames = [
         memoryview(f).cast("B") for f in dump(MaskRuns(size, [runs], np.ones(1), np.zeros((1, 4))))
     ]
-    header = struct.pack(f"<I{len(frames)}I", len(frames), *(f.nbytes for f in frames))
-    message = header + b"".join(bytes(f) for f in frames)
+    message = b"".join(bytes(part) for part in framed([frames]))
     got: list[list[bytes]] = []
     end = Framed(lambda _, received: got.append(received))
 

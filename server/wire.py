@@ -73,6 +73,17 @@ def socket_path(address: str) -> str:
     return address.removeprefix("ipc://")
 
 
+def framed(messages: Sequence[Sequence[Frame]]) -> list[Frame]:
+    """Messages as the stream carries them, in order: each one's frame count and sizes
+    (`COUNT` each), then its frames as they are (not copied)."""
+    parts: list[Frame] = []
+    for frames in messages:
+        sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
+        parts.append(struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes))
+        parts.extend(frames)
+    return parts
+
+
 class Framed(asyncio.Protocol):
     """One end of a connection: whole messages to `on_message(self, frames)`, in order;
     `on_lost(self)` once the connection ends."""
@@ -151,12 +162,7 @@ class Framed(asyncio.Protocol):
             return False
         if transport.get_write_buffer_size() > MAX_QUEUED_BYTES:
             return False
-        parts: list[Frame] = []
-        for frames in messages:
-            sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
-            parts.append(struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes))
-            parts.extend(frames)
-        transport.writelines(parts)
+        transport.writelines(framed(messages))
         return True
 
     def queued_bytes(self) -> int:

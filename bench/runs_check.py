@@ -6,7 +6,11 @@ random 8x8 planes upscaled, so masks have edges rather than noise; `--noise` for
 weights' noise) go both ways: `low_res_runs` (one launch per image size, one sync) and the
 path it replaced (`F.interpolate` twice, threshold, `mask_runs`). Prints, per size, the
 pixels whose mask differs between the two (float rounding at the threshold), the runs per
-mask, and the median milliseconds of each, host and device together.
+mask, and the median milliseconds of each, host and device together. Then the served form
+(one copy back, room learnt by `RunsCapacity`) with run lengths and with COCO's strings
+written on the device (`models.sam.coco_kernel`, SERVE_MASK_STRINGS): whether the strings
+are pycocotools' for the same runs, each form's milliseconds, and what writing the strings
+from the run lengths costs a frontend (pycocotools' C writer, `server.rle.counts_string`).
 
     python -m bench.runs_check --images .benchdata/images --iters 50
     SERVE_DEVICE=cpu TRITON_INTERPRET=1 python -m bench.runs_check --iters 1 --max-side 200
@@ -19,6 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +32,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 from bench.common import DEFAULT_IMAGES, environment, print_table
-from models.sam import SAM_CONFIGS
+from models.sam import SAM_CONFIGS, coco_kernel
 from models.sam import transforms as sam_tf
 from models.sam.runs_kernel import RunsGroup, compiled_variants
-from server.engine.runs import low_res_runs, mask_runs
-from server.rle import MaskRuns
+from server.engine.runs import RunsCapacity, low_res_runs, mask_runs
+from server.rle import MaskRuns, counts_string
 
 
 def _ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
@@ -128,7 +133,18 @@ def main() -> None:
             ) -> list[MaskRuns]:  # fmt: skip
                 return full_size_runs(lo, od, grp, sq)
 
+            learnt = RunsCapacity()  # the room a copy back keeps, as a stage learns it
+
+            def served(
+                grp: RunsGroup = group, sq: int | None = square, lo: torch.Tensor = low,
+                od: torch.Tensor = order, strings: bool = False, capacity: RunsCapacity = learnt,
+            ) -> list[MaskRuns]:  # fmt: skip
+                return low_res_runs(lo, od, [grp], 0.0, sq, capacity, strings=strings)
+
             (a,), (b,) = fused(), plain()
+            (written,) = served(strings=True)
+            assert a.counts is not None and written.strings is not None
+            host_strings = [counts_string(c) for c in a.counts]
             rows.append(
                 {
                     "model": name,
@@ -139,6 +155,16 @@ def main() -> None:
                     "areas_equal": bool(np.array_equal(a.areas, b.areas)),
                     "low_res_runs_ms": _ms(fused, args.iters, device),
                     "full_size_ms": _ms(plain, args.iters, device),
+                    "strings_equal": written.strings == host_strings,
+                    "served_runs_ms": _ms(served, args.iters, device),
+                    "served_strings_ms": _ms(partial(served, strings=True), args.iters, device),
+                    "frontend_strings_ms": _ms(
+                        partial(lambda r: [counts_string(c) for c in r], a.counts),
+                        args.iters,
+                        torch.device("cpu"),
+                    ),
+                    "runs_kb": sum(c.nbytes for c in a.counts) // 1024,
+                    "strings_kb": sum(len(t) for t in written.strings) // 1024,
                 }
             )
             print(rows[-1], flush=True)
@@ -152,7 +178,9 @@ def main() -> None:
                 group = RunsGroup(list(range(P)), multimask, (S, S), (h, w))
                 for square in (S, None):
                     low_res_runs(low, order, [group], 0.0, square)
+                    low_res_runs(low, order, [group], 0.0, square, RunsCapacity(), strings=True)
     print(f"compiled runs kernels: {compiled_variants()} (4 intended: 1 or 3 masks x 2 resizes)")
+    print(f"compiled strings kernels: {coco_kernel.compiled_variants()} (2 intended)")
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     print_table(rows, list(rows[0]))
 

@@ -23,24 +23,47 @@ __all__ = ["MaskRuns", "counts_string"]
 
 @dataclass
 class MaskRuns:
-    """K masks of one size as COCO runs, on the host."""
+    """K masks of one size as COCO runs, on the host: as run lengths, or as COCO's counts
+    strings already written (on the device, `models.sam.coco_kernel`)."""
 
     size: tuple[int, int]  # (H, W)
-    # per mask: run lengths, the first one a run of zeros; uint16 or uint32 (`_counts`)
-    counts: list[np.ndarray]
+    # per mask: run lengths, the first one a run of zeros; uint16 or uint32 (`_counts`);
+    # None where `strings` holds them
+    counts: list[np.ndarray] | None
     areas: np.ndarray  # int64 [K]
     boxes: np.ndarray  # float64 [K, 4] (x, y, w, h) of the set pixels; zeros when empty
+    strings: list[str] | None = None  # per mask: COCO's counts string, where written already
+
+    def __post_init__(self) -> None:
+        if (self.counts is None) == (self.strings is None):
+            raise ValueError("MaskRuns holds either run lengths or strings")
 
     def __len__(self) -> int:
-        return len(self.counts)
+        return len(self.areas)
+
+    @property
+    def runs(self) -> int:
+        """Run lengths a frontend has to write as strings (0 where they are written)."""
+        return 0 if self.counts is None else sum(len(c) for c in self.counts)
+
+    def string(self, k: int) -> str:
+        """Mask k's COCO counts string."""
+        if self.strings is not None:
+            return self.strings[k]
+        assert self.counts is not None
+        return counts_string(self.counts[k])
 
     def rle(self, k: int) -> dict[str, object]:
-        return {"size": [self.size[0], self.size[1]], "counts": counts_string(self.counts[k])}
+        return {"size": [self.size[0], self.size[1]], "counts": self.string(k)}
 
     def select(self, start: int, stop: int) -> MaskRuns:
         """Masks `start:stop` (one prompt's K masks out of a request's stack)."""
         return MaskRuns(
-            self.size, self.counts[start:stop], self.areas[start:stop], self.boxes[start:stop]
+            self.size,
+            None if self.counts is None else self.counts[start:stop],
+            self.areas[start:stop],
+            self.boxes[start:stop],
+            None if self.strings is None else self.strings[start:stop],
         )
 
 

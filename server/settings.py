@@ -306,6 +306,12 @@ class Settings(BaseSettings):
     low-res logits, one Triton kernel per image size; CUDA only), device (the full-size masks
     made on the device, then their runs there), host (the masks copied back, pycocotools);
     auto: low_res on CUDA, host on the CPU"""
+    # A noise mask's string took a frontend 1.0-1.4 ms of pycocotools under its GIL, and its
+    # run lengths were 322 KB on the socket against its string's ~70 KB (issue 19).
+    mask_strings: Literal["auto", "device", "host"] = "auto"
+    """where COCO's counts strings are written: device (beside the low_res runs, two more
+    kernel launches a decoder batch; the frontends pass them on), host (the frontends, with
+    pycocotools, from the run lengths); auto: device wherever the runs are low_res"""
     # One thread and CUDA stream per stage lets a click's decoder batch run beside an
     # encoder batch (the decoder's stream at a higher priority) instead of queueing behind
     # it. On the CPU the stages' ops share the same cores, so one thread serves them all.

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from models.images import upload
+from models.sam.coco_kernel import MAX_CHARS, coco_chars, split_strings
 from models.sam.runs_kernel import STATS, RunsGroup, initial_stats, run_starts
 from server.rle import MaskRuns
 
@@ -164,6 +165,7 @@ class RunsCapacity:
             raise ValueError("floor and window must be positive")
         self._floor = floor
         self._recent: deque[float] = deque(maxlen=window)  # runs a pixel
+        self._chars: deque[float] = deque(maxlen=window)  # COCO characters a run
         self.overflows = 0  # batches that needed a second copy
 
     def room(self, masks: int, pixels: int) -> int:
@@ -173,10 +175,21 @@ class RunsCapacity:
         expected = math.ceil(density * 1.25 * pixels / 1024) * 1024  # up to a whole 1,024
         return min(pixels, max(masks * self._floor, expected)) + 1
 
-    def saw(self, pixels: int, runs: int) -> None:
-        """A batch whose masks had `pixels` pixels in all had `runs` runs."""
+    def chars(self, runs: int) -> int:
+        """Bytes of COCO characters to copy back with the statistics for `runs` runs (the
+        rest, if more, crosses in a second copy): the most characters a run of the last
+        `window` batches had, a quarter to spare, rounded up to a whole 1,024; two a run
+        before any batch (a noise mask's short runs take one or two, an outline's a few)."""
+        per_run = max(self._chars, default=2.0)
+        return math.ceil(per_run * 1.25 * runs / 1024) * 1024
+
+    def saw(self, pixels: int, runs: int, chars: int | None = None) -> None:
+        """A batch whose masks had `pixels` pixels in all had `runs` runs (and `chars`
+        characters of COCO strings, where they were written on the device)."""
         if pixels > 0:
             self._recent.append(runs / pixels)
+        if chars is not None and runs > 0:
+            self._chars.append(chars / runs)
 
 
 def low_res_runs(
@@ -186,6 +199,7 @@ def low_res_runs(
     threshold: float,
     square: int | None,
     capacity: RunsCapacity | None = None,
+    strings: bool = False,
 ) -> list[MaskRuns]:
     """COCO runs of the masks a decoder call's low-res logits make at each group's image
     size, one `MaskRuns` per group, without the full-size masks ever being made.
@@ -196,7 +210,9 @@ def low_res_runs(
     About ten torch calls for a batch, where upscaling and `mask_runs` took some sixty.
     `order`: `[P, C - 1]`, each row's multimask outputs by descending score; `square`:
     SAM's input square, None for SAM 2 (see `run_starts`). With a `capacity` the host
-    waits for the GPU once, at the copy (`RunsCapacity`); without, twice.
+    waits for the GPU once, at the copy (`RunsCapacity`); without, twice. With `strings`
+    the masks come back as COCO's counts strings written on the device
+    (`models.sam.coco_kernel`), not as run lengths.
     """
     if not groups:
         return []
@@ -207,9 +223,10 @@ def low_res_runs(
     sizes = [g.size for g, n in zip(groups, per_group, strict=True) for _ in range(n)]
     pixels = np.asarray([h * w for h, w in sizes], dtype=np.int64)
     rows = np.concatenate([np.asarray(g.rows, dtype=np.int64) for g in groups])
-    table = np.concatenate([rows, initial_stats(total, sizes).reshape(-1)])
+    mask_starts = np.concatenate([[0], np.cumsum(pixels)])  # then the sentinel's place
+    table = np.concatenate([rows, initial_stats(total, sizes).reshape(-1), mask_starts])
     on_device = upload(torch.from_numpy(table), device)  # one copy in, no sync
-    stats = on_device[rows.shape[0] :]
+    stats = on_device[rows.shape[0] : rows.shape[0] + total * STATS]
     n_pixels = int(pixels.sum())
     begins = torch.empty(n_pixels + 1, dtype=torch.uint8, device=device)
     run_starts(low_res, order, groups, threshold, square, on_device, begins, stats)
@@ -219,6 +236,45 @@ def low_res_runs(
     else:  # room for them fixed now: no wait; unused places repeat the sentinel
         sentinel = int(begins.shape[0]) - 1
         positions = torch.nonzero_static(begins, size=room, fill_value=sentinel).squeeze(1)
+    if strings:
+        starts = on_device[rows.shape[0] + total * STATS :]
+        stats_np, texts = _strings(positions, starts, stats, total, begins, capacity, n_pixels)
+        counts: list[np.ndarray] | None = None
+    else:
+        stats_np, counts = _lengths(positions, stats, total, begins, capacity, room, n_pixels)
+        texts = None
+    areas = stats_np[:, 0]
+    x0, y0, x1, y1 = (stats_np[:, c] for c in range(1, 5))
+    boxes = np.stack([x0, y0, x1 - x0 + 1, y1 - y0 + 1], axis=1).astype(np.float64)
+    boxes[areas == 0] = 0.0
+    out: list[MaskRuns] = []
+    start = 0
+    for group, n in zip(groups, per_group, strict=True):
+        span = slice(start, start + n)
+        out.append(
+            MaskRuns(
+                group.size,
+                None if counts is None else counts[span],
+                areas[span],
+                boxes[span],
+                None if texts is None else texts[span],
+            )
+        )
+        start += n
+    return out
+
+
+def _lengths(
+    positions: Tensor,
+    stats: Tensor,
+    total: int,
+    begins: Tensor,
+    capacity: RunsCapacity | None,
+    room: int | None,
+    n_pixels: int,
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The masks' statistics and run lengths, in one copy (two if the runs outgrew their
+    room)."""
     # the statistics first, at a fixed offset: they say how many of the lengths are runs
     host = _to_host(torch.cat([stats.reshape(-1), positions.diff()]).to(torch.int32))
     stats_np = host[: total * STATS].reshape(total, STATS).astype(np.int64)
@@ -231,15 +287,44 @@ def low_res_runs(
             lengths = _to_host(begins.nonzero().squeeze(1).diff().to(torch.int32))
     if lengths.shape[0] != n_runs:
         raise RuntimeError(f"{lengths.shape[0]} run lengths for {n_runs} runs")
-    counts = _counts(lengths, stats_np[:, 6], stats_np[:, 5].astype(bool))
-    areas = stats_np[:, 0]
-    x0, y0, x1, y1 = (stats_np[:, c] for c in range(1, 5))
-    boxes = np.stack([x0, y0, x1 - x0 + 1, y1 - y0 + 1], axis=1).astype(np.float64)
-    boxes[areas == 0] = 0.0
-    out: list[MaskRuns] = []
-    start = 0
-    for group, n in zip(groups, per_group, strict=True):
-        span = slice(start, start + n)
-        out.append(MaskRuns(group.size, counts[span], areas[span], boxes[span]))
-        start += n
-    return out
+    return stats_np, _counts(lengths, stats_np[:, 6], stats_np[:, 5].astype(bool))
+
+
+def _strings(
+    positions: Tensor,
+    starts: Tensor,
+    stats: Tensor,
+    total: int,
+    begins: Tensor,
+    capacity: RunsCapacity | None,
+    n_pixels: int,
+) -> tuple[np.ndarray, list[str]]:
+    """The masks' statistics and COCO strings, written on the device, in one copy: the
+    statistics and each mask's end in the characters, then as many characters as the
+    recent batches needed (`RunsCapacity.chars`); a batch that needed more copies the rest
+    after, and one whose runs outgrew their room is done again from all its run starts."""
+    head = total * (STATS + 1) * 4  # bytes: the statistics and the ends, int32
+    runs = max(int(positions.shape[0]) - 1, 0)
+    buf = torch.empty(head + MAX_CHARS * runs, dtype=torch.uint8, device=positions.device)
+    values = buf[:head].view(torch.int32)
+    values[: total * STATS].copy_(stats)
+    ends = values[total * STATS :]
+    coco_chars(positions, starts, stats, total, ends, buf[head:])
+    guide = capacity if capacity is not None else RunsCapacity()
+    room = min(guide.chars(runs), MAX_CHARS * runs)
+    host = _to_host(buf[: head + room])
+    stats_np = host[: total * STATS * 4].view(np.int32).reshape(total, STATS).astype(np.int64)
+    n_runs = int(stats_np[:, 6].sum())
+    if n_runs > runs:  # the runs outgrew their room: every run start, and copy it all
+        if capacity is not None:
+            capacity.overflows += 1
+            capacity.saw(n_pixels, n_runs)
+        return _strings(begins.nonzero().squeeze(1), starts, stats, total, begins, None, 0)
+    ends_np = host[total * STATS * 4 : head].view(np.int32)
+    n_chars = int(ends_np[-1]) if total else 0
+    chars = host[head:]
+    if n_chars > room:  # more characters than the recent batches': the rest, second
+        chars = np.concatenate([chars, _to_host(buf[head + room : head + n_chars])])
+    if capacity is not None:
+        capacity.saw(n_pixels, n_runs, n_chars)
+    return stats_np, split_strings(chars, ends_np, stats_np[:, 5])

@@ -78,6 +78,7 @@ class Sam2Stages(SamStages):
         work_bytes: int = 256 * 1024**2,
         decoder_graphs: bool = True,
         fused_runs: bool = True,
+        device_strings: bool = False,
         aot: AotStore | None = None,
     ) -> None:
         self.sam2 = model
@@ -87,6 +88,7 @@ class Sam2Stages(SamStages):
         self.config = model.config.prompt_config()
         self.rle_on_device = rle_on_device
         self.fused_runs = fused_runs and rle_on_device and runs_triton(device)  # as SamStages
+        self.device_strings = device_strings and self.fused_runs
         self.runs_capacity: RunsCapacity | None = RunsCapacity()
         self.work_bytes = work_bytes
         self.device = device

@@ -142,6 +142,13 @@ class Engine:
                 "use SERVE_MASK_RLE=device or host"
             )
         self.rle_from_low_res = self.rle_on_device and settings.mask_rle in ("low_res", "auto")
+        # COCO's strings written beside those runs on the device, not by the frontends
+        if settings.mask_strings == "device" and not self.rle_from_low_res:
+            raise ValueError(
+                "SERVE_MASK_STRINGS=device: the strings are written from the low-res runs, "
+                "which need SERVE_MASK_RLE=low_res or auto on CUDA; use SERVE_MASK_STRINGS=host"
+            )
+        self.strings_on_device = self.rle_from_low_res and settings.mask_strings != "host"
         self.observer = observer or BatchObserver()
         self.workers = StageWorkers(self.device, settings.stage_threads, settings.encoder_sms)
         # start-up steps and the fidelity check: the encoder's thread (nothing else runs yet)
@@ -394,6 +401,7 @@ class Engine:
                 f"sam_{s.sam_model}", model.image_encoder, attention=opts.attention
             ),
             decoder_graphs=s.decoder_graphs, fused_runs=self.rle_from_low_res,
+            device_strings=self.strings_on_device,
         )  # fmt: skip
         info = self._info(f"sam_{s.sam_model}", s.sam_checkpoint, encoder_buckets)
         return self._sam_parts(stages, info, sam_generators(model, info.name))
@@ -421,6 +429,7 @@ class Engine:
             s.buckets_up_to(s.decoder_max_batch_prompts), self.rle_on_device,
             work_bytes=s.everything_work_bytes, decoder_graphs=s.decoder_graphs,
             fused_runs=self.rle_from_low_res, aot=self._aot_store(s.sam_model, Sam2Encoder(model)),
+            device_strings=self.strings_on_device,
         )  # fmt: skip
         # the name as Meta spells it (no "sam_" prefix: "sam2.1_hiera_tiny" says it)
         info = replace(

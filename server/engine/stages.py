@@ -174,11 +174,14 @@ class SamStages:
         aot: AotStore | None = None,
         decoder_graphs: bool = True,
         fused_runs: bool = True,
+        device_strings: bool = False,
     ) -> None:
         self.model = model
         self.rle_on_device = rle_on_device
         # RLE runs straight from the low-res logits (`low_res_runs`) where the kernel runs
         self.fused_runs = fused_runs and rle_on_device and runs_triton(device)
+        # ... and their COCO strings written there too (`models.sam.coco_kernel`)
+        self.device_strings = device_strings and self.fused_runs
         # their one copy back's room, learnt batch by batch (None: count first, two waits)
         self.runs_capacity: RunsCapacity | None = RunsCapacity()
         self.work_bytes = work_bytes  # float logits upscaled at once (see _full_size_masks)
@@ -435,8 +438,9 @@ class SamStages:
         # stable, as the host's ranking in _postprocess: the same permutation
         order = iou[:, 1:].sort(dim=1, descending=True, stable=True).indices
         found = low_res_runs(
-            low_res, order, groups, self._mask_threshold, self._runs_square, self.runs_capacity
-        )
+            low_res, order, groups, self._mask_threshold, self._runs_square,
+            self.runs_capacity, strings=self.device_strings,
+        )  # fmt: skip
         out: dict[int, MaskRuns] = {}
         for members, group_runs in zip(keyed.values(), found, strict=True):
             start = 0

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from server.rle import MaskRuns, counts_string
+from server.rle import MaskRuns
 
 __all__ = ["build_mask_objects", "encode_rle", "mask_polygons"]
 
@@ -119,7 +119,7 @@ def build_mask_objects(
         size = [runs.size[0], runs.size[1]]
         return [
             {
-                "segmentation": {"size": size, "counts": counts_string(runs.counts[k])},
+                "segmentation": {"size": size, "counts": runs.string(k)},
                 "score": float(scores[k]),
                 "area": int(runs.areas[k]),
                 "bbox": [float(v) for v in runs.boxes[k]],

@@ -203,7 +203,8 @@ def _result_masks(result: PromptMasks, output: str) -> list[dict[str, Any]]:
 # Up to this many runs in a response, its counts strings are written on the event loop:
 # about 0.1 ms of pycocotools' C writer (`python -m bench.host_costs`), less than the
 # thread pool's hop costs. Masks of trained weights have hundreds of runs; random
-# weights' noise masks ~100,000, which go to the pool.
+# weights' noise masks ~100,000, which go to the pool. Strings the engine wrote on the GPU
+# (SERVE_MASK_STRINGS) count as none.
 INLINE_RUNS = 10_000
 
 
@@ -215,7 +216,7 @@ def _few_runs(result: SegmentResult, output: str) -> bool:
     for prompt in result.results:
         if prompt.runs is None:
             return False
-        total += sum(len(counts) for counts in prompt.runs.counts)
+        total += prompt.runs.runs
     return total <= INLINE_RUNS
 
 

@@ -21,6 +21,7 @@ import torch
 from bench.runs_check import full_size_runs
 from models.sam.runs_kernel import RunsGroup
 from server.engine.runs import RunsCapacity, low_res_runs
+from server.rle import counts_string
 
 def same(a, b):
     return all(
@@ -52,6 +53,25 @@ for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
         "roomy": same(low_res_runs(low, order, made, threshold, square, roomy), got),
         "overflows": [tight.overflows, roomy.overflows],
     }
+    # the same masks as COCO strings written by the device (models.sam.coco_kernel): with
+    # the run starts counted first, with too little room for them, and with no room for
+    # the characters in the first copy (all of them in a second)
+    want = [counts_string(c) for runs in got for c in runs.counts]
+
+    class NoChars(RunsCapacity):
+        def chars(self, runs):
+            return 0
+
+    def strings(capacity):
+        made_strings = low_res_runs(low, order, made, threshold, square, capacity, strings=True)
+        return (
+            [s for runs in made_strings for s in runs.strings] == want
+            and all(runs.counts is None for runs in made_strings)
+            and all(np.array_equal(x.areas, y.areas) and np.array_equal(x.boxes, y.boxes)
+                    for x, y in zip(got, made_strings, strict=True))
+        )
+
+    one_copy["strings"] = [strings(None), strings(RunsCapacity(floor=1)), strings(NoChars())]
     case = [one_copy]
     for group, runs in zip(made, got):
         (want,) = full_size_runs(low, order, group, square, threshold)
@@ -97,7 +117,10 @@ def test_runs_from_low_res_logits_are_the_upscaled_masks_runs() -> None:
         # room for one run a mask overflows once where masks have more (learnt after it);
         # wholly empty or wholly set masks have one each
         overflows = [0 if shift else 1, 0]
-        assert one_copy == {"tight": True, "learnt": True, "roomy": True, "overflows": overflows}
+        assert one_copy == {
+            "tight": True, "learnt": True, "roomy": True, "overflows": overflows,
+            "strings": [True, True, True],
+        }  # fmt: skip
         for (rows, multimask, _, (h, w)), got in zip(groups, case, strict=True):
             k = 3 if multimask else 1
             assert got["size"] and got["masks"] == [len(rows) * k] * 2
@@ -121,6 +144,7 @@ from models.sam2 import SAM2_CONFIGS, load_sam2
 from server.domain import Prompt
 from server.engine.sam2_stages import Sam2Stages
 from server.engine.stages import DecodeItem, EncodeItem, SamStages
+from server.rle import counts_string
 
 cpu = torch.device("cpu")
 results = []
@@ -148,14 +172,22 @@ for name in json.loads(sys.argv[1]):
         DecodeItem(a, click, multimask=False, return_low_res=True),
         DecodeItem(b, click, multimask=True),
     ]
-    assert stages.fused_runs
+    assert stages.fused_runs and not stages.device_strings
     fused = stages.decode(items)
+    stages.device_strings = True
+    written = stages.decode(items)
+    stages.device_strings = False
     stages.fused_runs = False
     plain = stages.decode(items)
     same = []
-    for want, got in zip(plain, fused, strict=True):
-        for x, y in zip(want, got, strict=True):
+    for want, got, text in zip(plain, fused, written, strict=True):
+        for x, y, z in zip(want, got, text, strict=True):
             same.append({
+                "strings": (x.runs is None) == (z.runs is None) and (x.runs is None or (
+                    z.runs.counts is None
+                    and [z.runs.string(k) for k in range(len(z.runs))]
+                    == [counts_string(c) for c in x.runs.counts]
+                    and np.array_equal(x.runs.areas, z.runs.areas))),
                 "runs": (x.runs is None) == (y.runs is None) and (x.runs is None or (
                     x.runs.size == y.runs.size
                     and all(np.array_equal(p, q) for p, q in zip(x.runs.counts, y.runs.counts))
@@ -181,6 +213,7 @@ def test_stages_decode_the_same_masks_with_the_kernel_and_without() -> None:
         assert len(same) == 1 + 2 + 2 + 1 + 1
         for prompt in same:
             assert prompt["runs"] and prompt["masks"] and prompt["scores"] and prompt["low_res"]
+            assert prompt["strings"]
         # the png item's masks came through the host; every other item's runs through the kernel
         assert [p["has_runs"] for p in same] == [True, True, True, False, False, True, True]
         assert [p["masks_runs"] for p in same] == [3, 1, 1, 0, 0, 1, 3]

@@ -116,3 +116,52 @@ def test_device_rle_server_answers_like_the_host_path(make_server, client, jpeg_
     assert device.json()["results"] == host.json()["results"]
     assert dev_all.status_code == host_all.status_code == 200
     assert dev_all.json()["masks"] == host_all.json()["masks"]
+
+
+def test_mask_runs_as_strings_answer_as_the_run_lengths_do():
+    """Masks whose COCO strings were written on the device (SERVE_MASK_STRINGS) give the
+    frontend nothing to write: the same mask objects as their run lengths, sliced alike."""
+    from server.http.masks import build_mask_objects
+    from server.rle import MaskRuns
+
+    masks = torch.from_numpy(np.stack(stacks()[0]))  # three noise masks
+    (runs,) = mask_runs([masks])
+    assert runs.counts is not None
+    written = MaskRuns(runs.size, None, runs.areas, runs.boxes,
+                       [counts_string(c) for c in runs.counts])  # fmt: skip
+    scores = np.asarray([0.9, 0.5, 0.1])
+    assert build_mask_objects(scores, "rle", runs=written) == build_mask_objects(
+        scores, "rle", runs=runs
+    )
+    assert written.runs == 0 and runs.runs == sum(len(c) for c in runs.counts) > 1000
+    part = written.select(1, 3)
+    assert len(part) == 2 and part.strings == written.strings[1:3]
+    assert part.rle(0) == runs.rle(1)
+    with pytest.raises(ValueError, match="either"):
+        MaskRuns(runs.size, runs.counts, runs.areas, runs.boxes, written.strings)
+    with pytest.raises(ValueError, match="either"):
+        MaskRuns(runs.size, None, runs.areas, runs.boxes)
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"mask_rle": "low_res"}, "SERVE_MASK_RLE=low_res: its Triton kernel runs on CUDA only"),
+        ({"mask_strings": "device"}, "SERVE_MASK_STRINGS=device: the strings are written"),
+        ({"mask_rle": "device", "mask_strings": "device"}, "need SERVE_MASK_RLE=low_res"),
+    ],
+)
+def test_device_runs_and_strings_the_cpu_cannot_make_are_refused_at_start(setting, says):
+    from server.engine.services import Engine
+    from tests.server.conftest import small_settings
+
+    with pytest.raises(ValueError, match=says):
+        Engine(small_settings(**setting))
+
+
+def test_the_cpu_writes_strings_on_the_host():
+    from server.engine.services import Engine
+    from tests.server.conftest import small_settings
+
+    engine = Engine(small_settings())
+    assert not engine.rle_from_low_res and not engine.strings_on_device

@@ -47,3 +47,18 @@ def test_the_densest_recent_batch_sets_the_room_until_it_leaves_the_window() -> 
 def test_a_room_of_nothing_is_refused(floor: int, window: int) -> None:
     with pytest.raises(ValueError, match="positive"):
         RunsCapacity(floor=floor, window=window)
+
+
+def test_the_characters_room_follows_the_most_characters_a_run_recently() -> None:
+    """COCO strings written on the device: the first copy keeps room for as many
+    characters a run as the recent batches had, a quarter to spare (a second copy brings
+    any more; tests/models/test_runs_kernel.py checks the strings either way)."""
+    capacity = RunsCapacity(window=2)
+    assert capacity.chars(runs=10_000) == 25 * 1024  # two a run before any batch, and a quarter
+    capacity.saw(pixels=SMALL, runs=SMALL // 5, chars=SMALL // 5)  # noise: one a run
+    assert capacity.chars(runs=10_000) == 13 * 1024  # 12,500 rounded up to 1,024s
+    capacity.saw(pixels=SMALL, runs=1_000, chars=3_000)  # an outline's long runs: three
+    assert capacity.chars(runs=10_000) == 37 * 1024
+    capacity.saw(pixels=SMALL, runs=SMALL // 5)  # runs with no strings leave the room
+    assert capacity.chars(runs=10_000) == 37 * 1024
+    assert capacity.chars(runs=0) == 0

@@ -22,6 +22,10 @@
 #   TREES="before:abtree now:." EXTRA_ENV="SERVE_DEVICE=cpu SERVE_SAM_MODEL=vit_tiny \
 #   SERVE_SWIN_MODEL=swin_test SERVE_HTTP_WORKERS=1" CLICK_RATES=5 \
 #   MIX="segment=1,click=4,classify=2" SECONDS_PER_RATE=3 WARMUP=1 bash bench/gpu_priority_ab.sh
+# Order matters: on 2026-11-30 (issue 19, thirty-eighth session) the second server of a call
+# ran faster than the first in all three calls, whichever tree it was, also when both found
+# the compile cache warm. Run both orders (or A B B A, names differing:
+# TREES="a1:. b1:.:SERVE_X=y b2:.:SERVE_X=y a2:.") before calling a difference real.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 TREES=${TREES:-before:abtree now:.}

@@ -19,11 +19,11 @@ the GPU.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 from torch import Tensor
+
+from models.sam.runs_kernel import unspecialised
 
 try:  # importing this module never needs Triton: callers ask `models.triton_device.runs_triton`
     import triton
@@ -41,11 +41,7 @@ MAX_MASKS = 2**_SEARCH_STEPS
 # Sizes, counts and offsets change every batch: one compiled kernel each for all of them
 # (`models.sam.runs_kernel` says what specialisation cost the service).
 _GENERIC = ["POS", "STARTS", "STATS", "NCH", "CUM", "ENDS", "CHARS", "n_pos", "n_masks"]
-_JIT_OPTIONS: dict[str, list[str]] = {}
-if triton is not None:
-    _JIT_OPTIONS["do_not_specialize"] = _GENERIC
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        _JIT_OPTIONS["do_not_specialize_on_alignment"] = _GENERIC
+_JIT_OPTIONS = unspecialised(_GENERIC)
 
 
 if triton is not None:

@@ -35,7 +35,9 @@ try:  # importing this module never needs Triton: callers ask `models.triton_dev
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-__all__ = ["STATS", "RunsGroup", "compiled_variants", "initial_stats", "run_starts"]
+__all__ = [
+    "STATS", "RunsGroup", "compiled_variants", "initial_stats", "run_starts", "unspecialised",
+]  # fmt: skip
 
 BLOCK = 1024  # pixels per program
 # per mask: area, x0, y0, x1, y1 (the set pixels' bounds), first pixel set, runs
@@ -62,11 +64,20 @@ _GENERIC = [
     "LOW", "ORDER", "ROWS", "BEGINS", "STATS_OUT", "mask0", "pix0", "end", "H", "W",
     "s_p", "s_c", "s_y", "m", "in_h", "in_w", "low_scale", "sy", "sx", "threshold",
 ]  # fmt: skip
-_JIT_OPTIONS: dict[str, list[str]] = {}
-if triton is not None:
-    _JIT_OPTIONS["do_not_specialize"] = _GENERIC
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        _JIT_OPTIONS["do_not_specialize_on_alignment"] = _GENERIC
+
+
+def unspecialised(names: list[str]) -> dict[str, list[str]]:
+    """`triton.jit` options that specialise none of `names` (on divisibility by 16, on
+    being 1, nor on a pointer's alignment, where this Triton has that option)."""
+    options: dict[str, list[str]] = {}
+    if triton is not None:
+        options["do_not_specialize"] = names
+        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+            options["do_not_specialize_on_alignment"] = names
+    return options
+
+
+_JIT_OPTIONS = unspecialised(_GENERIC)
 
 
 if triton is not None:

@@ -2,10 +2,10 @@
 found (`models.sam.runs_kernel`), so a mask's runs never cross to the host as integers.
 
 Why: with the runs as integers, each returned mask's string was written on a frontend by
-pycocotools' C writer, holding its GIL: 1.0-1.4 ms for a noise mask of random weights
-(164,000 runs), paid by every click, and at 3,000 clicks a second about three cores of the
-host's sixteen, beside 322 KB a mask on the engine's socket where its string is about 70 KB
-(docs/BENCHMARKS.md, issue 19). Every value of COCO's string is independent but for its
+pycocotools' C writer, holding its GIL: 1.6 ms for a noise mask of random weights of 165,000
+runs (an H200's host), paid by every click, and at 3,000 clicks a second several cores of
+the host's sixteen, beside 322 KB a mask as uint16 on the engine's socket where its string
+is 206 KB (docs/BENCHMARKS.md, issue 19). Every value of COCO's string is independent but for its
 place: value i is written as the difference from value i - 2 (for i > 2) in 5-bit groups,
 least significant first, one character each, `0x20` on all but the last and 48 added. So
 one launch counts each run's characters, one `cumsum` places them, and one launch writes

@@ -306,7 +306,7 @@ class Settings(BaseSettings):
     low-res logits, one Triton kernel per image size; CUDA only), device (the full-size masks
     made on the device, then their runs there), host (the masks copied back, pycocotools);
     auto: low_res on CUDA, host on the CPU"""
-    # A noise mask's string took a frontend 1.0-1.4 ms of pycocotools under its GIL, and its
+    # A noise mask's string took a frontend 1.6 ms of pycocotools under its GIL (H200), and its
     # run lengths were 322 KB on the socket as uint16 against its string's 206 KB (issue 19).
     mask_strings: Literal["auto", "device", "host"] = "auto"
     """where COCO's counts strings are written: device (beside the low_res runs, two more

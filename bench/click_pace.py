@@ -201,7 +201,10 @@ def main() -> None:
             print(rows[-1], flush=True)
     capacity = stages.runs_capacity
     if capacity is not None:  # batches whose runs outgrew their room: a second copy each
-        print(f"runs' room: {capacity.room(1, 1 << 40) - 1} a mask, {capacity.overflows} overflows")
+        print(
+            f"runs' room: {capacity.room(1, 1 << 40) - 1} a mask, {capacity.overflows} "
+            f"overflows, {capacity.chars_overflows} of the strings' characters"
+        )
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     print_table(rows, list(rows[0]))
 

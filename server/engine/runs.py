@@ -167,6 +167,7 @@ class RunsCapacity:
         self._recent: deque[float] = deque(maxlen=window)  # runs a pixel
         self._chars: deque[float] = deque(maxlen=window)  # COCO characters a run
         self.overflows = 0  # batches that needed a second copy
+        self.chars_overflows = 0  # batches whose strings needed a second copy
 
     def room(self, masks: int, pixels: int) -> int:
         """Positions to keep for `masks` masks of `pixels` pixels in all: their run starts
@@ -325,6 +326,8 @@ def _strings(
     chars = host[head:]
     if n_chars > room:  # more characters than the recent batches': the rest, second
         chars = np.concatenate([chars, _to_host(buf[head + room : head + n_chars])])
+        if capacity is not None:
+            capacity.chars_overflows += 1
     if capacity is not None:
         capacity.saw(n_pixels, n_runs, n_chars)
     return stats_np, split_strings(chars, ends_np, stats_np[:, 5])

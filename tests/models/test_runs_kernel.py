@@ -71,7 +71,9 @@ for seed, square, m, shift, threshold, groups in json.loads(sys.argv[1]):
                     for x, y in zip(got, made_strings, strict=True))
         )
 
-    one_copy["strings"] = [strings(None), strings(RunsCapacity(floor=1)), strings(NoChars())]
+    no_chars = NoChars()
+    one_copy["strings"] = [strings(None), strings(RunsCapacity(floor=1)), strings(no_chars)]
+    one_copy["chars_overflows"] = no_chars.chars_overflows
     case = [one_copy]
     for group, runs in zip(made, got):
         (want,) = full_size_runs(low, order, group, square, threshold)
@@ -119,7 +121,7 @@ def test_runs_from_low_res_logits_are_the_upscaled_masks_runs() -> None:
         overflows = [0 if shift else 1, 0]
         assert one_copy == {
             "tight": True, "learnt": True, "roomy": True, "overflows": overflows,
-            "strings": [True, True, True],
+            "strings": [True, True, True], "chars_overflows": 1,
         }  # fmt: skip
         for (rows, multimask, _, (h, w)), got in zip(groups, case, strict=True):
             k = 3 if multimask else 1

@@ -104,13 +104,11 @@ def segment_body(masks: list[np.ndarray]) -> dict[str, Any]:
     }
 
 
-def runs_crossing(runs: np.ndarray, size: tuple[int, int]) -> tuple[int, Callable[[], object]]:
-    """The bytes of one mask's runs as an engine sends them (`server.messages.dump` of a
+def runs_crossing(runs: MaskRuns) -> tuple[int, Callable[[], object]]:
+    """The bytes of masks' runs as an engine sends them (`server.messages.dump` of a
     `MaskRuns`, framed as `server.wire` frames it), and a call that receives and unpickles
     them as a frontend does (`Framed.data_received` on the whole message, then `load`)."""
-    frames = [
-        memoryview(f).cast("B") for f in dump(MaskRuns(size, [runs], np.ones(1), np.zeros((1, 4))))
-    ]
+    frames = [memoryview(f).cast("B") for f in dump(runs)]
     message = b"".join(bytes(part) for part in framed([frames]))
     got: list[list[bytes]] = []
     end = Framed(lambda _, received: got.append(received))
@@ -275,14 +273,17 @@ def main() -> None:
             ),
             (f"{kind} body, 3 masks: orjson (now)", partial(orjson.dumps, response)),
         ]
-        # the runs on their way from the engine: int64 before 2026-11-30, now the narrowest
-        # unsigned type that holds them (server.engine.runs._counts)
+        # the runs on their way from the engine: int64 until 2026-11-30, then the narrowest
+        # unsigned type that holds them (server.engine.runs._counts, SERVE_MASK_STRINGS=host),
+        # now COCO's string written on the GPU (SERVE_MASK_STRINGS=device, auto's choice)
         narrow = runs.astype(np.uint16 if runs.max() <= 0xFFFF else np.uint32)
-        for name, counts in (
-            ("int64 (before)", runs.astype(np.int64)),
-            (narrow.dtype.name + " (now)", narrow),
+        area, box = np.ones(1), np.zeros((1, 4))
+        for name, crossing in (
+            ("int64 (before)", MaskRuns((height, width), [runs.astype(np.int64)], area, box)),
+            (narrow.dtype.name + " (host strings)", MaskRuns((height, width), [narrow], area, box)),
+            ("the string (now)", MaskRuns((height, width), None, area, box, [counts_string(runs)])),
         ):
-            size, receive = runs_crossing(counts, (height, width))
+            size, receive = runs_crossing(crossing)
             steps.append((f"{label}: runs to a frontend, {size / 1024:,.0f} KB {name}", receive))
         rows += [measure(step, fn, n) for step, fn in steps]
     print_table(rows, ["step", "ms", "GIL ms"])

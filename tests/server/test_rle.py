@@ -3,6 +3,7 @@ server that makes RLE on the device answers exactly what the host path answers."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import httpx
@@ -164,4 +165,7 @@ def test_the_cpu_writes_strings_on_the_host():
     from tests.server.conftest import small_settings
 
     engine = Engine(small_settings())
-    assert not engine.rle_from_low_res and not engine.strings_on_device
+    try:
+        assert not engine.rle_from_low_res and not engine.strings_on_device
+    finally:
+        asyncio.run(engine.close())

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.sam.runs_kernel import unspecialised
+from models.sam.runs_kernel import STATS, unspecialised
 
 try:  # importing this module never needs Triton: callers ask `models.triton_device.runs_triton`
     import triton
@@ -40,7 +40,9 @@ MAX_MASKS = 2**_SEARCH_STEPS
 
 # Sizes, counts and offsets change every batch: one compiled kernel each for all of them
 # (`models.sam.runs_kernel` says what specialisation cost the service).
-_GENERIC = ["POS", "STARTS", "STATS", "NCH", "CUM", "ENDS", "CHARS", "n_pos", "n_masks"]
+_GENERIC = [
+    "POS", "STARTS", "STATS", "NCH", "STATS32", "CUM", "ENDS", "CHARS", "n_pos", "n_masks"
+]  # fmt: skip
 _JIT_OPTIONS = unspecialised(_GENERIC)
 
 
@@ -90,10 +92,18 @@ if triton is not None:
         return n
 
     @triton.jit(**_JIT_OPTIONS)
-    def _count(POS, STARTS, STATS, NCH, n_pos, n_masks, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _count(
+        POS, STARTS, STATS, NCH, STATS32, n_pos, n_masks,
+        STEPS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x, _, live = _value(POS, STARTS, STATS, n_pos, n_masks, j, STEPS)
         tl.store(NCH + j, tl.where(live, _n_chars(x), 0), mask=j < n_pos - 1)
+        # the statistics as the host reads them (int32, beside the ends): here rather than
+        # a copy of their own, one launch fewer a decoder batch
+        in_stats = j < n_masks * 7
+        tl.store(STATS32 + j, tl.load(STATS + j, mask=in_stats, other=0).to(tl.int32),
+                 mask=in_stats)  # fmt: skip
 
     @triton.jit(**_JIT_OPTIONS)
     def _write(
@@ -116,7 +126,13 @@ if triton is not None:
 
 
 def coco_chars(
-    positions: Tensor, starts: Tensor, stats: Tensor, masks: int, ends: Tensor, chars: Tensor
+    positions: Tensor,
+    starts: Tensor,
+    stats: Tensor,
+    masks: int,
+    ends: Tensor,
+    chars: Tensor,
+    stats32: Tensor,
 ) -> None:
     """Write every mask's COCO string but its leading '0' into `chars` (uint8, room for
     `MAX_CHARS` a run), one mask after the other, and where each mask's characters end into
@@ -125,17 +141,21 @@ def coco_chars(
     positions: int64, where each run starts and then the sentinel (past the last mask's
     last pixel), which may repeat to the end; starts: int64 `[masks + 1]`, each mask's first
     pixel, then the sentinel's; stats: `[masks, STATS]` int64 from `run_starts` (column 5:
-    the first pixel is set).
+    the first pixel is set), also written as int32 into `stats32` (`[masks * STATS]`), the
+    form the host reads.
     """
     if masks > MAX_MASKS:
         raise ValueError(f"{masks} masks in one batch; the strings kernel takes {MAX_MASKS}")
     n_pos = int(positions.shape[0])
     runs = max(n_pos - 1, 0)
+    grid = (-(-max(runs, masks * STATS) // BLOCK),)
+    n_chars = torch.empty(max(runs, 1), dtype=torch.int32, device=positions.device)
+    _count[grid](
+        positions, starts, stats, n_chars, stats32, n_pos, masks, STEPS=_SEARCH_STEPS, BLOCK=BLOCK
+    )  # fmt: skip
     if runs == 0:
         return
     grid = (-(-runs // BLOCK),)
-    n_chars = torch.empty(runs, dtype=torch.int32, device=positions.device)
-    _count[grid](positions, starts, stats, n_chars, n_pos, masks, STEPS=_SEARCH_STEPS, BLOCK=BLOCK)
     cum = torch.cumsum(n_chars, 0, dtype=torch.int32)
     _write[grid](
         positions, starts, stats, cum, ends, chars, n_pos, masks,

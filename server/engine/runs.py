@@ -308,9 +308,8 @@ def _strings(
     runs = max(int(positions.shape[0]) - 1, 0)
     buf = torch.empty(head + MAX_CHARS * runs, dtype=torch.uint8, device=positions.device)
     values = buf[:head].view(torch.int32)
-    values[: total * STATS].copy_(stats)
     ends = values[total * STATS :]
-    coco_chars(positions, starts, stats, total, ends, buf[head:])
+    coco_chars(positions, starts, stats, total, ends, buf[head:], values[: total * STATS])
     guide = capacity if capacity is not None else RunsCapacity()
     room = min(guide.chars(runs), MAX_CHARS * runs)
     host = _to_host(buf[: head + room])

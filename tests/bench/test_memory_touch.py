@@ -1,0 +1,23 @@
+"""bench.memory_touch runs here as on the GPU machine and prints one row a pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import memory_touch
+
+
+def test_each_pass_touches_every_page_and_prints_a_row(capsys: pytest.CaptureFixture[str]) -> None:
+    memory_touch.main(["--gib", "0.01", "--passes", "3"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert rows[0].startswith("| pass |")
+    passes = [r.strip("| ").split(" | ") for r in rows[1:] if not r.startswith("|---")]
+    assert [p[0] for p in passes] == ["1", "2", "3"]
+    for _, gib, seconds, rate, per_page in passes:
+        assert float(gib) == 0.01
+        assert float(seconds) > 0 and float(rate) > 0 and float(per_page) > 0
+
+
+def test_touch_rounds_to_whole_pages() -> None:
+    # less than a page still maps (and touches) one
+    assert memory_touch.touch(1e-9) > 0

@@ -7,7 +7,7 @@ import pytest
 from bench import memory_touch
 
 
-def test_each_pass_touches_every_page_and_prints_a_row(capsys: pytest.CaptureFixture[str]) -> None:
+def test_prints_one_row_a_pass(capsys: pytest.CaptureFixture[str]) -> None:
     memory_touch.main(["--gib", "0.01", "--passes", "3"])
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
     assert rows[0].startswith("| pass |")
@@ -20,6 +20,6 @@ def test_each_pass_touches_every_page_and_prints_a_row(capsys: pytest.CaptureFix
         assert handed == "-" or float(handed) >= 0
 
 
-def test_touch_rounds_to_whole_pages() -> None:
+def test_less_than_a_page_maps_one() -> None:
     # less than a page still maps (and touches) one
     assert memory_touch.touch(1e-9) > 0

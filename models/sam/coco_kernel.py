@@ -44,6 +44,9 @@ _GENERIC = [
     "POS", "STARTS", "STATS", "NCH", "STATS32", "CUM", "ENDS", "CHARS", "n_pos", "n_masks"
 ]  # fmt: skip
 _JIT_OPTIONS = unspecialised(_GENERIC)
+# The kernels read and write a mask's statistics as rows of 7 (`runs_kernel.STATS`), a
+# literal inside them: a change to the row's width must change them too.
+assert STATS == 7, "models.sam.coco_kernel reads rows of 7 statistics a mask"
 
 
 if triton is not None:
@@ -150,6 +153,7 @@ def coco_chars(
     runs = max(n_pos - 1, 0)
     grid = (-(-max(runs, masks * STATS) // BLOCK),)
     n_chars = torch.empty(max(runs, 1), dtype=torch.int32, device=positions.device)
+    # launched whatever the runs: it also writes `stats32`, which the host reads every batch
     _count[grid](
         positions, starts, stats, n_chars, stats32, n_pos, masks, STEPS=_SEARCH_STEPS, BLOCK=BLOCK
     )  # fmt: skip

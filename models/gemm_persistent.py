@@ -51,6 +51,10 @@ ENABLED: bool | None = None
 # The launch shape `served_config` gives every served layer in place of its own choice
 # (bench/sam_encoder.py `--persistent-config`, to time the encoder with a shape of SWEEP)
 SERVED: PersistentConfig | None = None
+# Whether CUDA launches of the forms models/gemm_gluon.py has (a float output, or int8 by
+# fixed per-column scales; no group scales) run its warp-specialised Gluon kernel instead
+# (bench/sam_encoder.py `-gluon`, to compare the encoder with and without it)
+GLUON: bool = False
 
 
 @dataclass(frozen=True)
@@ -425,6 +429,14 @@ def _launch(
         raise ValueError(f"a fixed-scale output needs out_inv_scale [{N}]")
     if group_k and x_scale is None:
         raise ValueError("group_k needs the input's group scales")
+    if (GLUON and xq.device.type == "cuda" and not group_k and quant_out != 1
+            and (residual is None or residual.dtype == out_dtype)):  # fmt: skip
+        from models.gemm_gluon import launch_gluon
+
+        out = launch_gluon(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,
+                           gelu_tanh=gelu_tanh, out_dtype=out_dtype,
+                           out_inv_scale=out_inv_scale if quant_out == 2 else None)  # fmt: skip
+        return out, torch.empty(M, 0, device=xq.device)
     out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)
     out_scale = torch.empty(M, N // HOP_GROUP if quant_out == 1 else 0, device=xq.device)
     if M == 0:

@@ -29,6 +29,11 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
         assert fused_attention.DENSE_ROWS and ln_quant.PACK_PAD == 16
         raise RuntimeError("a variant that fails still puts them back")
     assert before == (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED)
+    gluon = "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon"
+    assert gluon in VARIANTS and _variant(gluon) == _variant(name)
+    with runtime_knobs(gluon):
+        assert gemm_persistent.GLUON and gemm_persistent.SERVED is None
+    assert not gemm_persistent.GLUON
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

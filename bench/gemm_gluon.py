@@ -1,0 +1,243 @@
+"""The warp-specialised Gluon int8 GEMM (models/gemm_gluon.py) beside the served persistent
+Triton kernel (models/gemm_persistent.py) and bf16 (cuBLAS), on SAM ViT-B's encoder
+products as the served int8 encoder (`SERVE_QUANTIZATION=int8`) runs them.
+
+Why: the int8 GEMMs are 6 of a batch's 16 ms in that encoder and run at 40-50% of
+Hopper's int8 rate; the Gluon kernel overlaps one warp group's epilogue with the other's
+main loop (issue 20). Each product, with its epilogue as served, is timed inside a CUDA
+graph of `--reps` calls:
+
+- `qkv`: the quantising norm's packed rows (each row K + 16 bytes apart), a scale per row,
+  bias, bf16 out;
+- `proj`: a scale per row, bias, the residual added, bf16 out;
+- `lin1`: packed rows, bias, GELU (tanh form), int8 out by fixed per-column scales;
+- `lin2`: its input quantised by fixed scales folded into the weight (no scale per row),
+  bias, the residual, bf16 out.
+
+`max_rel` compares the Gluon kernel's output with the persistent kernel's (their
+arithmetic is the same, in the same order; bf16 rounding and FMA contraction may differ),
+relative to the output's largest magnitude; for int8 outputs, the share of values that
+differ and the largest difference in steps.
+
+    python3 -m bench.gemm_gluon --batch 8
+    python -m bench.gemm_gluon --resources    # no GPU: each form compiled for sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import environment, print_table, write_json
+from bench.int8_gemm import SAM_DIM, SAM_TOKENS, graphed_ms
+from models.gemm_gluon import GluonConfig, launch_gluon
+from models.gemm_persistent import (
+    launch_persistent,
+    launch_persistent_static_out,
+    served_config,
+)
+from models.int8_gemm import quantize_rows
+from models.ln_quant import pack_rows
+
+CONFIGS = {
+    "s4": GluonConfig(128, 128, 128, 4),
+    "s3": GluonConfig(128, 128, 128, 3),
+    "k64s6": GluonConfig(128, 128, 64, 6),
+}
+
+
+# the forms the served int8 encoder launches: (name, scale per row, bias, residual, GELU,
+# int8 out by fixed scales)
+FORMS = {
+    "qkv": (True, True, False, 0, False),
+    "proj": (True, True, True, 0, False),
+    "lin1": (True, True, False, 2, True),
+    "lin2": (False, True, True, 0, False),
+}
+
+
+def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
+    """One of `FORMS` compiled for sm_90 by this machine's Triton (no GPU needed), as
+    `launch_gluon` would launch it on a SAM-sized product."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from models import gemm_gluon
+
+    c = config or GluonConfig()
+    x_scaled, bias, residual, gelu, quant_out = FORMS[form]
+    out = torch.int8 if quant_out else torch.bfloat16
+
+    def desc(dtype: torch.dtype, block: list[int]) -> str:
+        t = torch.empty(256, 256, dtype=dtype)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gemm_gluon._layout(block, dtype)))
+
+    fn = gemm_gluon._kernel()
+    signature = {
+        "a_desc": desc(torch.int8, [c.block_m, c.block_k]),
+        "b_desc": desc(torch.int8, [c.block_n, c.block_k]),
+        "c_desc": desc(out, [c.block_m, c.block_n]),
+        "r_desc": desc(out, [c.block_m, c.block_n]),
+        "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32", "OS": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xs": "i32", "num_programs": "i32",
+    }  # fmt: skip
+    constexprs = {"X_SCALED": x_scaled, "HAS_BIAS": bias, "HAS_RES": residual, "GELU": gelu,
+                  "IS_FP8": False, "QUANT_OUT": quant_out, "GROUP_M": 8, "STAGES": c.stages,
+                  "CONSUMER_REGS": c.consumer_registers,
+                  "PRODUCER_REGS": gemm_gluon.PRODUCER_REGISTERS}  # fmt: skip
+    names = fn.arg_names
+    source = GluonASTSource(
+        fn,
+        {**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("N", "K")},
+    )
+    options = {"num_warps": 4, "maxnreg": gemm_gluon.KERNEL_MAX_REGISTERS}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def print_resources() -> None:
+    import triton
+
+    from bench.gemm_resources import resources
+
+    rows = []
+    for form in FORMS:
+        compiled = compile_for_hopper(form)
+        regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+        rows.append({"form": form, **resources(compiled),
+                     "setmaxnreg": " ".join(sorted({f"{d} {n}" for d, n in regs}))})  # fmt: skip
+        print(rows[-1], flush=True)
+    print(f"\nTriton {triton.__version__}, sm_90")
+    print_table(rows, list(rows[0]))
+
+
+def products(batch: int) -> list[dict[str, Any]]:
+    d = SAM_DIM
+    rows = []
+    for kind, per_image in SAM_TOKENS.items():
+        m = batch * per_image
+        for layer, k, n in (("qkv", d, 3 * d), ("proj", d, d), ("lin1", d, 4 * d),
+                            ("lin2", 4 * d, d)):  # fmt: skip
+            rows.append({"layer": f"{kind}.{layer}", "M": m, "K": k, "N": n})
+    return rows
+
+
+def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> None:
+    m, k, n = row["M"], row["K"], row["N"]
+    layer = row["layer"].split(".")[1]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, generator=g) / k**0.5
+    bias = torch.randn(n, device=dev, generator=g) * 0.1
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_rows(w)
+    res = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
+    wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
+    if layer in ("qkv", "lin1"):  # the quantising norm's packed rows
+        xq = pack_rows(xq, xs)[:, :k]
+    kw: dict[str, Any] = {}
+    x_scale: torch.Tensor | None = xs
+    residual: torch.Tensor | None = None
+    if layer == "proj":
+        residual = res
+    if layer == "lin2":
+        x_scale, residual = None, res
+    if layer == "lin1":
+        y = F.gelu(F.linear(x.float(), w, bias), approximate="tanh")
+        kw = {"gelu": True, "gelu_tanh": True, "out_inv_scale": 127.0 / y.abs().amax(0)}
+
+    def persistent() -> torch.Tensor:
+        if layer == "lin1":
+            return launch_persistent_static_out(
+                xq, x_scale, wq, ws, bias, config=served_config(False, True), **kw
+            )
+        return launch_persistent(xq, x_scale, wq, ws, bias, residual,
+                                 config=served_config(residual is not None))  # fmt: skip
+
+    def gluon(cfg: GluonConfig) -> torch.Tensor:
+        return launch_gluon(xq, x_scale, wq, ws, bias, residual, config=cfg, **kw)
+
+    def bf16() -> torch.Tensor:
+        if layer == "lin1":
+            return torch._addmm_activation(bb, x, wb.t(), use_gelu=True)
+        y = F.linear(x, wb, bb)
+        return y + residual if residual is not None else y
+
+    flops = 2 * m * k * n
+    row["bf16 ms"] = graphed_ms(bf16, reps, iters)
+    row["persistent ms"] = graphed_ms(persistent, reps, iters)
+    want = persistent()
+    for name in configs:
+        try:
+            ms = graphed_ms(lambda name=name: gluon(CONFIGS[name]), reps, iters)
+        except Exception as exc:  # a shape that does not fit or compile: say so, go on
+            print(f"  {row['layer']} gluon {name}: {type(exc).__name__}: {str(exc)[:200]}",
+                  flush=True)  # fmt: skip
+            continue
+        got = gluon(CONFIGS[name])
+        row[f"gluon {name} ms"] = ms
+        row[f"gluon {name} TFLOP/s"] = flops / ms / 1e9
+        if got.dtype == torch.int8:
+            diff = (got.int() - want.int()).abs()
+            row[f"{name} int8 differ"] = float((diff > 0).float().mean())
+            row[f"{name} int8 max step"] = int(diff.max())
+        else:
+            row[f"{name} max_rel"] = float(
+                (got.float() - want.float()).abs().max() / want.float().abs().max()
+            )
+        print(f"  {row['layer']} gluon {name}: {ms:.4f} ms", flush=True)
+    row["persistent TFLOP/s"] = flops / row["persistent ms"] / 1e9
+    best = min((row[f"gluon {c} ms"] for c in configs if f"gluon {c} ms" in row), default=None)
+    if best is not None:
+        row["best gluon / persistent"] = row["persistent ms"] / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--layers", nargs="+", default=None, help="e.g. global.lin1 window.qkv")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--resources", action="store_true", help="compile each form for sm_90 only")
+    args = p.parse_args()
+    if args.resources:
+        print_resources()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("the Gluon GEMM runs only on a Hopper GPU")
+    env = environment()
+    print(env, flush=True)
+    rows = [r for r in products(args.batch) if args.layers is None or r["layer"] in args.layers]
+    for row in rows:
+        measure(row, args.configs, args.reps, args.iters)
+        print(row, flush=True)
+    total: dict[str, Any] = {"layer": "both blocks (sum)"}
+    for key in ["bf16 ms", "persistent ms"] + [f"gluon {c} ms" for c in args.configs]:
+        if all(key in r for r in rows):
+            total[key] = sum(r[key] for r in rows)
+    rows.append(total)
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}, batch {args.batch}")
+    cols = ["layer", "M", "K", "N", "bf16 ms", "persistent ms", "persistent TFLOP/s"]
+    for c in args.configs:
+        cols += [f"gluon {c} ms", f"gluon {c} TFLOP/s", f"{c} max_rel", f"{c} int8 differ",
+                 f"{c} int8 max step"]  # fmt: skip
+    cols.append("best gluon / persistent")
+    print_table(rows, [c for c in cols if any(c in r for r in rows)])
+    if args.json:
+        write_json(Path(args.json), {"environment": env, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""A warp-specialised int8 / e4m3 GEMM for Hopper written in Gluon: one producer warp
+feeds a ring of shared-memory stages by TMA, and two consumer warp groups take output
+tiles in turn, so that one group's epilogue (scales, bias, GELU, residual, the store) runs
+while the other's `wgmma`s keep the tensor cores busy.
+
+Why: models/gemm_persistent.py (Triton's `tl.dot`) runs SAM ViT-B's int8 products at
+770-1,060 TFLOP/s, about 40-50% of Hopper's int8 rate: one program an SM does its tile's
+epilogue while its tensor cores idle, and with SAM's K of 768 the main loop is only six
+steps of 128, so the epilogue is a large share of every tile (docs/BENCHMARKS.md, issue
+20). Triton 3.6's own warp specialisation did not change that on Hopper (the same page,
+fourteenth session). CUTLASS's "ping-pong" schedule is the known answer: two consumer
+warp groups, each with a whole tile, whose main loops alternate on the tensor cores. Gluon
+(`triton.experimental.gluon`, in the GPU machine's Triton) exposes what it needs:
+`warp_specialize`, `warpgroup_mma`, `mbarrier` and TMA.
+
+The arithmetic is models.gemm_persistent's (the order of models.int8_gemm's reference):
+`acc * x_scale[row] * w_scale[col] + bias`, GELU (tanh form with the SFU's tanh, or the
+exact erf), `+ residual`, stored as bf16 / fp32 or, with fixed per-column scales, as
+int8. The MLP hop's group scales (GROUP_K, a quantised output per row) stay with the
+Triton kernel. Gluon has no interpreter, so this kernel runs only on a Hopper GPU; the CPU
+tests compile it for sm_90 and check its registers (tests/models/test_gemm_gluon.py), and
+`bench/int8_persistent.py --gluon` checks its numbers against the Triton kernel's on the
+GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["GluonConfig", "gluon_available", "launch_gluon"]
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """A launch shape: each consumer warp group owns a `block_m x block_n` tile (its int32
+    accumulator is block_m * block_n / 128 registers a thread: 128 at 128x128); `stages`
+    ring slots of `block_k` columns of both operands; the consumers' register budget (the
+    producer warp takes 40, the rest of the SM's 64K go to the consumers)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    stages: int = 4
+    consumer_registers: int = 232
+
+    def __str__(self) -> str:
+        return (f"gluon {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} "
+                f"r{self.consumer_registers}")  # fmt: skip
+
+
+PRODUCER_REGISTERS = 40
+# three warp groups an SM: two consumers and the producer's (one warp, padded to a group)
+KERNEL_MAX_REGISTERS = 168
+
+gl: Any = None  # set by `_kernel`: Triton resolves a kernel's names among module globals
+gluon: Any = None
+tma: Any = None
+mbarrier: Any = None
+fence_async_shared: Any = None
+warpgroup_mma: Any = None
+warpgroup_mma_wait: Any = None
+tma_load: Any = None  # TMA's copies under this Triton's names (3.6: async_copy_*;
+tma_store: Any = None  # later: async_load / async_store)
+_ws_tile: Any = None
+_ws_producer: Any = None
+_ws_consumer: Any = None
+_ws_epilogue: Any = None
+
+
+def gluon_available() -> str | None:
+    """None where this Triton has Gluon's Hopper API, else why not."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            mbarrier,
+            tma,
+            warpgroup_mma,
+        )
+    except ImportError as e:  # pragma: no cover (every Triton this project pins has it)
+        return f"Gluon's Hopper API is missing: {e}"
+    return None
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Built on first use: importing this module never needs Triton."""
+    global gl, gluon, tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    global _ws_tile, _ws_producer, _ws_consumer, _ws_epilogue, tma_load, tma_store
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    new_names = hasattr(tma, "async_load")
+    tma_load = tma.async_load if new_names else tma.async_copy_global_to_shared
+    tma_store = tma.async_store if new_names else tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _ws_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: gl.constexpr):
+        # grouped order, as models/gemm_persistent.py: GROUP_M row tiles share B in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _ws_producer(
+        a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_programs,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        # every tile of this program in order, each K step into the next ring slot
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        num_tiles = num_pid_m * num_pid_n
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        step = 0
+        for tile_id in range(start, num_tiles, num_programs):
+            pid_m, pid_n = _ws_tile(tile_id, GROUP_M * num_pid_n, num_pid_m, GROUP_M)
+            om = pid_m * BLOCK_M
+            on = pid_n * BLOCK_N
+            for ki in range(k_tiles):
+                s = step % STAGES
+                # a slot starts empty: the first pass waits on the phase before it
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s),
+                                a_desc.block_type.nbytes + b_desc.block_type.nbytes)  # fmt: skip
+                tma_load(a_desc, [om, ki * BLOCK_K], ready.index(s),
+                                                a_bufs.index(s))  # fmt: skip
+                tma_load(b_desc, [on, ki * BLOCK_K], ready.index(s),
+                                                b_bufs.index(s))  # fmt: skip
+                step += 1
+
+    @gluon.jit
+    def _ws_epilogue(
+        acc, om, on, M, N, XS, WS, BIAS, OS, stride_xs, c_desc, c_smem, res_bar, res_phase,
+        X_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+        GELU: gl.constexpr, QUANT_OUT: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, layout: gl.constexpr,
+    ):  # fmt: skip
+        offs_m = om + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_n = on + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        y = acc.to(gl.float32)
+        if X_SCALED:
+            xs = gl.load(XS + offs_m.to(gl.int64) * stride_xs, mask=mask_m, other=0.0)
+            y = y * xs[:, None]
+        ws = gl.load(WS + offs_n, mask=mask_n, other=0.0)
+        y = y * ws[None, :]
+        if HAS_BIAS:
+            y = y + gl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(gl.float32)[None, :]
+        if GELU == 1:  # exact, as nn.GELU()
+            y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+        elif GELU == 2:  # the tanh form, tanh as the SFU's one instruction
+            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
+                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
+            y = 0.5 * y * (1.0 + t)
+        if HAS_RES:  # the residual's tile, which TMA put in c_smem during the main loop
+            mbarrier.wait(res_bar, res_phase)
+            y = y + c_smem.load(layout).to(gl.float32)
+        if QUANT_OUT:
+            # int8 by fixed per-column scales (OS holds their inverses), rounded half to
+            # even as torch.round, then clamped
+            inv = gl.load(OS + offs_n, mask=mask_n, other=0.0)
+            v = (y * inv[None, :] + 12582912.0) - 12582912.0
+            out = gl.minimum(gl.maximum(v, -127.0), 127.0).to(gl.int8)
+        else:
+            out = y.to(c_desc.dtype)
+        if not HAS_RES:
+            tma.store_wait(0)  # this group's previous tile has left c_smem
+        c_smem.store(out)
+        fence_async_shared()
+        tma_store(c_desc, [om, on], c_smem)  # past the end: clipped
+
+    @gluon.jit
+    def _ws_consumer(
+        a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_smem, res_bar, XS, WS, BIAS, OS,
+        M, N, K, stride_xs, num_programs, CONSUMER: gl.constexpr,
+        X_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+        GELU: gl.constexpr, IS_FP8: gl.constexpr, QUANT_OUT: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        # wgmma's accumulator layout for one warp group; K of an instruction is 32 bytes
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        num_tiles = num_pid_m * num_pid_n
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        # this group's tiles: every other one of the program's, whose ring slots follow
+        # from the tile's place in the program's order (the producer's `step`)
+        local = 0
+        for tile_id in range(start + CONSUMER * num_programs, num_tiles, 2 * num_programs):
+            base = ((tile_id - start) // num_programs) * k_tiles
+            pid_m, pid_n = _ws_tile(tile_id, GROUP_M * num_pid_n, num_pid_m, GROUP_M)
+            if HAS_RES:  # the residual comes in by TMA under the main loop, into c_smem
+                tma.store_wait(0)
+                mbarrier.expect(res_bar, r_desc.block_type.nbytes)
+                tma_load(r_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N],
+                                                res_bar, c_smem)  # fmt: skip
+            if IS_FP8:
+                acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=layout)
+            else:
+                acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, layout=layout)
+            for ki in range(k_tiles):
+                step = base + ki
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
+                                    use_acc=ki > 0, is_async=True)  # fmt: skip
+                # one product in flight: the one before it is done, so is its slot
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
+            _ws_epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, XS, WS, BIAS, OS,
+                         stride_xs, c_desc, c_smem, res_bar, local & 1, X_SCALED, HAS_BIAS,
+                         HAS_RES, GELU, QUANT_OUT, BLOCK_M, BLOCK_N, layout)  # fmt: skip
+            local += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def ws_gemm(
+        a_desc, b_desc, c_desc, r_desc, XS, WS, BIAS, OS, M, N, K, stride_xs,
+        num_programs, X_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr,
+        HAS_RES: gl.constexpr, GELU: gl.constexpr, IS_FP8: gl.constexpr,
+        QUANT_OUT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)  # fmt: skip
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K],
+                                           b_desc.layout)  # fmt: skip
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+        res_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(res_bars.index(i), count=1)
+        gl.warp_specialize([
+            (_ws_consumer, (a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_bufs.index(0),
+                            res_bars.index(0), XS, WS, BIAS, OS, M, N, K, stride_xs,
+                            num_programs, 0,
+                            X_SCALED, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
+                            BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_consumer, (a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_bufs.index(1),
+                            res_bars.index(1), XS, WS, BIAS, OS, M, N, K, stride_xs,
+                            num_programs, 1,
+                            X_SCALED, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
+                            BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                            num_programs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+    return ws_gemm
+
+
+def _layout(block: list[int], dtype: torch.dtype) -> Any:
+    from triton.experimental.gluon import language as gl
+
+    element = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+               torch.float16: gl.float16, torch.float32: gl.float32}[dtype]  # fmt: skip
+    return gl.NVMMASharedLayout.get_default_for(block, element)
+
+
+def launch_gluon(
+    xq: Tensor,
+    x_scale: Tensor | None,
+    weight: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    residual: Tensor | None = None,
+    *,
+    gelu: bool = False,
+    gelu_tanh: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out_inv_scale: Tensor | None = None,
+    config: GluonConfig | None = None,
+) -> Tensor:
+    """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]`, as
+    models.gemm_persistent.launch_persistent computes it; with `out_inv_scale [N]` the
+    output leaves as int8 by those fixed per-column scales (as `launch_persistent_static_out`).
+    Raises ValueError where TMA cannot carry the operands."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from models.gemm_kernel import check_operands
+    from models.gemm_persistent import persistent_supported
+
+    M, K, N = check_operands(xq, weight)
+    why = persistent_supported(xq, weight)
+    if why is not None:
+        raise ValueError(f"Gluon GEMM: {why}")
+    if xq.device.type != "cuda":
+        raise ValueError("the Gluon GEMM runs only on a CUDA device (Gluon has no interpreter)")
+    c = config or GluonConfig()
+    quant_out = out_inv_scale is not None
+    if quant_out and (xq.dtype != torch.int8 or residual is not None):
+        raise ValueError("a fixed-scale int8 output needs int8 operands and no residual")
+    out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)
+    if M == 0:
+        return out
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    a_block, b_block, c_block = (
+        [c.block_m, c.block_k],
+        [c.block_n, c.block_k],
+        [c.block_m, c.block_n],
+    )
+    a_desc = TensorDescriptor.from_tensor(xq, a_block, _layout(a_block, xq.dtype))
+    b_desc = TensorDescriptor.from_tensor(weight, b_block, _layout(b_block, weight.dtype))
+    c_desc = TensorDescriptor.from_tensor(out, c_block, _layout(c_block, out.dtype))
+    if residual is not None and residual.dtype != out.dtype:
+        raise ValueError(f"the residual ({residual.dtype}) must have the output's dtype")
+    r_desc = (
+        c_desc
+        if residual is None
+        else TensorDescriptor.from_tensor(residual, c_block, _layout(c_block, residual.dtype))
+    )
+    w_scale = w_scale.float().contiguous()
+    x_scaled = x_scale is not None
+    xs = x_scale.float() if x_scale is not None and x_scale.dtype != torch.float32 else x_scale
+    xs = w_scale if xs is None else xs  # a placeholder where the scales are in the weight
+    tiles = -(-M // c.block_m) * -(-N // c.block_n)
+    programs = min(
+        -(-tiles // 2), torch.cuda.get_device_properties(xq.device).multi_processor_count
+    )
+    _kernel()[(programs,)](
+        a_desc, b_desc, c_desc, r_desc, xs, w_scale,
+        bias if bias is not None else w_scale,  # placeholders, never read
+        out_inv_scale.float().contiguous() if quant_out else w_scale,  # type: ignore[union-attr]
+        M, N, K, xs.stride(0), programs,
+        X_SCALED=x_scaled, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        GELU=(2 if gelu_tanh else 1) if gelu else 0, IS_FP8=xq.dtype == torch.float8_e4m3fn,
+        QUANT_OUT=quant_out, GROUP_M=8, STAGES=c.stages,
+        CONSUMER_REGS=c.consumer_registers, PRODUCER_REGS=PRODUCER_REGISTERS,
+        num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
+    )  # fmt: skip
+    return out

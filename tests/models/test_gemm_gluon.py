@@ -1,0 +1,49 @@
+"""The warp-specialised Gluon GEMM (models/gemm_gluon.py) compiled for an H100 (sm_90) by
+this machine's Triton: Gluon has no interpreter, so what the CPU can check is what the
+kernel compiles to; its numbers are checked on the GPU against the persistent Triton
+kernel (bench/gemm_gluon.py, docs/BENCHMARKS.md, issue 20)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench.gemm_gluon import FORMS, compile_for_hopper
+from bench.gemm_resources import resources
+from models import gemm_gluon
+from models.gemm_gluon import launch_gluon
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_each_served_form_compiles_to_two_consumers_and_a_producer(form: str) -> None:
+    """int8 warp-group MMAs fed and drained by TMA, no spills, within 227 KiB of shared
+    memory; the consumer warp groups raised to their register budget and the producer
+    warp lowered to its own (`setmaxnreg`), which is what lets two 128x128 int32
+    accumulators live on one SM."""
+    compiled = compile_for_hopper(form)
+    ptx = compiled.asm["ptx"]
+    found = resources(compiled)
+    assert found["wgmma"] == "m64n128k32.s32.s8.s8", found
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    config = gemm_gluon.GluonConfig()
+    assert {str(config.consumer_registers), str(gemm_gluon.PRODUCER_REGISTERS)} <= regs, regs
+    _, _, residual, gelu, _ = FORMS[form]
+    assert ("tanh.approx.f32" in ptx) == (gelu == 2)
+    # TMA loads completing on an mbarrier: both operands, and the residual's tile into the
+    # output's staging buffer; the output leaves by a TMA store
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx))
+    assert loads == (4 if residual else 2), loads  # the residual: once in each consumer
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::\w+\.bulk_group", ptx)
+
+
+def test_the_launch_refuses_what_it_cannot_run() -> None:
+    xq = torch.zeros(256, 768, dtype=torch.int8)
+    w = torch.zeros(768, 768, dtype=torch.int8)
+    with pytest.raises(ValueError, match="CUDA"):
+        launch_gluon(xq, torch.ones(256), w, torch.ones(768))
+    with pytest.raises(ValueError, match="Gluon GEMM"):  # rows of 24 bytes: not for TMA
+        launch_gluon(xq[:, :24], torch.ones(256), w[:, :24], torch.ones(768))

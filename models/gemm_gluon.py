@@ -67,6 +67,7 @@ warpgroup_mma_wait: Any = None
 tma_load: Any = None  # TMA's copies under this Triton's names (3.6: async_copy_*;
 tma_store: Any = None  # later: async_load / async_store)
 _ws_tile: Any = None
+_ws_grid: Any = None
 _ws_producer: Any = None
 _ws_consumer: Any = None
 _ws_epilogue: Any = None
@@ -89,7 +90,7 @@ def gluon_available() -> str | None:
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, gluon, tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _ws_tile, _ws_producer, _ws_consumer, _ws_epilogue, tma_load, tma_store
+    global _ws_tile, _ws_grid, _ws_producer, _ws_consumer, _ws_epilogue, tma_load, tma_store
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -104,15 +105,18 @@ def _kernel() -> Any:
     tma_load = tma.async_load if new_names else tma.async_copy_global_to_shared
     tma_store = tma.async_store if new_names else tma.async_copy_shared_to_global
 
+    # the grouped tile order of models/gemm_persistent.py (GROUP_M row tiles share B in L2):
+    # its scalar arithmetic compiles in a Gluon kernel as it is
+    from models import gemm_persistent
+
+    gemm_persistent._kernel()
+    _ws_tile = gemm_persistent._tile
+
     @gluon.jit
-    def _ws_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: gl.constexpr):
-        # grouped order, as models/gemm_persistent.py: GROUP_M row tiles share B in L2
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (tile_id % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
-        return pid_m, pid_n
+    def _ws_grid(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BLOCK_K)
 
     @gluon.jit
     def _ws_producer(
@@ -122,10 +126,7 @@ def _kernel() -> Any:
     ):  # fmt: skip
         # every tile of this program in order, each K step into the next ring slot
         start = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        num_tiles = num_pid_m * num_pid_n
-        k_tiles = gl.cdiv(K, BLOCK_K)
+        num_pid_m, num_pid_n, num_tiles, k_tiles = _ws_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         step = 0
         for tile_id in range(start, num_tiles, num_programs):
             pid_m, pid_n = _ws_tile(tile_id, GROUP_M * num_pid_n, num_pid_m, GROUP_M)
@@ -200,10 +201,7 @@ def _kernel() -> Any:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
         )
         start = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        num_tiles = num_pid_m * num_pid_n
-        k_tiles = gl.cdiv(K, BLOCK_K)
+        num_pid_m, num_pid_n, num_tiles, k_tiles = _ws_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         # this group's tiles: every other one of the program's, whose ring slots follow
         # from the tile's place in the program's order (the producer's `step`)
         local = 0

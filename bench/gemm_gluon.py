@@ -20,12 +20,14 @@ relative to the output's largest magnitude; for int8 outputs, the share of value
 differ and the largest difference in steps.
 
     python3 -m bench.gemm_gluon --batch 8
+    python3 -m bench.gemm_gluon --check-only  # its numbers on odd shapes against torch
     python -m bench.gemm_gluon --resources    # no GPU: each form compiled for sm_90
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,43 @@ def print_resources() -> None:
     print_table(rows, list(rows[0]))
 
 
+# small products whose last row tile is partial, each served form once: run before any
+# timing, against the arithmetic in torch (the int32 product by torch._int_mm)
+CHECKS = [(300, 768, 768, "qkv"), (1000, 768, 2304, "proj"), (4100, 768, 3072, "lin1"),
+          (4100, 3072, 768, "lin2")]  # fmt: skip
+
+
+def check() -> list[dict[str, Any]]:
+    """Each of `CHECKS` through `launch_gluon` against torch: `max_rel` for bf16 outputs (the
+    largest difference over the largest magnitude), the share of int8 outputs off by a step
+    and the largest step for lin1's."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for m, k, n, form in CHECKS:
+        x_scaled, _, residual, gelu, quant_out = FORMS[form]
+        xq, xs = quantize_rows(torch.randn(m, k, device=dev, generator=g))
+        wq, ws = quantize_rows(torch.randn(n, k, device=dev, generator=g) / k**0.5)
+        bias = torch.randn(n, device=dev, generator=g) * 0.1
+        res = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16) if residual else None
+        y = torch._int_mm(xq, wq.t()).float()
+        y = (y * xs[:, None] if x_scaled else y) * ws[None, :] + bias
+        y = F.gelu(y, approximate="tanh") if gelu else y
+        y = y + res.float() if res is not None else y
+        inv = 127.0 / y.abs().amax(0) if quant_out else None
+        got = launch_gluon(xq, xs if x_scaled else None, wq, ws, bias, res, gelu=bool(gelu),
+                           gelu_tanh=True, out_inv_scale=inv)  # fmt: skip
+        row: dict[str, Any] = {"form": form, "M": m, "K": k, "N": n}
+        if inv is not None:
+            step = (got.int() - (y * inv).round().clamp(-127, 127).int()).abs()
+            row |= {"int8 differ": float((step > 0).float().mean()), "max step": int(step.max())}
+        else:
+            row["max_rel"] = float((got.float() - y).abs().max() / y.abs().max())
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def products(batch: int) -> list[dict[str, Any]]:
     d = SAM_DIM
     rows = []
@@ -179,7 +218,7 @@ def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> N
     want = persistent()
     for name in configs:
         try:
-            ms = graphed_ms(lambda name=name: gluon(CONFIGS[name]), reps, iters)
+            ms = graphed_ms(functools.partial(gluon, CONFIGS[name]), reps, iters)
         except Exception as exc:  # a shape that does not fit or compile: say so, go on
             print(f"  {row['layer']} gluon {name}: {type(exc).__name__}: {str(exc)[:200]}",
                   flush=True)  # fmt: skip
@@ -211,6 +250,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--resources", action="store_true", help="compile each form for sm_90 only")
+    p.add_argument("--check-only", action="store_true", help="the numbers of `CHECKS` only")
     args = p.parse_args()
     if args.resources:
         print_resources()
@@ -219,6 +259,11 @@ def main() -> None:
         raise SystemExit("the Gluon GEMM runs only on a Hopper GPU")
     env = environment()
     print(env, flush=True)
+    checks = check()
+    print_table(checks, [c for c in ("form", "M", "K", "N", "max_rel", "int8 differ", "max step")
+                         if any(c in r for r in checks)])  # fmt: skip
+    if args.check_only:
+        return
     rows = [r for r in products(args.batch) if args.layers is None or r["layer"] in args.layers]
     for row in rows:
         measure(row, args.configs, args.reps, args.iters)

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from bench.gemm_gluon import FORMS, compile_for_hopper
+from bench.gemm_gluon import CHECKS, FORMS, compile_for_hopper
 from bench.gemm_resources import resources
 from models import gemm_gluon
 from models.gemm_gluon import launch_gluon
@@ -47,3 +47,11 @@ def test_the_launch_refuses_what_it_cannot_run() -> None:
         launch_gluon(xq, torch.ones(256), w, torch.ones(768))
     with pytest.raises(ValueError, match="Gluon GEMM"):  # rows of 24 bytes: not for TMA
         launch_gluon(xq[:, :24], torch.ones(256), w[:, :24], torch.ones(768))
+
+
+def test_the_gpu_checks_cover_every_form_with_a_partial_last_tile() -> None:
+    """What bench/gemm_gluon.py checks against torch before timing anything on the GPU:
+    each served form once, on rows that leave the last 128-row tile partly empty (TMA's
+    zero fill on load and clipping on store)."""
+    assert {form for *_, form in CHECKS} == set(FORMS)
+    assert all(m % 128 for m, *_ in CHECKS)

@@ -4,23 +4,22 @@ tiles in turn, so that one group's epilogue (scales, bias, GELU, residual, the s
 while the other's `wgmma`s keep the tensor cores busy.
 
 Why: models/gemm_persistent.py (Triton's `tl.dot`) runs SAM ViT-B's int8 products at
-770-1,060 TFLOP/s, about 40-50% of Hopper's int8 rate: one program an SM does its tile's
-epilogue while its tensor cores idle, and with SAM's K of 768 the main loop is only six
-steps of 128, so the epilogue is a large share of every tile (docs/BENCHMARKS.md, issue
-20). Triton 3.6's own warp specialisation did not change that on Hopper (the same page,
-fourteenth session). CUTLASS's "ping-pong" schedule is the known answer: two consumer
-warp groups, each with a whole tile, whose main loops alternate on the tensor cores. Gluon
-(`triton.experimental.gluon`, in the GPU machine's Triton) exposes what it needs:
-`warp_specialize`, `warpgroup_mma`, `mbarrier` and TMA.
+770-1,060 TFLOP/s (H200), 39-54% of Hopper's dense int8 peak of 1,979 TOPS: one program an
+SM does its tile's epilogue while its tensor cores idle, and with SAM's K of 768 the main
+loop is only six steps of 128, so the epilogue is a large share of every tile
+(docs/BENCHMARKS.md, issue 20). Triton 3.6's own warp specialisation did not change that
+on Hopper (the same page, fourteenth session). CUTLASS's "ping-pong" schedule is the known
+answer: two consumer warp groups, each with a whole tile, whose main loops alternate on
+the tensor cores. Gluon (`triton.experimental.gluon`, in the GPU machine's Triton) exposes
+what it needs: `warp_specialize`, `warpgroup_mma`, `mbarrier` and TMA.
 
 The arithmetic is models.gemm_persistent's (the order of models.int8_gemm's reference):
 `acc * x_scale[row] * w_scale[col] + bias`, GELU (tanh form with the SFU's tanh, or the
 exact erf), `+ residual`, stored as bf16 / fp32 or, with fixed per-column scales, as
 int8. The MLP hop's group scales (GROUP_K, a quantised output per row) stay with the
 Triton kernel. Gluon has no interpreter, so this kernel runs only on a Hopper GPU; the CPU
-tests compile it for sm_90 and check its registers (tests/models/test_gemm_gluon.py), and
-`bench/int8_persistent.py --gluon` checks its numbers against the Triton kernel's on the
-GPU.
+tests compile it for sm_90 and check what it compiles to (tests/models/test_gemm_gluon.py),
+and bench/gemm_gluon.py checks its numbers against torch and the Triton kernel on the GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GluonConfig", "gluon_available", "launch_gluon"]
+__all__ = ["GluonConfig", "launch_gluon"]
 
 
 @dataclass(frozen=True)
@@ -71,19 +70,6 @@ _ws_grid: Any = None
 _ws_producer: Any = None
 _ws_consumer: Any = None
 _ws_epilogue: Any = None
-
-
-def gluon_available() -> str | None:
-    """None where this Triton has Gluon's Hopper API, else why not."""
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
-            mbarrier,
-            tma,
-            warpgroup_mma,
-        )
-    except ImportError as e:  # pragma: no cover (every Triton this project pins has it)
-        return f"Gluon's Hopper API is missing: {e}"
-    return None
 
 
 @functools.cache

@@ -66,6 +66,8 @@ warpgroup_mma_wait: Any = None
 tma_load: Any = None  # TMA's copies under this Triton's names (3.6: async_copy_*;
 tma_store: Any = None  # later: async_load / async_store)
 _ws_tile: Any = None
+dequantize_bias_gelu: Any = None
+quantize_fixed: Any = None
 _ws_grid: Any = None
 _ws_producer: Any = None
 _ws_consumer: Any = None
@@ -76,7 +78,8 @@ _ws_epilogue: Any = None
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, gluon, tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _ws_tile, _ws_grid, _ws_producer, _ws_consumer, _ws_epilogue, tma_load, tma_store
+    global dequantize_bias_gelu, quantize_fixed, _ws_tile, _ws_grid, _ws_producer
+    global _ws_consumer, _ws_epilogue, tma_load, tma_store
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -97,6 +100,7 @@ def _kernel() -> Any:
 
     gemm_persistent._kernel()
     _ws_tile = gemm_persistent._tile
+    from models.triton_quant import dequantize_bias_gelu, quantize_fixed
 
     @gluon.jit
     def _ws_grid(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -124,10 +128,8 @@ def _kernel() -> Any:
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s),
                                 a_desc.block_type.nbytes + b_desc.block_type.nbytes)  # fmt: skip
-                tma_load(a_desc, [om, ki * BLOCK_K], ready.index(s),
-                                                a_bufs.index(s))  # fmt: skip
-                tma_load(b_desc, [on, ki * BLOCK_K], ready.index(s),
-                                                b_bufs.index(s))  # fmt: skip
+                tma_load(a_desc, [om, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma_load(b_desc, [on, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
                 step += 1
 
     @gluon.jit
@@ -141,30 +143,18 @@ def _kernel() -> Any:
         offs_n = on + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         mask_m = offs_m < M
         mask_n = offs_n < N
-        y = acc.to(gl.float32)
         if X_SCALED:
             xs = gl.load(XS + offs_m.to(gl.int64) * stride_xs, mask=mask_m, other=0.0)
-            y = y * xs[:, None]
-        ws = gl.load(WS + offs_n, mask=mask_n, other=0.0)
-        y = y * ws[None, :]
-        if HAS_BIAS:
-            y = y + gl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(gl.float32)[None, :]
-        if GELU == 1:  # exact, as nn.GELU()
-            y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
-        elif GELU == 2:  # the tanh form, tanh as the SFU's one instruction
-            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-            t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u],
-                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
-            y = 0.5 * y * (1.0 + t)
+        else:
+            xs = None
+        # the device functions of models/gemm_persistent.py's epilogue (Triton functions
+        # compile in a Gluon kernel as they are): one arithmetic for both kernels
+        y = dequantize_bias_gelu(acc, xs, WS, BIAS, offs_n, mask_n, X_SCALED, HAS_BIAS, GELU)
         if HAS_RES:  # the residual's tile, which TMA put in c_smem during the main loop
             mbarrier.wait(res_bar, res_phase)
             y = y + c_smem.load(layout).to(gl.float32)
-        if QUANT_OUT:
-            # int8 by fixed per-column scales (OS holds their inverses), rounded half to
-            # even as torch.round, then clamped
-            inv = gl.load(OS + offs_n, mask=mask_n, other=0.0)
-            v = (y * inv[None, :] + 12582912.0) - 12582912.0
-            out = gl.minimum(gl.maximum(v, -127.0), 127.0).to(gl.int8)
+        if QUANT_OUT:  # int8 by fixed per-column scales, OS holding their inverses
+            out = quantize_fixed(y, gl.load(OS + offs_n, mask=mask_n, other=0.0))
         else:
             out = y.to(c_desc.dtype)
         if not HAS_RES:
@@ -197,8 +187,7 @@ def _kernel() -> Any:
             if HAS_RES:  # the residual comes in by TMA under the main loop, into c_smem
                 tma.store_wait(0)
                 mbarrier.expect(res_bar, r_desc.block_type.nbytes)
-                tma_load(r_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N],
-                                                res_bar, c_smem)  # fmt: skip
+                tma_load(r_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], res_bar, c_smem)
             if IS_FP8:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=layout)
             else:

@@ -120,6 +120,7 @@ _tile: Any = None  # the kernel's helpers and triton.language, set by `_kernel`
 _epilogue: Any = None
 tl: Any = None
 quantize_rows_tile: Any = None
+quantize_fixed: Any = None
 dequantize_bias_gelu: Any = None
 
 
@@ -191,11 +192,11 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     # module globals: Triton resolves a kernel's callees, and the names their code uses,
     # among its module's globals
-    global _tile, _epilogue, tl, quantize_rows_tile, dequantize_bias_gelu
+    global _tile, _epilogue, tl, quantize_rows_tile, dequantize_bias_gelu, quantize_fixed
     import triton
     import triton.language as tl
 
-    from models.triton_quant import dequantize_bias_gelu, quantize_rows_tile
+    from models.triton_quant import dequantize_bias_gelu, quantize_fixed, quantize_rows_tile
 
     @triton.jit
     def _tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
@@ -226,9 +227,7 @@ def _kernel() -> Any:
             # int8 by fixed per-column scales (OS holds their inverses): no row's maximum
             # needed, so any tile can write it (`launch_persistent_static_out`); rounded half
             # to even as torch.round, then clamped
-            inv = tl.load(OS + offs_n, mask=mask_n, other=0.0)
-            v = (y * inv[None, :] + 12582912.0) - 12582912.0
-            c_desc.store([om, on], tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8))
+            c_desc.store([om, on], quantize_fixed(y, tl.load(OS + offs_n, mask=mask_n, other=0.0)))
         elif QUANT_OUT == 1:
             # quantised per row of these WIDTH (= HOP_GROUP) columns, for the next GEMM
             # (models.mlp_hop): int8, or e4m3's bytes as int8; the scales at [row, group]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_bias_gelu", "quantize_rows_tile"]
+__all__ = ["dequantize_bias_gelu", "quantize_fixed", "quantize_rows_tile"]
 
 
 @triton.jit
@@ -35,6 +35,15 @@ def quantize_rows_tile(y, mask, IS_FP8: tl.constexpr):  # noqa: ANN001, ANN201, 
         v = (y / scale[:, None] + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
     return q, scale
+
+
+@triton.jit
+def quantize_fixed(y, inv):  # noqa: ANN001, ANN201
+    """`y [R, C]` fp32 -> int8 by fixed per-column scales (`inv [C]` their inverses), so
+    that any tile can write it without a row's maximum; rounded half to even as
+    torch.round, then clamped to +-127."""
+    v = (y * inv[None, :] + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit

@@ -30,13 +30,14 @@ import argparse
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import environment, print_table, write_json
-from bench.int8_gemm import SAM_DIM, SAM_TOKENS, graphed_ms
+from bench.int8_gemm import SAM_TOKENS, graphed_ms
+from bench.int8_persistent import sam_products
 from models.gemm_gluon import GluonConfig, launch_gluon
 from models.gemm_persistent import (
     launch_persistent,
@@ -53,13 +54,22 @@ CONFIGS = {
 }
 
 
-# the forms the served int8 encoder launches: (name, scale per row, bias, residual, GELU,
-# int8 out by fixed scales)
+class Form(NamedTuple):
+    """How the served int8 encoder launches one kind of product."""
+
+    x_scaled: bool  # a scale per row (lin2's input is scaled by fixed scales in its weight)
+    bias: bool
+    residual: bool
+    gelu: int  # 0 none, 2 the tanh form (gemm_persistent's GELU codes)
+    int8_out: bool  # int8 by fixed per-column scales (lin1's output, lin2's input)
+    packed: bool  # the input as the quantising norm writes it (rows K + 16 bytes apart)
+
+
 FORMS = {
-    "qkv": (True, True, False, 0, False),
-    "proj": (True, True, True, 0, False),
-    "lin1": (True, True, False, 2, True),
-    "lin2": (False, True, True, 0, False),
+    "qkv": Form(True, True, False, 0, False, True),
+    "proj": Form(True, True, True, 0, False, False),
+    "lin1": Form(True, True, False, 2, True, True),
+    "lin2": Form(False, True, True, 0, False, False),
 }
 
 
@@ -75,8 +85,8 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
     from models import gemm_gluon
 
     c = config or GluonConfig()
-    x_scaled, bias, residual, gelu, quant_out = FORMS[form]
-    out = torch.int8 if quant_out else torch.bfloat16
+    f = FORMS[form]
+    out = torch.int8 if f.int8_out else torch.bfloat16
 
     def desc(dtype: torch.dtype, block: list[int]) -> str:
         t = torch.empty(256, 256, dtype=dtype)
@@ -91,9 +101,9 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
         "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32", "OS": "*fp32",
         "M": "i32", "N": "i32", "K": "i32", "stride_xs": "i32", "num_programs": "i32",
     }  # fmt: skip
-    constexprs = {"X_SCALED": x_scaled, "HAS_BIAS": bias, "HAS_RES": residual, "GELU": gelu,
-                  "IS_FP8": False, "QUANT_OUT": quant_out, "GROUP_M": 8, "STAGES": c.stages,
-                  "CONSUMER_REGS": c.consumer_registers,
+    constexprs = {"X_SCALED": f.x_scaled, "HAS_BIAS": f.bias, "HAS_RES": f.residual,
+                  "GELU": f.gelu, "IS_FP8": False, "QUANT_OUT": f.int8_out, "GROUP_M": 8,
+                  "STAGES": c.stages, "CONSUMER_REGS": c.consumer_registers,
                   "PRODUCER_REGS": gemm_gluon.PRODUCER_REGISTERS}  # fmt: skip
     names = fn.arg_names
     source = GluonASTSource(
@@ -136,17 +146,17 @@ def check() -> list[dict[str, Any]]:
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
     for m, k, n, form in CHECKS:
-        x_scaled, _, residual, gelu, quant_out = FORMS[form]
+        f = FORMS[form]
         xq, xs = quantize_rows(torch.randn(m, k, device=dev, generator=g))
         wq, ws = quantize_rows(torch.randn(n, k, device=dev, generator=g) / k**0.5)
         bias = torch.randn(n, device=dev, generator=g) * 0.1
-        res = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16) if residual else None
+        res = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16) if f.residual else None
         y = torch._int_mm(xq, wq.t()).float()
-        y = (y * xs[:, None] if x_scaled else y) * ws[None, :] + bias
-        y = F.gelu(y, approximate="tanh") if gelu else y
+        y = (y * xs[:, None] if f.x_scaled else y) * ws[None, :] + bias
+        y = F.gelu(y, approximate="tanh") if f.gelu else y
         y = y + res.float() if res is not None else y
-        inv = 127.0 / y.abs().amax(0) if quant_out else None
-        got = launch_gluon(xq, xs if x_scaled else None, wq, ws, bias, res, gelu=bool(gelu),
+        inv = 127.0 / y.abs().amax(0) if f.int8_out else None
+        got = launch_gluon(xq, xs if f.x_scaled else None, wq, ws, bias, res, gelu=bool(f.gelu),
                            gelu_tanh=True, out_inv_scale=inv)  # fmt: skip
         row: dict[str, Any] = {"form": form, "M": m, "K": k, "N": n}
         if inv is not None:
@@ -160,14 +170,9 @@ def check() -> list[dict[str, Any]]:
 
 
 def products(batch: int) -> list[dict[str, Any]]:
-    d = SAM_DIM
-    rows = []
-    for kind, per_image in SAM_TOKENS.items():
-        m = batch * per_image
-        for layer, k, n in (("qkv", d, 3 * d), ("proj", d, d), ("lin1", d, 4 * d),
-                            ("lin2", 4 * d, d)):  # fmt: skip
-            rows.append({"layer": f"{kind}.{layer}", "M": m, "K": k, "N": n})
-    return rows
+    """SAM ViT-B's block products at `batch`, as bench.int8_persistent lists them."""
+    return [{k: r[k] for k in ("layer", "M", "K", "N")}
+            for r in sam_products(batch, SAM_TOKENS) if "~" not in r["layer"]]  # fmt: skip
 
 
 def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> None:
@@ -182,21 +187,18 @@ def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> N
     wq, ws = quantize_rows(w)
     res = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
     wb, bb = w.to(torch.bfloat16), bias.to(torch.bfloat16)
-    if layer in ("qkv", "lin1"):  # the quantising norm's packed rows
+    form = FORMS[layer]
+    if form.packed:
         xq = pack_rows(xq, xs)[:, :k]
     kw: dict[str, Any] = {}
-    x_scale: torch.Tensor | None = xs
-    residual: torch.Tensor | None = None
-    if layer == "proj":
-        residual = res
-    if layer == "lin2":
-        x_scale, residual = None, res
-    if layer == "lin1":
+    x_scale = xs if form.x_scaled else None
+    residual = res if form.residual else None
+    if form.int8_out:
         y = F.gelu(F.linear(x.float(), w, bias), approximate="tanh")
         kw = {"gelu": True, "gelu_tanh": True, "out_inv_scale": 127.0 / y.abs().amax(0)}
 
     def persistent() -> torch.Tensor:
-        if layer == "lin1":
+        if form.int8_out:
             return launch_persistent_static_out(
                 xq, x_scale, wq, ws, bias, config=served_config(False, True), **kw
             )
@@ -207,7 +209,7 @@ def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> N
         return launch_gluon(xq, x_scale, wq, ws, bias, residual, config=cfg, **kw)
 
     def bf16() -> torch.Tensor:
-        if layer == "lin1":
+        if form.gelu:
             return torch._addmm_activation(bb, x, wb.t(), use_gelu=True)
         y = F.linear(x, wb, bb)
         return y + residual if residual is not None else y

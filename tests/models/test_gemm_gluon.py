@@ -31,7 +31,7 @@ def test_each_served_form_compiles_to_two_consumers_and_a_producer(form: str) ->
     regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
     config = gemm_gluon.GluonConfig()
     assert {str(config.consumer_registers), str(gemm_gluon.PRODUCER_REGISTERS)} <= regs, regs
-    _, _, residual, gelu, _ = FORMS[form]
+    residual, gelu = FORMS[form].residual, FORMS[form].gelu
     assert ("tanh.approx.f32" in ptx) == (gelu == 2)
     # TMA loads completing on an mbarrier: both operands, and the residual's tile into the
     # output's staging buffer; the output leaves by a TMA store

@@ -280,7 +280,7 @@ def launch_gluon(
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_kernel import check_operands
-    from models.gemm_persistent import persistent_supported
+    from models.gemm_persistent import _programs, persistent_supported
 
     M, K, N = check_operands(xq, weight)
     why = persistent_supported(xq, weight)
@@ -317,9 +317,7 @@ def launch_gluon(
     xs = x_scale.float() if x_scale is not None and x_scale.dtype != torch.float32 else x_scale
     xs = w_scale if xs is None else xs  # a placeholder where the scales are in the weight
     tiles = -(-M // c.block_m) * -(-N // c.block_n)
-    programs = min(
-        -(-tiles // 2), torch.cuda.get_device_properties(xq.device).multi_processor_count
-    )
+    programs = min(-(-tiles // 2), _programs(xq.device))  # an SM each, two tiles at a time
     _kernel()[(programs,)](
         a_desc, b_desc, c_desc, r_desc, xs, w_scale,
         bias if bias is not None else w_scale,  # placeholders, never read

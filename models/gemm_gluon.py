@@ -165,8 +165,8 @@ def _kernel() -> Any:
 
     @gluon.jit
     def _ws_consumer(
-        a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_smem, res_bar, XS, WS, BIAS, OS,
-        M, N, K, stride_xs, num_programs, CONSUMER: gl.constexpr,
+        a_bufs, b_bufs, ready, empty, my_turn, their_turn, c_desc, r_desc, c_smem, res_bar,
+        XS, WS, BIAS, OS, M, N, K, stride_xs, num_programs, CONSUMER: gl.constexpr,
         X_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
         GELU: gl.constexpr, IS_FP8: gl.constexpr, QUANT_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -192,6 +192,11 @@ def _kernel() -> Any:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=layout)
             else:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, layout=layout)
+            # the main loops take turns (the tiles' order in the program): a ring slot's
+            # ready barrier is waited on by phase parity, which tells phase k from phase
+            # k - 2 only once phase k - 1 is complete, and phase k - 1 is the other
+            # group's previous tile. The first tile's turn (consumer 0, parity 1) is free.
+            mbarrier.wait(my_turn, (local + 1 - CONSUMER) & 1)
             for ki in range(k_tiles):
                 step = base + ki
                 s = step % STAGES
@@ -201,6 +206,9 @@ def _kernel() -> Any:
                 # one product in flight: the one before it is done, so is its slot
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+            # every slot of this tile waited on: the other group's main loop may start,
+            # on the tensor cores behind this one's last products
+            mbarrier.arrive(their_turn)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
             _ws_epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, XS, WS, BIAS, OS,
@@ -231,17 +239,19 @@ def _kernel() -> Any:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(res_bars.index(i), count=1)
+            mbarrier.init(turns.index(i), count=1)
         gl.warp_specialize([
-            (_ws_consumer, (a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_bufs.index(0),
-                            res_bars.index(0), XS, WS, BIAS, OS, M, N, K, stride_xs,
-                            num_programs, 0,
+            (_ws_consumer, (a_bufs, b_bufs, ready, empty, turns.index(0), turns.index(1),
+                            c_desc, r_desc, c_bufs.index(0), res_bars.index(0), XS, WS,
+                            BIAS, OS, M, N, K, stride_xs, num_programs, 0,
                             X_SCALED, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
                             BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_consumer, (a_bufs, b_bufs, ready, empty, c_desc, r_desc, c_bufs.index(1),
-                            res_bars.index(1), XS, WS, BIAS, OS, M, N, K, stride_xs,
-                            num_programs, 1,
+            (_ws_consumer, (a_bufs, b_bufs, ready, empty, turns.index(1), turns.index(0),
+                            c_desc, r_desc, c_bufs.index(1), res_bars.index(1), XS, WS,
+                            BIAS, OS, M, N, K, stride_xs, num_programs, 1,
                             X_SCALED, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
                             BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
             (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,

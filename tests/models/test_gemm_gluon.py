@@ -38,6 +38,13 @@ def test_each_served_form_compiles_to_two_consumers_and_a_producer(form: str) ->
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx))
     assert loads == (4 if residual else 2), loads  # the residual: once in each consumer
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::\w+\.bulk_group", ptx)
+    # each consumer waits for its turn, for its ring slots and (with a residual) for the
+    # residual's tile; the producer for emptied slots. Each consumer frees slots (twice in
+    # its code) and hands the turn over: without the turns a group could pass a slot's
+    # parity wait two phases early (models/gemm_gluon.py, `_ws_consumer`)
+    waits = len(re.findall(r"mbarrier\.try_wait\.parity", ptx))
+    assert waits == 2 * (3 if residual else 2) + 1, waits
+    assert len(re.findall(r"mbarrier\.arrive\.shared", ptx)) == 2 * 3
 
 
 def test_the_launch_refuses_what_it_cannot_run() -> None:

@@ -60,7 +60,8 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`) may follow."""
+    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`) may
+    follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -116,6 +117,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-x2",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-pad128-x2",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gattn",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
+        "bf16-gelu-compile-triton-win-gattn",
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
@@ -147,7 +151,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     (`ln_quant.PACK_PAD`), `-x2` every int8 layer in `PAIRED` (`gemm_persistent.SERVED`),
     `-lnRxW` the quantising norm's launch in R rows a program and W warps
     (`ln_quant.SHAPE`), `-gluon` the int8 products through the warp-specialised Gluon
-    kernel (`gemm_persistent.GLUON`).
+    kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
+    kernel (`fused_attention.GLUON_GLOBAL`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -157,9 +162,10 @@ def runtime_knobs(name: str) -> Iterator[None]:
     overrides, as it does inductor's own switch: the engine's build sets it)."""
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
-             ln_quant.SHAPE, gemm_persistent.GLUON)  # fmt: skip
+             ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     gemm_persistent.GLUON = "gluon" in parts
+    fused_attention.GLUON_GLOBAL = "gattn" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -175,7 +181,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
             yield
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
-         ln_quant.SHAPE, gemm_persistent.GLUON) = saved  # fmt: skip
+         ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

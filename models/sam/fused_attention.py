@@ -87,6 +87,12 @@ class KernelConfig:
 # variants turn it on).
 DENSE_ROWS = False
 
+# Whether the global blocks go to the warp-specialised Gluon kernel
+# (models/sam/gluon_attention.py: two consumer warp groups share each key and value tile a
+# producer warp loads by TMA) where it runs the layer. Off: not yet measured on a GPU
+# (bench/gluon_attention.py, and bench/sam_encoder.py's `-gattn` variants turn it on).
+GLUON_GLOBAL = False
+
 
 def dense_rows(
     grid: tuple[int, int], image: tuple[int, int], head_dim: int, block_w: int, block_m: int
@@ -378,6 +384,11 @@ def _on_qkv(
 ) -> Tensor:
     """The ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
     written token-major as `[B, N, heads * C]`, ready for the output projection."""
+    if GLUON_GLOBAL and image is None and not traced:
+        from models.sam import gluon_attention
+
+        if gluon_attention.gluon_attention_supported(qkv, rel_pos_h, rel_pos_w) is None:
+            return gluon_attention.launch_gluon_attention(qkv, rel_pos_h, rel_pos_w)
     out = _output(qkv)
     _, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]

@@ -34,6 +34,11 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     with runtime_knobs(gluon):
         assert gemm_persistent.GLUON and gemm_persistent.SERVED is None
     assert not gemm_persistent.GLUON
+    gattn = "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn"
+    assert gattn in VARIANTS and _variant(gattn) == _variant(name)
+    with runtime_knobs(gattn):
+        assert gemm_persistent.GLUON and fused_attention.GLUON_GLOBAL
+    assert not gemm_persistent.GLUON and not fused_attention.GLUON_GLOBAL
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

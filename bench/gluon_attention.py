@@ -1,0 +1,175 @@
+"""The warp-specialised Gluon global attention (models/sam/gluon_attention.py) beside the
+served Triton kernel (models/sam/fused_attention.py) and SDPA without any bias (a floor,
+not SAM's arithmetic), on SAM ViT-B's global layer: q, k and v read in place out of the
+qkv projection `[B, 4096, 3, 12, 64]`, the output token-major.
+
+First it checks the Gluon kernel's output against the Triton kernel's (and both against
+fp32 arithmetic with the dense bias on one image) and stops there if they differ, so a
+wrong or hung kernel shows in the first seconds of a GPU call. Timings are CUDA graphs of
+`--reps` calls, the median of `--iters`, ms a layer.
+
+    python3 -m bench.gluon_attention --batch 8
+    python -m bench.gluon_attention --resources   # no GPU: compiled for sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import environment, print_table, write_json
+from bench.int8_gemm import graphed_ms
+from models.sam import fused_attention, gluon_attention
+from models.sam.gluon_attention import GRID, HEAD_DIM, launch_gluon_attention
+
+HEADS = 12  # ViT-B
+
+
+def compile_for_hopper() -> Any:
+    """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
+    `launch_gluon_attention` launches it for ViT-B."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    def desc(rows: int, cols: int, block: list[int]) -> str:
+        t = torch.empty(rows, cols, dtype=torch.bfloat16)
+        layout = gluon_attention._shared_layout(block, torch.bfloat16)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, layout))
+
+    fn = gluon_attention._kernel()
+    tile, table = [GRID, HEAD_DIM], [2 * GRID, HEAD_DIM]
+    signature = {
+        "qkv_desc": desc(GRID * GRID, 3 * HEADS * HEAD_DIM, tile),
+        "rh_desc": desc(2 * GRID - 1, HEAD_DIM, table),
+        "rw_desc": desc(2 * GRID - 1, HEAD_DIM, table),
+        "o_desc": desc(GRID * GRID, HEADS * HEAD_DIM, tile),
+        "n_tiles": "i32", "q_tiles": "i32", "heads": "i32", "num_programs": "i32",
+    }  # fmt: skip
+    constexprs = {"GRID_N": GRID, "STAGES": gluon_attention.STAGES,
+                  "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
+                  "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
+                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
+    names = fn.arg_names
+    source = GluonASTSource(
+        fn,
+        {**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    options = {"num_warps": 4, "maxnreg": gluon_attention.KERNEL_MAX_REGISTERS}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def print_resources() -> None:
+    import triton
+
+    from bench.gemm_resources import resources
+
+    compiled = compile_for_hopper()
+    ptx = compiled.asm["ptx"]
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    row = {**resources(compiled), "setmaxnreg": " ".join(sorted({f"{d} {n}" for d, n in regs})),
+           "ex2": len(re.findall(r"ex2\.approx", ptx))}  # fmt: skip
+    print(f"Triton {triton.__version__}, sm_90")
+    print_table([row], list(row))
+
+
+def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv as the encoder's projection makes it (activations of a few units), and tables
+    of SAM's scale."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    qkv = torch.randn(batch, GRID * GRID, 3, HEADS, HEAD_DIM, device=dev, generator=g)
+    rph = torch.randn(2 * GRID - 1, HEAD_DIM, device=dev, generator=g) * 0.2
+    rpw = torch.randn(2 * GRID - 1, HEAD_DIM, device=dev, generator=g) * 0.2
+    return qkv.to(torch.bfloat16), rph.to(torch.bfloat16), rpw.to(torch.bfloat16)
+
+
+def dense_reference(qkv: torch.Tensor, rph: torch.Tensor, rpw: torch.Tensor) -> torch.Tensor:
+    """fp32 with the dense bias, Meta's arithmetic, for the first image only."""
+    q, k, v = qkv[:1].float().permute(2, 0, 3, 1, 4).unbind(0)  # [1, heads, N, C]
+    idx = torch.arange(GRID, device=qkv.device)
+    rel = idx[:, None] - idx[None, :] + GRID - 1
+    rh = rph.float()[rel]  # [GRID, GRID, C]: (qy, y')
+    rw = rpw.float()[rel]
+    r_q = q.reshape(1, HEADS, GRID, GRID, HEAD_DIM)
+    bias_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, rh)  # [1, heads, qy, qx, y']
+    bias_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, rw)  # [1, heads, qy, qx, x']
+    bias = (bias_h[..., :, None] + bias_w[..., None, :]).reshape(1, HEADS, GRID**2, GRID**2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return out.transpose(1, 2).reshape(1, GRID * GRID, HEADS * HEAD_DIM)
+
+
+def check(batch: int) -> dict[str, Any]:
+    qkv, rph, rpw = inputs(batch, seed=1)
+    got = launch_gluon_attention(qkv, rph, rpw)
+    torch.cuda.synchronize()
+    served = fused_attention.fused_rel_pos_attention(qkv, rph, rpw)
+    ref = dense_reference(qkv, rph, rpw)
+    scale = ref.abs().max()
+    row = {
+        "batch": batch,
+        "gluon vs triton max_rel": float((got.float() - served.float()).abs().max() / scale),
+        "gluon vs fp32 max_rel (image 0)": float((got[:1].float() - ref).abs().max() / scale),
+        "triton vs fp32 max_rel (image 0)": float((served[:1].float() - ref).abs().max() / scale),
+        "nan": bool(got.isnan().any()),
+    }
+    print(row, flush=True)
+    return row
+
+
+def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
+    qkv, rph, rpw = inputs(batch)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    flops = 4 * batch * HEADS * (GRID * GRID) ** 2 * HEAD_DIM
+    row: dict[str, Any] = {"batch": batch}
+    for name, fn in (
+        ("triton ms", lambda: fused_attention.fused_rel_pos_attention(qkv, rph, rpw)),
+        ("gluon ms", lambda: launch_gluon_attention(qkv, rph, rpw)),
+        ("sdpa no bias ms", lambda: F.scaled_dot_product_attention(q, k, v)),
+    ):
+        row[name] = graphed_ms(fn, reps, iters)
+        row[name.replace("ms", "TFLOP/s")] = flops / row[name] / 1e9
+        print(f"  {name}: {row[name]:.4f}", flush=True)
+    row["gluon / triton speed"] = row["triton ms"] / row["gluon ms"]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[8])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--resources", action="store_true", help="compile for sm_90 only")
+    p.add_argument("--check-only", action="store_true")
+    args = p.parse_args()
+    if args.resources:
+        print_resources()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("the Gluon attention runs only on a Hopper GPU")
+    env = environment()
+    print(env, flush=True)
+    checks = [check(2)]
+    print_table(checks, list(checks[0]))
+    if checks[0]["nan"] or checks[0]["gluon vs triton max_rel"] > 0.02:
+        raise SystemExit("the Gluon kernel's output differs from the Triton kernel's: not timed")
+    if args.check_only:
+        return
+    rows = [measure(b, args.reps, args.iters) for b in args.batch]
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
+    print_table(rows, list(rows[0]))
+    if args.json:
+        write_json(Path(args.json), {"environment": env, "checks": checks, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The warp-specialised Gluon global attention (models/sam/gluon_attention.py) compiled for
+an H100 (sm_90) by this machine's Triton: Gluon has no interpreter, so what the CPU can
+check is what the kernel compiles to and which layers it takes; its numbers are checked
+on the GPU against the Triton kernel (bench/gluon_attention.py, docs/BENCHMARKS.md,
+issue 20)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench.gemm_resources import resources
+from bench.gluon_attention import compile_for_hopper
+from models.sam import gluon_attention
+from models.sam.gluon_attention import gluon_attention_supported, launch_gluon_attention
+
+
+def test_it_compiles_to_two_overlapping_consumers_and_a_producer() -> None:
+    compiled = compile_for_hopper()
+    ptx = compiled.asm["ptx"]
+    found = resources(compiled)
+    # the scores and p . v by 64-wide wgmma; the tables' products 128 wide
+    assert found["wgmma"] == "m64n128k16.f32.bf16.bf16 m64n64k16.f32.bf16.bf16", found
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    budgets = gluon_attention.CONSUMER_REGISTERS, gluon_attention.PRODUCER_REGISTERS
+    assert {str(n) for n in budgets} <= regs
+    # each consumer's loop waits for its new scores with p . v still in flight, then for
+    # p . v after the softmax
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
+    # an exponential a score a thread (32 of a 64 x 64 tile over 128 threads) and one a row
+    # for the rescale, in each consumer's first row and its loop
+    assert len(re.findall(r"ex2\.approx", ptx)) == 2 * 2 * (32 + 2)
+    # TMA: the two tables, a query row for each consumer, a key and a value row (all from
+    # the producer); the output by a TMA store from each consumer
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx))
+    assert loads == 2 + 2 + 2, loads
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::\w+\.bulk_group", ptx)
+    assert len(stores) == 2
+    # the scores' tile is never passed through shared memory to become p . v's operand
+    loop_rest = ptx.split("wgmma.wait_group.sync.aligned 1;")[1].split("bra.uni")[0]
+    assert "st.shared.v" not in loop_rest
+
+
+def test_only_the_layers_it_was_written_for_are_taken() -> None:
+    rph = torch.zeros(127, 64)
+    qkv = torch.zeros(1, 4096, 3, 2, 64, dtype=torch.bfloat16)
+    assert "CUDA" in (gluon_attention_supported(qkv, rph, rph) or "")
+    with pytest.raises(ValueError, match="CUDA"):
+        launch_gluon_attention(qkv, rph, rph)
+    meta = torch.device("meta")
+    ok = torch.zeros(1, 4096, 3, 2, 64, dtype=torch.bfloat16, device=meta)
+    tables = torch.zeros(127, 64, device=meta)
+
+    def why(qkv: torch.Tensor, rph: torch.Tensor = tables) -> str | None:
+        # the device test aside (meta tensors stand for CUDA ones here)
+        reason = gluon_attention_supported(qkv, rph, rph)
+        return None if reason is not None and "CUDA" in reason else reason
+
+    assert why(ok) is None
+    assert "grid" in (why(ok, torch.zeros(27, 64, device=meta)) or "")  # a 14x14 window
+    assert "64" in (why(torch.zeros(1, 4096, 3, 2, 80, dtype=torch.bfloat16, device=meta)) or "")
+    assert "bf16" in (why(ok.float()) or "")
+    assert "contiguous" in (why(ok.expand(2, -1, -1, -1, -1)) or "")  # one image, twice

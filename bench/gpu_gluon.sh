@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The two Gluon kernels of issue 20 on a GPU, in one call: each checked against the served
+# Triton kernel before it is timed, then the served int8 encoder with each of them in, only
+# where its check passed (a wrong kernel would spoil the encoder's fidelity, a hung one
+# the call).
+#
+#   OUT=/tmp/out bash bench/gpu_gluon.sh      (PYTHONPATH at the repository)
+# 1. bench.gemm_gluon: the warp-specialised int8 GEMM on SAM ViT-B's products at batch 8;
+# 2. bench.gluon_attention: the warp-specialised global attention at batch 8;
+# 3. bench.sam_encoder, batch 8 and 16: the served int8 encoder, then `-gluon`, `-gattn`
+#    and both, as their checks allow.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+timeout "${GEMM_TIMEOUT:-150}" python3 -m bench.gemm_gluon --batch 8 --configs s4 k64s6 \
+  --json "$OUT/gemm_gluon.json" > "$OUT/gemm_gluon.txt" 2>&1
+gemm=$?
+grep -vE "^\{" "$OUT/gemm_gluon.txt" | tail -30
+echo "gemm_gluon rc=$gemm"
+timeout "${ATTN_TIMEOUT:-120}" python3 -m bench.gluon_attention --batch 8 \
+  --json "$OUT/gluon_attention.json" > "$OUT/gluon_attention.txt" 2>&1
+attn=$?
+grep -vE "^\{'(variant|layer)" "$OUT/gluon_attention.txt" | tail -20
+echo "gluon_attention rc=$attn"
+base=bf16-gelu-int8-lnq-static-pres-compile-triton-win
+variants=("$base")
+[ "$gemm" = 0 ] && variants+=("$base-gluon")
+[ "$attn" = 0 ] && variants+=("$base-gattn")
+[ "$gemm" = 0 ] && [ "$attn" = 0 ] && variants+=("$base-gluon-gattn")
+timeout "${ENCODER_TIMEOUT:-330}" python3 -m bench.sam_encoder --images .benchdata/images \
+  --variants "${variants[@]}" --batch-sizes 8 16 --iters 20 --static \
+  --json "$OUT/sam_encoder.json" > "$OUT/sam_encoder.txt" 2>&1
+echo "sam_encoder rc=$?"
+grep -vE "^\{'variant'" "$OUT/sam_encoder.txt" | tail -25

@@ -58,6 +58,7 @@ NEW_API: Any = None  # whether Triton has the later names (TMA copies, `reinterp
 _attn_producer: Any = None
 _attn_consumer: Any = None
 _attn_softmax: Any = None
+_attn_tile: Any = None
 
 
 @functools.cache
@@ -65,6 +66,7 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, tma
     global tma_load, tma_store, sync_group, _attn_producer, _attn_consumer, _attn_softmax
+    global _attn_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -84,6 +86,12 @@ def _kernel() -> Any:
     sync_group = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
     @gluon.jit
+    def _attn_tile(tile, q_tiles, heads):
+        # a tile is two grid rows of queries of one image's head; tiles run head by head
+        bh = tile // q_tiles
+        return bh // heads, bh % heads, tile % q_tiles
+
+    @gluon.jit
     def _attn_producer(
         qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, tables_ready,
         q_ready, q_empty, kv_ready, kv_empty, n_tiles, q_tiles, heads, num_programs,
@@ -99,14 +107,12 @@ def _kernel() -> Any:
         step = 0
         local = 0
         for tile in range(gl.program_id(0), n_tiles, num_programs):
-            bh = tile // q_tiles
-            b = bh // heads
-            h = bh % heads
+            b, h, qt = _attn_tile(tile, q_tiles, heads)
             first = b * (GRID_N * GRID_N)  # the image's first token's row
             for c in gl.static_range(2):  # each consumer's query row, once it is done with
                 mbarrier.wait(q_empty.index(c), (local & 1) ^ 1)  # the tile before's
                 mbarrier.expect(q_ready.index(c), tile_bytes)
-                q_row = first + ((tile % q_tiles) * 2 + c) * GRID_N
+                q_row = first + (qt * 2 + c) * GRID_N
                 tma_load(qkv_desc, [q_row, h * head_dim], q_ready.index(c), q_bufs.index(c))
             for y in range(GRID_N):
                 s = step % STAGES
@@ -166,10 +172,8 @@ def _kernel() -> Any:
         step = 0
         local = 0
         for tile in range(gl.program_id(0), n_tiles, num_programs):
-            bh = tile // q_tiles
-            b = bh // heads
-            h = bh % heads
-            qy = (tile % q_tiles) * 2 + CONSUMER  # this group's grid row of queries
+            b, h, qt = _attn_tile(tile, q_tiles, heads)
+            qy = qt * 2 + CONSUMER  # this group's grid row of queries
             mbarrier.wait(q_ready.index(CONSUMER), local & 1)
             uw = warpgroup_mma(q_smem, rw_smem.permute((1, 0)),
                                gl.zeros((GRID_N, 2 * GRID_N), gl.float32, layout=uw_layout),

@@ -53,7 +53,11 @@ ENABLED: bool | None = None
 SERVED: PersistentConfig | None = None
 # Whether CUDA launches of the forms models/gemm_gluon.py has (a float output, or int8 by
 # fixed per-column scales; no group scales) run its warp-specialised Gluon kernel instead
-# (bench/sam_encoder.py `-gluon`, to compare the encoder with and without it)
+# (bench/sam_encoder.py `-gluon`, to compare the encoder with and without it). On an H100
+# it ran SAM's int8 products 1.11-1.36x faster with the same outputs and the encoder 3-4%
+# faster (docs/BENCHMARKS.md, issue 20, twenty-second session); off until the service has
+# run with it, and an AOT export must keep this module's kernel (a Gluon launch is not
+# traced into a package).
 GLUON: bool = False
 
 
@@ -310,6 +314,12 @@ def _kernel() -> Any:
     return persistent_gemm
 
 
+def _exporting() -> bool:
+    from models.aot import exporting
+
+    return exporting()
+
+
 def _programs(device: torch.device) -> int:
     """One program per SM (four under the interpreter, enough for several tiles each)."""
     if device.type != "cuda":
@@ -428,8 +438,9 @@ def _launch(
         raise ValueError(f"a fixed-scale output needs out_inv_scale [{N}]")
     if group_k and x_scale is None:
         raise ValueError("group_k needs the input's group scales")
-    if (GLUON and xq.device.type == "cuda" and not group_k and quant_out != 1
-            and (residual is None or residual.dtype == out_dtype)):  # fmt: skip
+    same_type = residual is None or residual.dtype == out_dtype
+    gluon_form = not group_k and quant_out != 1 and same_type  # what the Gluon kernel has
+    if GLUON and gluon_form and xq.device.type == "cuda" and not _exporting():
         from models.gemm_gluon import launch_gluon
 
         out = launch_gluon(xq, x_scale, weight, w_scale, bias, residual, gelu=gelu,

@@ -89,8 +89,11 @@ DENSE_ROWS = False
 
 # Whether the global blocks go to the warp-specialised Gluon kernel
 # (models/sam/gluon_attention.py: two consumer warp groups share each key and value tile a
-# producer warp loads by TMA) where it runs the layer. Off: not yet measured on a GPU
-# (bench/gluon_attention.py, and bench/sam_encoder.py's `-gattn` variants turn it on).
+# producer warp loads by TMA) where it runs the layer: on an H100 a global layer at batch 8
+# took 1.217 ms against this kernel's 1.262, at the same fidelity (bench/gluon_attention.py;
+# docs/BENCHMARKS.md, issue 20, twenty-second session). Off until the service has run with
+# it (bench/sam_encoder.py's `-gattn` variants turn it on); traced launches (AOT) keep
+# this kernel.
 GLUON_GLOBAL = False
 
 

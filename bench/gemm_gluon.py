@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -76,12 +75,7 @@ FORMS = {
 def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
     """One of `FORMS` compiled for sm_90 by this machine's Triton (no GPU needed), as
     `launch_gluon` would launch it on a SAM-sized product."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-
+    from bench.gemm_resources import compile_gluon, gluon_descriptor
     from models import gemm_gluon
 
     c = config or GluonConfig()
@@ -89,10 +83,8 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
     out = torch.int8 if f.int8_out else torch.bfloat16
 
     def desc(dtype: torch.dtype, block: list[int]) -> str:
-        t = torch.empty(256, 256, dtype=dtype)
-        return mangle_type(TensorDescriptor.from_tensor(t, block, gemm_gluon._layout(block, dtype)))
+        return gluon_descriptor(256, 256, dtype, block, gemm_gluon._layout(block, dtype))
 
-    fn = gemm_gluon._kernel()
     signature = {
         "a_desc": desc(torch.int8, [c.block_m, c.block_k]),
         "b_desc": desc(torch.int8, [c.block_n, c.block_k]),
@@ -105,28 +97,21 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
                   "GELU": f.gelu, "IS_FP8": False, "QUANT_OUT": f.int8_out, "GROUP_M": 8,
                   "STAGES": c.stages, "CONSUMER_REGS": c.consumer_registers,
                   "PRODUCER_REGS": gemm_gluon.PRODUCER_REGISTERS}  # fmt: skip
-    names = fn.arg_names
-    source = GluonASTSource(
-        fn,
-        {**signature, **dict.fromkeys(constexprs, "constexpr")},
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("N", "K")},
-    )
-    options = {"num_warps": 4, "maxnreg": gemm_gluon.KERNEL_MAX_REGISTERS}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_gluon(gemm_gluon._kernel(), signature, constexprs,
+                         gemm_gluon.KERNEL_MAX_REGISTERS, divisible=("N", "K"))  # fmt: skip
 
 
 def print_resources() -> None:
     import triton
 
-    from bench.gemm_resources import resources
+    from bench.gemm_resources import resources, setmaxnreg
 
     rows = []
     for form in FORMS:
         compiled = compile_for_hopper(form)
-        regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+        budgets = sorted(setmaxnreg(compiled.asm["ptx"]))
         rows.append({"form": form, **resources(compiled),
-                     "setmaxnreg": " ".join(sorted({f"{d} {n}" for d, n in regs}))})  # fmt: skip
+                     "setmaxnreg": " ".join(f"{d} {n}" for d, n in budgets)})  # fmt: skip
         print(rows[-1], flush=True)
     print(f"\nTriton {triton.__version__}, sm_90")
     print_table(rows, list(rows[0]))

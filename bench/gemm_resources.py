@@ -78,6 +78,49 @@ def cuobjdump(compiled: Any, flag: str) -> str:
         ).stdout
 
 
+def compile_gluon(
+    fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    maxnreg: int,
+    divisible: tuple[str, ...] = (),
+) -> Any:
+    """A Gluon kernel compiled for sm_90 by this machine's Triton (no GPU needed): its
+    runtime arguments' types by `signature` (`gluon_descriptor` for a TMA descriptor),
+    its constexprs' values, 4 warps under `maxnreg`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = fn.arg_names
+    source = GluonASTSource(
+        fn,
+        {**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible},
+    )
+    options = {"num_warps": 4, "maxnreg": maxnreg}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def gluon_descriptor(rows: int, cols: int, dtype: Any, block: list[int], layout: Any) -> str:
+    """The signature type of a TMA descriptor over a `rows x cols` tensor."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(rows, cols, dtype=dtype)
+    return mangle_type(TensorDescriptor.from_tensor(t, block, layout))
+
+
+SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+
+
+def setmaxnreg(ptx: str) -> set[tuple[str, int]]:
+    """Each warp group's register budgets in a warp-specialised kernel: (inc or dec, count)."""
+    return {(d, int(n)) for d, n in SETMAXNREG.findall(ptx)}
+
+
 def resources(compiled: Any) -> dict[str, Any]:
     """The `wgmma` shapes in the PTX and the cubin's registers, stack and shared memory."""
     text = cuobjdump(compiled, "--dump-resource-usage")

@@ -33,18 +33,12 @@ HEADS = 12  # ViT-B
 def compile_for_hopper() -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
     `launch_gluon_attention` launches it for ViT-B."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
+    from bench.gemm_resources import compile_gluon, gluon_descriptor
 
     def desc(rows: int, cols: int, block: list[int]) -> str:
-        t = torch.empty(rows, cols, dtype=torch.bfloat16)
         layout = gluon_attention._shared_layout(block, torch.bfloat16)
-        return mangle_type(TensorDescriptor.from_tensor(t, block, layout))
+        return gluon_descriptor(rows, cols, torch.bfloat16, block, layout)
 
-    fn = gluon_attention._kernel()
     tile, table = [GRID, HEAD_DIM], [2 * GRID, HEAD_DIM]
     signature = {
         "qkv_desc": desc(GRID * GRID, 3 * HEADS * HEAD_DIM, tile),
@@ -57,25 +51,19 @@ def compile_for_hopper() -> Any:
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
                   "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
                   "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
-    names = fn.arg_names
-    source = GluonASTSource(
-        fn,
-        {**signature, **dict.fromkeys(constexprs, "constexpr")},
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
-    )
-    options = {"num_warps": 4, "maxnreg": gluon_attention.KERNEL_MAX_REGISTERS}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_gluon(gluon_attention._kernel(), signature, constexprs,
+                         gluon_attention.KERNEL_MAX_REGISTERS)  # fmt: skip
 
 
 def print_resources() -> None:
     import triton
 
-    from bench.gemm_resources import resources
+    from bench.gemm_resources import resources, setmaxnreg
 
     compiled = compile_for_hopper()
     ptx = compiled.asm["ptx"]
-    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    row = {**resources(compiled), "setmaxnreg": " ".join(sorted({f"{d} {n}" for d, n in regs})),
+    budgets = " ".join(f"{d} {n}" for d, n in sorted(setmaxnreg(ptx)))
+    row = {**resources(compiled), "setmaxnreg": budgets,
            "ex2": len(re.findall(r"ex2\.approx", ptx))}  # fmt: skip
     print(f"Triton {triton.__version__}, sm_90")
     print_table([row], list(row))

@@ -78,6 +78,14 @@ _ws_consumer: Any = None
 _ws_epilogue: Any = None
 
 
+def tma_copies(tma: Any) -> tuple[Any, Any]:
+    """TMA's load and store under this Triton's names (3.6: async_copy_*; later:
+    async_load / async_store)."""
+    if hasattr(tma, "async_load"):
+        return tma.async_load, tma.async_store
+    return tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+
+
 @functools.cache
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
@@ -94,9 +102,7 @@ def _kernel() -> Any:
         warpgroup_mma_wait,
     )
 
-    new_names = hasattr(tma, "async_load")
-    tma_load = tma.async_load if new_names else tma.async_copy_global_to_shared
-    tma_store = tma.async_store if new_names else tma.async_copy_shared_to_global
+    tma_load, tma_store = tma_copies(tma)
 
     # the grouped tile order of models/gemm_persistent.py (GROUP_M row tiles share B in L2):
     # its scalar arithmetic compiles in a Gluon kernel as it is

@@ -83,10 +83,11 @@ def _kernel() -> Any:
     )
 
     global NEW_API
-    new_names = hasattr(tma, "async_load")
-    NEW_API = gl.constexpr(new_names)  # a kernel reads only constexpr globals
-    tma_load = tma.async_load if new_names else tma.async_copy_global_to_shared
-    tma_store = tma.async_store if new_names else tma.async_copy_shared_to_global
+    from models.gemm_gluon import tma_copies
+
+    tma_load, tma_store = tma_copies(tma)
+    # the later names (`reinterpret`) come with TMA's; a kernel reads only constexpr globals
+    NEW_API = gl.constexpr(hasattr(tma, "async_load"))
     # a barrier of the calling partition's threads (3.6: thread_barrier; later: barrier)
     sync_group = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 

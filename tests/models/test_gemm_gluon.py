@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.gemm_gluon import CHECKS, FORMS, compile_for_hopper
-from bench.gemm_resources import resources
+from bench.gemm_resources import resources, setmaxnreg
 from models import gemm_gluon
 from models.gemm_gluon import launch_gluon
 
@@ -28,7 +28,7 @@ def test_each_served_form_compiles_to_two_consumers_and_a_producer(form: str) ->
     assert found["wgmma"] == "m64n128k32.s32.s8.s8", found
     assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    regs = {str(n) for _, n in setmaxnreg(ptx)}
     config = gemm_gluon.GluonConfig()
     assert {str(config.consumer_registers), str(gemm_gluon.PRODUCER_REGISTERS)} <= regs, regs
     residual, gelu = FORMS[form].residual, FORMS[form].gelu

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from bench.gemm_resources import resources
+from bench.gemm_resources import resources, setmaxnreg
 from bench.gluon_attention import compile_for_hopper
 from models.sam import gluon_attention
 from models.sam.gluon_attention import gluon_attention_supported, launch_gluon_attention
@@ -25,7 +25,7 @@ def test_it_compiles_to_two_overlapping_consumers_and_a_producer() -> None:
     assert found["wgmma"] == "m64n128k16.f32.bf16.bf16 m64n64k16.f32.bf16.bf16", found
     assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    regs = {str(n) for _, n in setmaxnreg(ptx)}
     budgets = gluon_attention.CONSUMER_REGISTERS, gluon_attention.PRODUCER_REGISTERS
     assert {str(n) for n in budgets} <= regs
     # each consumer's loop waits for its new scores with p . v still in flight, then for

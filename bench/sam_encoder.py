@@ -60,7 +60,7 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`) may
+    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`) may
     follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
@@ -119,7 +119,10 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
+        "bf16-gelu-compile-triton-win-gattn-gwin",
         "bf16-fp8-compile-triton-win",
         "bf16-int8-compile-triton-win",
         "bf16-int8-int_mm-compile-triton-win",  # torch._int_mm, every layer (issue 20's before)
@@ -152,7 +155,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     `-lnRxW` the quantising norm's launch in R rows a program and W warps
     (`ln_quant.SHAPE`), `-gluon` the int8 products through the warp-specialised Gluon
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
-    kernel (`fused_attention.GLUON_GLOBAL`).
+    kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
+    Gluon window kernel (`fused_attention.GLUON_WINDOW`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -162,10 +166,12 @@ def runtime_knobs(name: str) -> Iterator[None]:
     overrides, as it does inductor's own switch: the engine's build sets it)."""
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
-             ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL)  # fmt: skip
+             ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
+             fused_attention.GLUON_WINDOW)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
+    fused_attention.GLUON_WINDOW = "gwin" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -181,7 +187,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
             yield
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
-         ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL) = saved  # fmt: skip
+         ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
+         fused_attention.GLUON_WINDOW) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

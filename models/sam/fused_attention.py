@@ -96,6 +96,13 @@ DENSE_ROWS = False
 # this kernel.
 GLUON_GLOBAL = False
 
+# Whether the windowed blocks go to the warp-specialised Gluon window kernel
+# (models/sam/gluon_window_attention.py: a window's 196 keys in one block of 256 slots, the
+# decomposed bias from the tensor cores) where it runs the layer. Off until measured on a
+# GPU (bench/gluon_window_attention.py; bench/sam_encoder.py's `-gwin` variants turn it
+# on); traced launches (AOT) keep this kernel.
+GLUON_WINDOW = False
+
 
 def dense_rows(
     grid: tuple[int, int], image: tuple[int, int], head_dim: int, block_w: int, block_m: int
@@ -392,6 +399,11 @@ def _on_qkv(
 
         if gluon_attention.gluon_attention_supported(qkv, rel_pos_h, rel_pos_w) is None:
             return gluon_attention.launch_gluon_attention(qkv, rel_pos_h, rel_pos_w)
+    if GLUON_WINDOW and image is not None and not traced:
+        from models.sam import gluon_window_attention as gw
+
+        if gw.gluon_window_supported(qkv, rel_pos_h, rel_pos_w, *image) is None:
+            return gw.launch_gluon_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, *image)
     out = _output(qkv)
     _, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]

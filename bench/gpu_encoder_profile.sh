@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Where the int8 encoder's time goes with both Gluon kernels in (issue 20), in one call:
+# 0. bench.gluon_window_attention: the Gluon window attention checked and timed;
+# 1. bench.gluon_attention: the Gluon global attention checked and timed, its consumers
+#    free and in turns (`pingpong`);
+# 2. Nsight Compute on one launch of each: stall reasons and the most stalled SASS lines
+#    (bench.ncu_attention), and the details page's summary;
+# 3. bench.sam_encoder: the int8 encoder with both Gluon kernels, and with the window
+#    kernel too where its check passed; `--profile` of the last (the kernels of a batch of
+#    8, compiled without CUDA graphs) and the attention kernels alone (`--flex-kernel`).
+#
+#   OUT=/tmp/out bash bench/gpu_encoder_profile.sh      (PYTHONPATH at the repository)
+#   STEPS=kernels (1, 2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
+#   passed in an earlier call) splits it over two calls.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+STEPS=${STEPS:-kernels encoder}
+win=${WIN_OK:-1}
+if [[ " $STEPS " == *" kernels "* ]]; then
+timeout "${WIN_TIMEOUT:-120}" python3 -m bench.gluon_window_attention --batch 8 \
+  --json "$OUT/gluon_window_attention.json" > "$OUT/gluon_window_attention.txt" 2>&1
+win=$?
+echo "gluon_window_attention rc=$win"
+tail -12 "$OUT/gluon_window_attention.txt"
+timeout "${ATTN_TIMEOUT:-120}" python3 -m bench.gluon_attention --batch 8 \
+  --json "$OUT/gluon_attention.json" > "$OUT/gluon_attention.txt" 2>&1
+attn=$?
+echo "gluon_attention rc=$attn"
+tail -12 "$OUT/gluon_attention.txt"
+if [ "$attn" = 0 ]; then
+timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
+  -k regex:rel_pos_attention_ws -c 2 -o "$OUT/gattn" \
+  python3 -m bench.gluon_attention --batch 8 --launch-only > "$OUT/ncu_log.txt" 2>&1
+echo "ncu rc=$?"
+tail -5 "$OUT/ncu_log.txt"
+ncu -i "$OUT/gattn.ncu-rep" --page source --csv --print-source sass > "$OUT/gattn_sass.csv"
+python3 -m bench.ncu_attention stalls "$OUT/gattn_sass.csv" --top 30
+ncu -i "$OUT/gattn.ncu-rep" --page details > "$OUT/gattn_details.txt"
+grep -E "Duration|Throughput|Pipe|Issue|Eligible|Active Warps|Registers|Shared Memory|L2 Hit|Warp Cycles|Executed Ipc|No Eligible" \
+  "$OUT/gattn_details.txt" | head -60
+fi
+if [ "$win" = 0 ]; then
+timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
+  -k regex:rel_pos_window_attention_ws -c 1 -o "$OUT/wattn" \
+  python3 -m bench.gluon_window_attention --batch 8 --launch-only > "$OUT/ncu_win_log.txt" 2>&1
+echo "ncu window rc=$?"
+ncu -i "$OUT/wattn.ncu-rep" --page source --csv --print-source sass > "$OUT/wattn_sass.csv"
+python3 -m bench.ncu_attention stalls "$OUT/wattn_sass.csv" --top 20
+ncu -i "$OUT/wattn.ncu-rep" --page details > "$OUT/wattn_details.txt"
+grep -E "Duration|Throughput|Issue Slots|Eligible|Registers|Warp Cycles|Executed Ipc" \
+  "$OUT/wattn_details.txt" | head -30
+fi
+fi
+if [[ " $STEPS " == *" encoder "* ]]; then
+V=bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn
+variants=("$V")
+[ "$win" = 0 ] && variants+=("$V-gwin")
+timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.sam_encoder --images .benchdata/images \
+  --variants "${variants[@]}" --batch-sizes ${BATCHES:-8 16} --iters 20 --static --flex-kernel \
+  --profile "${variants[-1]}" --profile-out "$OUT" --json "$OUT/sam_encoder.json" \
+  > "$OUT/sam_encoder.txt" 2>&1
+echo "sam_encoder rc=$?"
+grep -vE "^\{'variant'" "$OUT/sam_encoder.txt" | tail -80
+fi

@@ -196,6 +196,7 @@ def _kernel() -> Any:
             buf = local % 2
             right = wx * WINDOW_ + WINDOW_ > width  # padded columns past the image
             bottom = wy * WINDOW_ + WINDOW_ > height
+            rows_here = gl.minimum(height - wy * WINDOW_, WINDOW_)  # the window's real rows
             f_r = right.to(gl.float32)
             f_b = bottom.to(gl.float32)
             k_all = k_bufs.index(buf)
@@ -204,91 +205,100 @@ def _kernel() -> Any:
             mbarrier.wait(q_ready, local & 1)
             for i in range(2):
                 t = CONSUMER + 2 * i  # this group's query tiles: 4 rows of the box each
-                a_q = q_smem.index(t)
-                # the queries against the head's tables (each [32, 64]: Rh or Rw, then b_k)
-                u_h = warpgroup_mma(a_q, t_bufs.index(2 * buf).permute((1, 0)), zero_e,
-                                    use_acc=False)  # fmt: skip
-                u_w = warpgroup_mma(a_q, t_bufs.index(2 * buf + 1).permute((1, 0)), zero_e,
-                                    use_acc=False)  # fmt: skip
-                r = t * M + e_rows
-                # rel_h[q, ky] = q . Rh[qy - ky + 13]; then q . b_k for the right and
-                # bottom edges' padded keys
-                idx_h = gl.where(j < WINDOW_, r // BOX_ - j + (WINDOW_ - 1), bk_row)
-                fac_h = gl.where(j < WINDOW_, REL_SCALE, gl.where(j == WINDOW_, f_r, f_b))
-                v_h = gl.gather(u_h, idx_h, 1)
-                x_h = (v_h * fac_h).to(dtype)
-                # rel_w[q, kx] = q . Rw[qx - kx + 13]; then q . b_k off again for the corner's
-                # padded keys (counted by both edges); then the slots outside the window
-                idx_w = gl.where(j < WINDOW_, r % BOX_ - j + (WINDOW_ - 1), bk_row)
-                fac_w = gl.where(j < WINDOW_, REL_SCALE, gl.where(j == WINDOW_, -f_r * f_b, 0.0))
-                big = gl.where(j == WINDOW_ + 1, OUTSIDE, 0.0)
-                x_w = (gl.gather(u_w, idx_w, 1) * fac_w + big).to(dtype)
-                if HAS_BIAS:
-                    # The padded keys' share of p (for b_v) from the terms alone: a padded
-                    # key's score is q . b_k + rel_h[ky] + rel_w[kx] (its key loads as
-                    # zeros), so its exponentials over a region ky >= pad_y or kx >= pad_x
-                    # factor into a sum over ky times a sum over kx, taken here from the
-                    # same rounded terms the scores get; scaled by the final maximum at
-                    # the end. No per-key mask in registers.
-                    eh, a_h = _win_exp_terms(x_h, j, QK_SCALE, WINDOW_)
-                    ew, a_w = _win_exp_terms(x_w, j, QK_SCALE, WINDOW_)
-                    h_all = gl.sum(eh, 1)
-                    h_pad = gl.sum(gl.where(j >= pad_y, eh, 0.0), 1)
-                    w_all = gl.sum(ew, 1)
-                    w_pad = gl.sum(gl.where(j >= pad_x, ew, 0.0), 1)
-                    qbk = gl.sum(gl.where(j == WINDOW_, v_h.to(dtype).to(gl.float32), 0.0), 1)
-                    pad_sum = f_r * h_all * w_pad + f_b * h_pad * w_all - f_r * f_b * h_pad * w_pad
-                    pad_log = qbk * QK_SCALE + a_h + a_w  # the region's exponent less the max
-                x_h = gl.convert_layout(x_h, x_op)
-                x_w = gl.convert_layout(x_w, x_op)
-                # the first half of the key slots' scores (the bias columns behind)
-                s = warpgroup_mma(a_q, k_all.slice(0, half).permute((1, 0)), zero_s,
-                                  use_acc=False, is_async=True)  # fmt: skip
-                s = warpgroup_mma(x_h, c_h.slice(0, half).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(x_w, c_w.slice(0, half).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                m0 = gl.max(s, 1) * QK_SCALE
-                p = gl.exp2(s * QK_SCALE - gl.expand_dims(m0, 1))
-                l_i = gl.sum(p, 1)
-                p_a = gl.convert_layout(p.to(q_smem.dtype), p_op)
-                # the second half's scores, then the first half's p . v behind them: the
-                # tensor cores run p . v while the second softmax runs
-                s = warpgroup_mma(a_q, k_all.slice(half, half).permute((1, 0)), zero_s,
-                                  use_acc=False, is_async=True)  # fmt: skip
-                s = warpgroup_mma(x_h, c_h.slice(half, half).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(x_w, c_w.slice(half, half).permute((1, 0)), s, is_async=True)
-                acc = warpgroup_mma(p_a, v_all.slice(0, half), zero_o, use_acc=False,
-                                    is_async=True)  # fmt: skip
-                s = warpgroup_mma_wait(1, deps=(s,))
-                if i == 1:
-                    mbarrier.arrive(q_empty)  # this group has read its queries
-                m1 = gl.maximum(m0, gl.max(s, 1) * QK_SCALE)
-                alpha = gl.exp2(m0 - m1)
-                p = gl.exp2(s * QK_SCALE - gl.expand_dims(m1, 1))
-                l_i = l_i * alpha + gl.sum(p, 1)
-                p_b = gl.convert_layout(p.to(q_smem.dtype), p_op)
-                acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-                acc = warpgroup_mma(p_b, v_all.slice(half, half), acc * gl.expand_dims(alpha_o, 1))
-                if i == 1:
-                    mbarrier.arrive(kv_empty.index(buf))  # keys, values, tables used
-                if HAS_BIAS:
-                    bv = gl.load(bias_v_ptr + h * head_dim + o_cols).to(gl.float32)
-                    pad_p = pad_sum * gl.exp2(pad_log - gl.convert_layout(m1, pad_log.type.layout))
-                    pad_o = gl.convert_layout(pad_p, gl.SliceLayout(1, o_layout))
-                    acc = acc + gl.expand_dims(pad_o, 1) * gl.expand_dims(bv, 0)
-                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-                out = acc / gl.expand_dims(l_o, 1)
-                ro = t * M + o_rows
-                qy_o = ro // BOX_
-                qx_o = ro % BOX_
-                y = wy * WINDOW_ + qy_o
-                x_ = wx * WINDOW_ + qx_o
-                keep = (qy_o < WINDOW_) & (qx_o < WINDOW_) & (y < height) & (x_ < width)
-                token = (b * height + y) * width + x_
-                ptrs = out_ptr + gl.expand_dims(token * (heads * head_dim) + h * head_dim, 1) \
-                    + gl.expand_dims(o_cols, 0)  # fmt: skip
-                gl.store(ptrs, out.to(q_smem.dtype), mask=gl.expand_dims(keep, 1))
+                # a tile of only padded queries (the bottom windows' last rows) is skipped
+                if t * (M // BOX_) < rows_here:
+                    a_q = q_smem.index(t)
+                    # the queries against the head's tables (each [32, 64]: Rh or Rw, then b_k)
+                    u_h = warpgroup_mma(a_q, t_bufs.index(2 * buf).permute((1, 0)), zero_e,
+                                        use_acc=False)  # fmt: skip
+                    u_w = warpgroup_mma(a_q, t_bufs.index(2 * buf + 1).permute((1, 0)), zero_e,
+                                        use_acc=False)  # fmt: skip
+                    r = t * M + e_rows
+                    # rel_h[q, ky] = q . Rh[qy - ky + 13]; then q . b_k for the right and
+                    # bottom edges' padded keys
+                    idx_h = gl.where(j < WINDOW_, r // BOX_ - j + (WINDOW_ - 1), bk_row)
+                    fac_h = gl.where(j < WINDOW_, REL_SCALE, gl.where(j == WINDOW_, f_r, f_b))
+                    v_h = gl.gather(u_h, idx_h, 1)
+                    x_h = (v_h * fac_h).to(dtype)
+                    # rel_w[q, kx] = q . Rw[qx - kx + 13]; then q . b_k off again for the corner's
+                    # padded keys (counted by both edges); then the slots outside the window
+                    idx_w = gl.where(j < WINDOW_, r % BOX_ - j + (WINDOW_ - 1), bk_row)
+                    corner = gl.where(j == WINDOW_, -f_r * f_b, 0.0)
+                    fac_w = gl.where(j < WINDOW_, REL_SCALE, corner)
+                    big = gl.where(j == WINDOW_ + 1, OUTSIDE, 0.0)
+                    x_w = (gl.gather(u_w, idx_w, 1) * fac_w + big).to(dtype)
+                    if HAS_BIAS:
+                        # The padded keys' share of p (for b_v) from the terms alone: a padded
+                        # key's score is q . b_k + rel_h[ky] + rel_w[kx] (its key loads as
+                        # zeros), so its exponentials over a region ky >= pad_y or kx >= pad_x
+                        # factor into a sum over ky times a sum over kx, taken here from the
+                        # same rounded terms the scores get; scaled by the final maximum at
+                        # the end. No per-key mask in registers.
+                        eh, a_h = _win_exp_terms(x_h, j, QK_SCALE, WINDOW_)
+                        ew, a_w = _win_exp_terms(x_w, j, QK_SCALE, WINDOW_)
+                        h_all = gl.sum(eh, 1)
+                        h_pad = gl.sum(gl.where(j >= pad_y, eh, 0.0), 1)
+                        w_all = gl.sum(ew, 1)
+                        w_pad = gl.sum(gl.where(j >= pad_x, ew, 0.0), 1)
+                        qbk = gl.sum(gl.where(j == WINDOW_, v_h.to(dtype).to(gl.float32), 0.0), 1)
+                        pad_sum = f_r * h_all * w_pad + f_b * h_pad * w_all \
+                            - f_r * f_b * h_pad * w_pad  # fmt: skip
+                        pad_log = qbk * QK_SCALE + a_h + a_w  # the region's exponent less the max
+                    x_h = gl.convert_layout(x_h, x_op)
+                    x_w = gl.convert_layout(x_w, x_op)
+                    # the first half of the key slots' scores (the bias columns behind)
+                    s = warpgroup_mma(a_q, k_all.slice(0, half).permute((1, 0)), zero_s,
+                                      use_acc=False, is_async=True)  # fmt: skip
+                    s = warpgroup_mma(x_h, c_h.slice(0, half).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(x_w, c_w.slice(0, half).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s,))
+                    m0 = gl.max(s, 1) * QK_SCALE
+                    p = gl.exp2(s * QK_SCALE - gl.expand_dims(m0, 1))
+                    l_i = gl.sum(p, 1)
+                    p_a = gl.convert_layout(p.to(q_smem.dtype), p_op)
+                    # the second half's scores, then the first half's p . v behind them: the
+                    # tensor cores run p . v while the second softmax runs
+                    s = warpgroup_mma(a_q, k_all.slice(half, half).permute((1, 0)), zero_s,
+                                      use_acc=False, is_async=True)  # fmt: skip
+                    s = warpgroup_mma(x_h, c_h.slice(half, half).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(x_w, c_w.slice(half, half).permute((1, 0)), s, is_async=True)
+                    acc = warpgroup_mma(p_a, v_all.slice(0, half), zero_o, use_acc=False,
+                                        is_async=True)  # fmt: skip
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    if i == 1:
+                        mbarrier.arrive(q_empty)  # this group has read its queries
+                    m1 = gl.maximum(m0, gl.max(s, 1) * QK_SCALE)
+                    alpha = gl.exp2(m0 - m1)
+                    p = gl.exp2(s * QK_SCALE - gl.expand_dims(m1, 1))
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    p_b = gl.convert_layout(p.to(q_smem.dtype), p_op)
+                    acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
+                    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                    acc = acc * gl.expand_dims(alpha_o, 1)
+                    acc = warpgroup_mma(p_b, v_all.slice(half, half), acc)
+                    if i == 1:
+                        mbarrier.arrive(kv_empty.index(buf))  # keys, values, tables used
+                    if HAS_BIAS:
+                        bv = gl.load(bias_v_ptr + h * head_dim + o_cols).to(gl.float32)
+                        m_e = gl.convert_layout(m1, pad_log.type.layout)
+                        pad_p = pad_sum * gl.exp2(pad_log - m_e)
+                        pad_o = gl.convert_layout(pad_p, gl.SliceLayout(1, o_layout))
+                        acc = acc + gl.expand_dims(pad_o, 1) * gl.expand_dims(bv, 0)
+                    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+                    out = acc / gl.expand_dims(l_o, 1)
+                    ro = t * M + o_rows
+                    qy_o = ro // BOX_
+                    qx_o = ro % BOX_
+                    y = wy * WINDOW_ + qy_o
+                    x_ = wx * WINDOW_ + qx_o
+                    keep = (qy_o < WINDOW_) & (qx_o < WINDOW_) & (y < height) & (x_ < width)
+                    token = (b * height + y) * width + x_
+                    ptrs = out_ptr + gl.expand_dims(token * (heads * head_dim) + h * head_dim, 1) \
+                        + gl.expand_dims(o_cols, 0)  # fmt: skip
+                    gl.store(ptrs, out.to(q_smem.dtype), mask=gl.expand_dims(keep, 1))
+                elif i == 1:
+                    mbarrier.arrive(q_empty)
+                    mbarrier.arrive(kv_empty.index(buf))
             local += 1
 
     @gluon.jit

@@ -36,7 +36,7 @@ def compile_for_hopper(pingpong: bool = gluon_attention.PINGPONG) -> Any:
     from bench.gemm_resources import compile_gluon, gluon_descriptor
 
     def desc(rows: int, cols: int, block: list[int]) -> str:
-        layout = gluon_attention._shared_layout(block, torch.bfloat16)
+        layout = gluon_attention.shared_layout(block, torch.bfloat16)
         return gluon_descriptor(rows, cols, torch.bfloat16, block, layout)
 
     tile, table = [GRID, HEAD_DIM], [2 * GRID, HEAD_DIM]

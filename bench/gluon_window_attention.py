@@ -49,7 +49,7 @@ def compile_for_hopper() -> Any:
     from bench.gemm_resources import compile_gluon
 
     def desc(shape: list[int], block: list[int]) -> str:
-        layout = gluon_window_attention._shared_layout(block, torch.bfloat16)
+        layout = gluon_window_attention.shared_layout(block, torch.bfloat16)
         t = torch.empty(*shape, dtype=torch.bfloat16)
         return mangle_type(TensorDescriptor.from_tensor(t, block, layout))
 

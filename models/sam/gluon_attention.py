@@ -301,13 +301,11 @@ def _kernel() -> Any:
     return rel_pos_attention_ws
 
 
-def gluon_attention_supported(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> str | None:
-    """None where this kernel can run the layer, else why not (for the caller's fallback)."""
+def qkv_problem(qkv: Tensor) -> str | None:
+    """Why the Gluon attention kernels cannot read this qkv projection (both take `[B, N, 3,
+    heads, 64]`, bf16 or fp16, contiguous, on CUDA), or None."""
     if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[4] != HEAD_DIM:
         return f"qkv {tuple(qkv.shape)}: [B, N, 3, heads, {HEAD_DIM}] needed"
-    if qkv.shape[1] != GRID * GRID or rel_pos_h.shape[0] != 2 * GRID - 1 \
-            or rel_pos_w.shape[0] != 2 * GRID - 1:  # fmt: skip
-        return f"a {GRID} x {GRID} grid only (a global block at 1024 px)"
     if qkv.dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 only, not {qkv.dtype}"
     if not qkv.is_contiguous():
@@ -317,7 +315,16 @@ def gluon_attention_supported(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor)
     return None
 
 
-def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
+def gluon_attention_supported(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> str | None:
+    """None where this kernel can run the layer, else why not (for the caller's fallback)."""
+    if qkv.dim() == 5 and (qkv.shape[1] != GRID * GRID or rel_pos_h.shape[0] != 2 * GRID - 1
+                           or rel_pos_w.shape[0] != 2 * GRID - 1):  # fmt: skip
+        return f"a {GRID} x {GRID} grid only (a global block at 1024 px)"
+    return qkv_problem(qkv)
+
+
+def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
+    """The TMA tile's shared-memory layout (128-byte swizzle where rows allow)."""
     from triton.experimental.gluon import language as gl
 
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
@@ -351,11 +358,11 @@ def launch_gluon_attention(
     tile = [GRID, C]
     table = [2 * GRID, C]
     qkv_desc = TensorDescriptor.from_tensor(qkv.view(B * N, 3 * heads * C), tile,
-                                            _shared_layout(tile, qkv.dtype))  # fmt: skip
-    rh_desc = TensorDescriptor.from_tensor(rph, table, _shared_layout(table, qkv.dtype))
-    rw_desc = TensorDescriptor.from_tensor(rpw, table, _shared_layout(table, qkv.dtype))
+                                            shared_layout(tile, qkv.dtype))  # fmt: skip
+    rh_desc = TensorDescriptor.from_tensor(rph, table, shared_layout(table, qkv.dtype))
+    rw_desc = TensorDescriptor.from_tensor(rpw, table, shared_layout(table, qkv.dtype))
     o_desc = TensorDescriptor.from_tensor(out.view(B * N, heads * C), tile,
-                                          _shared_layout(tile, out.dtype))  # fmt: skip
+                                          shared_layout(tile, out.dtype))  # fmt: skip
     q_tiles = GRID // 2  # two query rows a tile
     n_tiles = B * heads * q_tiles
     programs = min(n_tiles, _programs(qkv.device))

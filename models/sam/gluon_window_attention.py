@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from models.gemm_gluon import KERNEL_MAX_REGISTERS, PRODUCER_REGISTERS
+from models.sam.gluon_attention import HEAD_DIM, qkv_problem, shared_layout
 
 __all__ = [
     "WINDOW",
@@ -53,7 +54,6 @@ __all__ = [
 
 WINDOW = 14
 BOX = 16  # a window loads as the 16 x 16 box of tokens at its corner
-HEAD_DIM = 64
 KEYS = BOX * BOX  # a window's key slots, 196 of them its own
 EXTRA = 16  # the scores' extra columns for each table: its 14 terms, then 2 flags
 TABLE = 32  # a table's rows: Rh's or Rw's 27, then the head's b_k
@@ -358,19 +358,11 @@ def gluon_window_supported(
 ) -> str | None:
     """None where this kernel can run the windowed layer, else why not (for the caller's
     fallback)."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[4] != HEAD_DIM:
-        return f"qkv {tuple(qkv.shape)}: [B, N, 3, heads, {HEAD_DIM}] needed"
     if rel_pos_h.shape[0] != 2 * WINDOW - 1 or rel_pos_w.shape[0] != 2 * WINDOW - 1:
         return f"windows of {WINDOW} only"
-    if qkv.shape[1] != height * width:
+    if qkv.dim() == 5 and qkv.shape[1] != height * width:
         return f"{qkv.shape[1]} tokens are not a {height} x {width} grid"
-    if qkv.dtype not in (torch.bfloat16, torch.float16):
-        return f"bf16 or fp16 only, not {qkv.dtype}"
-    if not qkv.is_contiguous():
-        return "qkv must be contiguous"
-    if qkv.device.type != "cuda":
-        return "the Gluon attention runs only on a CUDA device (Gluon has no interpreter)"
-    return None
+    return qkv_problem(qkv)
 
 
 def window_tables(
@@ -394,26 +386,18 @@ def window_constants(pad_x: int, pad_y: int, device: torch.device, dtype: torch.
     column kx (inside the window); the first's columns 14 and 15 flag the slots Meta pads
     past the image in a window of the right edge (kx >= pad_x) and of the bottom edge (ky
     >= pad_y), the second's column 14 those of both and 15 the slots outside the window."""
-    ky, kx = torch.meshgrid(torch.arange(BOX), torch.arange(BOX), indexing="ij")
-    ky, kx = ky.reshape(-1), kx.reshape(-1)
+    # built on the device by broadcasting alone (no copy from the host, no sync: a first
+    # call may come while a CUDA graph is captured)
+    slot = torch.arange(KEYS, device=device)
+    ky, kx = (slot // BOX)[:, None], (slot % BOX)[:, None]
+    j = torch.arange(EXTRA, device=device)[None, :]
     inside = (ky < WINDOW) & (kx < WINDOW)
-    c = torch.zeros(2, KEYS, EXTRA)
-    slots = torch.arange(KEYS)
-    c[0, slots[inside], ky[inside]] = 1.0
-    c[1, slots[inside], kx[inside]] = 1.0
     right, bottom = inside & (kx >= pad_x), inside & (ky >= pad_y)
-    c[0, :, WINDOW] = right.float()
-    c[0, :, WINDOW + 1] = bottom.float()
-    c[1, :, WINDOW] = (right & bottom).float()
-    c[1, :, WINDOW + 1] = (~inside).float()
-    return c.view(2 * KEYS, EXTRA).to(device=device, dtype=dtype)
-
-
-def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
-    from triton.experimental.gluon import language as gl
-
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(block, element)
+    c_h = torch.where(j < WINDOW, inside & (ky == j), torch.where(j == WINDOW, right, bottom))
+    c_w = torch.where(j < WINDOW, inside & (kx == j),
+                      torch.where(j == WINDOW, right & bottom, ~inside))  # fmt: skip
+    c = torch.stack((c_h, c_w))
+    return c.view(2 * KEYS, EXTRA).to(dtype)
 
 
 def launch_gluon_window_attention(
@@ -448,13 +432,13 @@ def launch_gluon_window_attention(
         _, bias_k, bias_v = qkv_bias.view(3, heads * C)
     box = [1, BOX, BOX, C]
     qkv_desc = TensorDescriptor.from_tensor(qkv.view(B, height, width, 3 * heads * C), box,
-                                            _shared_layout(box, qkv.dtype))  # fmt: skip
+                                            shared_layout(box, qkv.dtype))  # fmt: skip
     tables = window_tables(rel_pos_h, rel_pos_w, bias_k, heads, qkv.dtype)
     t_desc = TensorDescriptor.from_tensor(tables, [TABLE, C],
-                                          _shared_layout([TABLE, C], qkv.dtype))  # fmt: skip
+                                          shared_layout([TABLE, C], qkv.dtype))  # fmt: skip
     const = window_constants(pad_x, pad_y, qkv.device, qkv.dtype)
     c_desc = TensorDescriptor.from_tensor(const, [KEYS, EXTRA],
-                                          _shared_layout([KEYS, EXTRA], qkv.dtype))  # fmt: skip
+                                          shared_layout([KEYS, EXTRA], qkv.dtype))  # fmt: skip
     n_win = windows_h * windows_w
     n_jobs = B * n_win * heads
     programs = min(n_jobs, _programs(qkv.device))

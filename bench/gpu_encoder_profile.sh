@@ -6,12 +6,13 @@
 # 2. Nsight Compute on one launch of each: stall reasons and the most stalled SASS lines
 #    (bench.ncu_attention), and the details page's summary;
 # 3. bench.sam_encoder: the int8 encoder with both Gluon kernels, and with the window
-#    kernel too where its check passed; `--profile` of the last (the kernels of a batch of
-#    8, compiled without CUDA graphs) and the attention kernels alone (`--flex-kernel`).
+#    kernel too where its check passed; with PROFILE=1 the kernels of a batch of 8 of the
+#    first (compiled without CUDA graphs).
 #
 #   OUT=/tmp/out bash bench/gpu_encoder_profile.sh      (PYTHONPATH at the repository)
 #   STEPS=kernels (1, 2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
-#   passed in an earlier call) splits it over two calls.
+#   passed in an earlier call) splits it over two calls; NCU=0 skips Nsight Compute,
+#   PROFILE=1 adds the profile of the first variant (with the window kernel where it ran).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,7 +32,7 @@ timeout "${ATTN_TIMEOUT:-120}" python3 -m bench.gluon_attention --batch 8 \
 attn=$?
 echo "gluon_attention rc=$attn"
 tail -12 "$OUT/gluon_attention.txt"
-if [ "$attn" = 0 ]; then
+if [ "$attn" = 0 ] && [ "${NCU:-1}" = 1 ]; then
 timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
   -k regex:rel_pos_attention_ws -c 2 -o "$OUT/gattn" \
   python3 -m bench.gluon_attention --batch 8 --launch-only > "$OUT/ncu_log.txt" 2>&1
@@ -43,7 +44,7 @@ ncu -i "$OUT/gattn.ncu-rep" --page details > "$OUT/gattn_details.txt"
 grep -E "Duration|Throughput|Pipe|Issue|Eligible|Active Warps|Registers|Shared Memory|L2 Hit|Warp Cycles|Executed Ipc|No Eligible" \
   "$OUT/gattn_details.txt" | head -60
 fi
-if [ "$win" = 0 ]; then
+if [ "$win" = 0 ] && [ "${NCU:-1}" = 1 ]; then
 timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
   -k regex:rel_pos_window_attention_ws -c 1 -o "$OUT/wattn" \
   python3 -m bench.gluon_window_attention --batch 8 --launch-only > "$OUT/ncu_win_log.txt" 2>&1
@@ -57,11 +58,13 @@ fi
 fi
 if [[ " $STEPS " == *" encoder "* ]]; then
 V=bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn
-variants=("$V")
+variants=()
 [ "$win" = 0 ] && variants+=("$V-gwin")
+variants+=("$V")
 timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.sam_encoder --images .benchdata/images \
-  --variants "${variants[@]}" --batch-sizes ${BATCHES:-8 16} --iters 20 --static --flex-kernel \
-  --profile "${variants[-1]}" --profile-out "$OUT" --json "$OUT/sam_encoder.json" \
+  --variants "${variants[@]}" --batch-sizes ${BATCHES:-8 16} --iters 20 --static \
+  ${PROFILE:+--profile "${variants[0]}" --profile-out "$OUT"} --budget-s "${ENCODER_BUDGET:-250}" \
+  --json "$OUT/sam_encoder.json" \
   > "$OUT/sam_encoder.txt" 2>&1
 echo "sam_encoder rc=$?"
 grep -vE "^\{'variant'" "$OUT/sam_encoder.txt" | tail -80

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Where the int8 encoder's time goes with both Gluon kernels in (issue 20), in one call:
 # 0. bench.gluon_window_attention: the Gluon window attention checked and timed;
-# 1. bench.gluon_attention: the Gluon global attention checked and timed, its consumers
-#    free and in turns (`pingpong`);
+# 1. bench.gluon_attention: the Gluon global attention checked and timed;
 # 2. Nsight Compute on one launch of each: stall reasons and the most stalled SASS lines
 #    (bench.ncu_attention), and the details page's summary;
 # 3. bench.sam_encoder: the int8 encoder with both Gluon kernels, and with the window
@@ -34,7 +33,7 @@ echo "gluon_attention rc=$attn"
 tail -12 "$OUT/gluon_attention.txt"
 if [ "$attn" = 0 ] && [ "${NCU:-1}" = 1 ]; then
 timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
-  -k regex:rel_pos_attention_ws -c 2 -o "$OUT/gattn" \
+  -k regex:rel_pos_attention_ws -c 1 -o "$OUT/gattn" \
   python3 -m bench.gluon_attention --batch 8 --launch-only > "$OUT/ncu_log.txt" 2>&1
 echo "ncu rc=$?"
 tail -5 "$OUT/ncu_log.txt"

@@ -48,9 +48,6 @@ GRID = 64  # the token grid's side: one key row a block, one query row a consume
 HEAD_DIM = 64
 STAGES = 4  # key and value tiles in flight
 CONSUMER_REGISTERS = 232  # with the producer's, what the GEMM's warp groups take too
-# the two consumers issue their products in turn (FlashAttention-3's ping-pong):
-# `launch_gluon_attention`'s `pingpong`
-PINGPONG = False
 LOG2E = 1.4426950408889634
 
 gl: Any = None  # set by `_kernel`: Triton resolves a kernel's names among module globals
@@ -148,9 +145,9 @@ def _kernel() -> Any:
     @gluon.jit
     def _attn_consumer(
         q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, tables_ready, q_ready,
-        q_empty, kv_ready, kv_empty, my_turn, their_turn, o_desc, n_tiles, q_tiles, heads,
-        num_programs, CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
-        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr, PINGPONG: gl.constexpr,
+        q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs,
+        CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
+        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr,
     ):  # fmt: skip
         LOG2E_: gl.constexpr = 1.4426950408889634
         head_dim: gl.constexpr = o_desc.block_type.shape[1]
@@ -211,21 +208,12 @@ def _kernel() -> Any:
                 s = st % STAGES
                 prev = (st - 1) % STAGES
                 mbarrier.wait(kv_ready.index(s), (st // STAGES) & 1)
-                if PINGPONG:
-                    # the groups issue their products in turn, so that one group's are on
-                    # the tensor cores while the other runs its softmax: turn k of a group
-                    # (GRID_N - 1 a tile) waits for the other's k-th (consumer 1) or
-                    # (k-1)-th (consumer 0; its first, at parity 1, is free)
-                    turn = local * (GRID_N - 1) + y - 1
-                    mbarrier.wait(my_turn, (turn + 1 - CONSUMER) & 1)
                 # this row's q . k, then the row before's p . v behind it: the softmax
                 # below runs while the second is on the tensor cores
                 qk_t = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s,
                                      use_acc=False, is_async=True)  # fmt: skip
                 pv_t = warpgroup_mma(p_op, v_bufs.index(prev), acc, use_acc=y > 1,
                                      is_async=True)  # fmt: skip
-                if PINGPONG:
-                    mbarrier.arrive(their_turn)
                 rh = uh_rows.index(qy - y + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
                 qk = warpgroup_mma_wait(1, deps=(qk_t,))
                 p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
@@ -250,7 +238,7 @@ def _kernel() -> Any:
     def rel_pos_attention_ws(
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, num_programs,
         GRID_N: gl.constexpr, STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -272,27 +260,23 @@ def _kernel() -> Any:
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # PINGPONG's
         tables_ready = tables.index(0)
         mbarrier.init(tables_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
-            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers read every tile
         gl.warp_specialize([
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(0),
                               o_bufs.index(0), tables_ready, q_ready, q_empty, kv_ready,
-                              kv_empty, turns.index(0), turns.index(1), o_desc, n_tiles,
-                              q_tiles, heads, num_programs, 0, GRID_N, STAGES, QK_SCALE,
-                              NEW_NAMES, PINGPONG)),
+                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 0,
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(1),
                               o_bufs.index(1), tables_ready, q_ready, q_empty, kv_ready,
-                              kv_empty, turns.index(1), turns.index(0), o_desc, n_tiles,
-                              q_tiles, heads, num_programs, 1, GRID_N, STAGES, QK_SCALE,
-                              NEW_NAMES, PINGPONG)),
+                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 1,
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem,
                               rw_smem, tables_ready, q_ready, q_empty, kv_ready, kv_empty,
                               n_tiles, q_tiles, heads, num_programs, GRID_N, STAGES)),
@@ -332,11 +316,7 @@ def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
 
 
 def launch_gluon_attention(
-    qkv: Tensor,
-    rel_pos_h: Tensor,
-    rel_pos_w: Tensor,
-    out: Tensor | None = None,
-    pingpong: bool | None = None,
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out: Tensor | None = None
 ) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h + rel_w) v for qkv `[B, 4096, 3, heads, 64]` (the
     qkv projection, reshaped) -> `[B, 4096, heads * 64]` token-major, as
@@ -370,7 +350,6 @@ def launch_gluon_attention(
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, programs,
         GRID_N=GRID, STAGES=STAGES, QK_SCALE=C**-0.5 * LOG2E,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
-        PINGPONG=PINGPONG if pingpong is None else pingpong,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,18 @@ def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def bench_main(
+    description: str,
+    show_resources: Callable[[], None],
+    launch_once: Callable[[int], None],
+    check_one: Callable[[int], dict[str, Any]],
+    measure_one: Callable[[int, int, int], dict[str, Any]],
+) -> None:
+    """The command line of a Gluon attention bench (this one and
+    bench/gluon_window_attention.py): the sm_90 compile alone, one launch for Nsight
+    Compute, or the check (2 images) and, where it passes, the timings."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--batch", type=int, nargs="+", default=[8])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--iters", type=int, default=10)
@@ -144,28 +155,34 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     if args.resources:
-        print_resources()
+        show_resources()
         return
     if not torch.cuda.is_available():
         raise SystemExit("the Gluon attention runs only on a Hopper GPU")
     if args.launch_only:
-        qkv, rph, rpw = inputs(args.batch[0])
-        launch_gluon_attention(qkv, rph, rpw)
+        launch_once(args.batch[0])
         torch.cuda.synchronize()
         return
     env = environment()
     print(env, flush=True)
-    checks = [check(2)]
+    checks = [check_one(2)]
     print_table(checks, list(checks[0]))
     if checks[0]["nan"] or checks[0]["gluon vs triton max_rel"] > 0.02:
         raise SystemExit("the Gluon kernel's output differs from the Triton kernel's: not timed")
     if args.check_only:
         return
-    rows = [measure(b, args.reps, args.iters) for b in args.batch]
+    rows = [measure_one(b, args.reps, args.iters) for b in args.batch]
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     print_table(rows, list(rows[0]))
     if args.json:
         write_json(Path(args.json), {"environment": env, "checks": checks, "rows": rows})
+
+
+def main() -> None:
+    def launch_once(batch: int) -> None:
+        launch_gluon_attention(*inputs(batch))
+
+    bench_main(__doc__ or "", print_resources, launch_once, check, measure)
 
 
 if __name__ == "__main__":

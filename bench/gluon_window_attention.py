@@ -15,15 +15,14 @@ call. Timings are CUDA graphs of `--reps` calls, the median of `--iters`, ms a l
 
 from __future__ import annotations
 
-import argparse
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, print_table, write_json
+from bench.common import print_table
+from bench.gluon_attention import bench_main
 from bench.int8_gemm import graphed_ms
 from models.sam import fused_attention, gluon_window_attention
 from models.sam.gluon_window_attention import (
@@ -164,38 +163,10 @@ def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batch", type=int, nargs="+", default=[8])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default=None)
-    p.add_argument("--resources", action="store_true", help="compile for sm_90 only")
-    p.add_argument("--check-only", action="store_true")
-    p.add_argument("--launch-only", action="store_true", help="one launch (for Nsight Compute)")
-    args = p.parse_args()
-    if args.resources:
-        print_resources()
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("the Gluon attention runs only on a Hopper GPU")
-    if args.launch_only:
-        qkv, rph, rpw, bias = inputs(args.batch[0])
-        launch_gluon_window_attention(qkv, rph, rpw, bias, GRID, GRID)
-        torch.cuda.synchronize()
-        return
-    env = environment()
-    print(env, flush=True)
-    checks = [check(2)]
-    print_table(checks, list(checks[0]))
-    if checks[0]["nan"] or checks[0]["gluon vs triton max_rel"] > 0.02:
-        raise SystemExit("the Gluon kernel's output differs from the Triton kernel's: not timed")
-    if args.check_only:
-        return
-    rows = [measure(b, args.reps, args.iters) for b in args.batch]
-    print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
-    print_table(rows, list(rows[0]))
-    if args.json:
-        write_json(Path(args.json), {"environment": env, "checks": checks, "rows": rows})
+    def launch_once(batch: int) -> None:
+        launch_gluon_window_attention(*inputs(batch), GRID, GRID)
+
+    bench_main(__doc__ or "", print_resources, launch_once, check, measure)
 
 
 if __name__ == "__main__":

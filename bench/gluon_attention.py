@@ -56,16 +56,22 @@ def compile_for_hopper() -> Any:
                          gluon_attention.KERNEL_MAX_REGISTERS)  # fmt: skip
 
 
-def print_resources() -> None:
-    import triton
-
+def resources_row(compiled: Any) -> dict[str, Any]:
+    """What a compiled Gluon attention kernel takes (both benches' `--resources`): its
+    `wgmma`, registers, stack, shared memory, warp groups' register budgets, and its
+    exponentials."""
     from bench.gemm_resources import resources, setmaxnreg
 
-    compiled = compile_for_hopper()
     ptx = compiled.asm["ptx"]
     budgets = " ".join(f"{d} {n}" for d, n in sorted(setmaxnreg(ptx)))
-    row = {**resources(compiled), "setmaxnreg": budgets,
-           "ex2": len(re.findall(r"ex2\.approx", ptx))}  # fmt: skip
+    return {**resources(compiled), "setmaxnreg": budgets,
+            "ex2": len(re.findall(r"ex2\.approx", ptx))}  # fmt: skip
+
+
+def print_resources(compile_kernel: Callable[[], Any] = compile_for_hopper) -> None:
+    import triton
+
+    row = resources_row(compile_kernel())
     print(f"Triton {triton.__version__}, sm_90")
     print_table([row], list(row))
 

@@ -15,14 +15,12 @@ call. Timings are CUDA graphs of `--reps` calls, the median of `--iters`, ms a l
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import print_table
-from bench.gluon_attention import bench_main
+from bench.gluon_attention import bench_main, print_resources
 from bench.int8_gemm import graphed_ms
 from models.sam import fused_attention, gluon_window_attention
 from models.sam.gluon_window_attention import (
@@ -68,20 +66,6 @@ def compile_for_hopper() -> Any:
     return compile_gluon(gluon_window_attention._kernel(), signature, constexprs,
                          gluon_window_attention.KERNEL_MAX_REGISTERS,
                          divisible=("out_ptr", "bias_v_ptr"))  # fmt: skip
-
-
-def print_resources() -> None:
-    import triton
-
-    from bench.gemm_resources import resources, setmaxnreg
-
-    compiled = compile_for_hopper()
-    ptx = compiled.asm["ptx"]
-    budgets = " ".join(f"{d} {n}" for d, n in sorted(setmaxnreg(ptx)))
-    row = {**resources(compiled), "setmaxnreg": budgets,
-           "ex2": len(re.findall(r"ex2\.approx", ptx))}  # fmt: skip
-    print(f"Triton {triton.__version__}, sm_90")
-    print_table([row], list(row))
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -166,7 +150,8 @@ def main() -> None:
     def launch_once(batch: int) -> None:
         launch_gluon_window_attention(*inputs(batch), GRID, GRID)
 
-    bench_main(__doc__ or "", print_resources, launch_once, check, measure)
+    bench_main(__doc__ or "", lambda: print_resources(compile_for_hopper), launch_once, check,
+               measure)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -150,8 +150,8 @@ def test_it_compiles_to_a_producer_and_two_consumers() -> None:
     # TMA: the two constant tiles once; a job's keys, values, two tables and queries
     loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::\w+\.global\.mbarrier", ptx)
     assert sorted(loads) == ["2", "2", "2", "2", "4", "4", "4"], loads
-    # an exponential a score (128 of a half over a thread's 2 rows... counted per half:
-    # 64 a thread), twice a tile, in each of the two consumers' loops, and the rest
+    # an exponential a score: a thread holds 64 of each half's [64, 128] scores, two halves
+    # a tile, in each of the two consumers (and a few more: the rescale, the padding terms)
     assert len(re.findall(r"ex2\.approx", ptx)) >= 2 * 2 * 64
 
 

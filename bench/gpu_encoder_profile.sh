@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Where the int8 encoder's time goes with both Gluon kernels in (issue 20), in one call:
+# The Gluon attention kernels and the int8 encoder with them (issue 20), in one call:
 # 0. bench.gluon_window_attention: the Gluon window attention checked and timed;
 # 1. bench.gluon_attention: the Gluon global attention checked and timed;
-# 2. Nsight Compute on one launch of each: stall reasons and the most stalled SASS lines
-#    (bench.ncu_attention), and the details page's summary;
+# 2. Nsight Compute on one launch of each that passed (`ncu_stalls`);
 # 3. bench.sam_encoder: the int8 encoder with both Gluon kernels, and with the window
 #    kernel too where its check passed; with PROFILE=1 the kernels of a batch of 8 of the
 #    first (compiled without CUDA graphs).
 #
 #   OUT=/tmp/out bash bench/gpu_encoder_profile.sh      (PYTHONPATH at the repository)
-#   STEPS=kernels (1, 2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
+#   STEPS=kernels (0-2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
 #   passed in an earlier call) splits it over two calls; NCU=0 skips Nsight Compute,
 #   PROFILE=1 adds the profile of the first variant (with the window kernel where it ran).
 set -uo pipefail
@@ -18,6 +17,19 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# Nsight Compute on one launch of a kernel (NAME KERNEL BENCH): stall reasons, the most
+# stalled SASS lines (bench.ncu_attention) and the details page's summary
+ncu_stalls() {
+  timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
+    -k "regex:$2" -c 1 -o "$OUT/$1" python3 -m "bench.$3" --batch 8 --launch-only \
+    > "$OUT/ncu_$1_log.txt" 2>&1
+  echo "ncu $1 rc=$?"
+  ncu -i "$OUT/$1.ncu-rep" --page source --csv --print-source sass > "$OUT/$1_sass.csv"
+  python3 -m bench.ncu_attention stalls "$OUT/$1_sass.csv" --top 25
+  ncu -i "$OUT/$1.ncu-rep" --page details > "$OUT/$1_details.txt"
+  grep -E "Duration|Throughput|Issue Slots|Eligible|Warp Cycles|Executed Ipc|Spilling|highest" \
+    "$OUT/$1_details.txt" | head -40
+}
 STEPS=${STEPS:-kernels encoder}
 win=${WIN_OK:-1}
 if [[ " $STEPS " == *" kernels "* ]]; then
@@ -31,29 +43,9 @@ timeout "${ATTN_TIMEOUT:-120}" python3 -m bench.gluon_attention --batch 8 \
 attn=$?
 echo "gluon_attention rc=$attn"
 tail -12 "$OUT/gluon_attention.txt"
-if [ "$attn" = 0 ] && [ "${NCU:-1}" = 1 ]; then
-timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
-  -k regex:rel_pos_attention_ws -c 1 -o "$OUT/gattn" \
-  python3 -m bench.gluon_attention --batch 8 --launch-only > "$OUT/ncu_log.txt" 2>&1
-echo "ncu rc=$?"
-tail -5 "$OUT/ncu_log.txt"
-ncu -i "$OUT/gattn.ncu-rep" --page source --csv --print-source sass > "$OUT/gattn_sass.csv"
-python3 -m bench.ncu_attention stalls "$OUT/gattn_sass.csv" --top 30
-ncu -i "$OUT/gattn.ncu-rep" --page details > "$OUT/gattn_details.txt"
-grep -E "Duration|Throughput|Pipe|Issue|Eligible|Active Warps|Registers|Shared Memory|L2 Hit|Warp Cycles|Executed Ipc|No Eligible" \
-  "$OUT/gattn_details.txt" | head -60
-fi
-if [ "$win" = 0 ] && [ "${NCU:-1}" = 1 ]; then
-timeout "${NCU_TIMEOUT:-100}" ncu --clock-control none --set full --import-source yes \
-  -k regex:rel_pos_window_attention_ws -c 1 -o "$OUT/wattn" \
-  python3 -m bench.gluon_window_attention --batch 8 --launch-only > "$OUT/ncu_win_log.txt" 2>&1
-echo "ncu window rc=$?"
-ncu -i "$OUT/wattn.ncu-rep" --page source --csv --print-source sass > "$OUT/wattn_sass.csv"
-python3 -m bench.ncu_attention stalls "$OUT/wattn_sass.csv" --top 20
-ncu -i "$OUT/wattn.ncu-rep" --page details > "$OUT/wattn_details.txt"
-grep -E "Duration|Throughput|Issue Slots|Eligible|Registers|Warp Cycles|Executed Ipc" \
-  "$OUT/wattn_details.txt" | head -30
-fi
+[ "$attn" = 0 ] && [ "${NCU:-1}" = 1 ] && ncu_stalls gattn rel_pos_attention_ws gluon_attention
+[ "$win" = 0 ] && [ "${NCU:-1}" = 1 ] && ncu_stalls wattn rel_pos_window_attention_ws \
+  gluon_window_attention
 fi
 if [[ " $STEPS " == *" encoder "* ]]; then
 V=bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn

@@ -97,9 +97,10 @@ DENSE_ROWS = False
 GLUON_GLOBAL = False
 
 # Whether the windowed blocks go to the warp-specialised Gluon window kernel
-# (models/sam/gluon_window_attention.py: a window's 196 keys in one block of 256 slots, the
-# decomposed bias from the tensor cores) where it runs the layer: on an H100 a windowed
-# layer at batch 8 took 0.242 ms against this kernel's 0.266, at the same fidelity
+# (models/sam/gluon_window_attention.py: a window's 196 keys in the 256 slots of its box,
+# two products of 128, the decomposed bias from the tensor cores) where it runs the layer:
+# on an H100 a windowed layer at batch 8 took 0.242 ms against this kernel's 0.266, at the
+# same fidelity
 # (bench/gluon_window_attention.py; docs/BENCHMARKS.md, issue 20, twenty-third session).
 # Off until the service has run with it (bench/sam_encoder.py's `-gwin` variants turn it
 # on); traced launches (AOT) keep this kernel.

@@ -389,6 +389,24 @@ def window_tables(
     return t.view(heads * 2 * TABLE, HEAD_DIM)
 
 
+# A layer's tables by its parameters (their storage and version: an in-place update of the
+# weights makes new ones): built once, not five small kernels every call of every layer.
+_TABLES: dict[tuple[Any, ...], Tensor] = {}
+_TABLES_KEPT = 64  # layers' tables held at most (ViT-H has 28 windowed layers)
+
+
+def _layer_tables(
+    rel_pos_h: Tensor, rel_pos_w: Tensor, bias_k: Tensor | None, heads: int, dtype: torch.dtype
+) -> Tensor:
+    parts = (rel_pos_h, rel_pos_w) if bias_k is None else (rel_pos_h, rel_pos_w, bias_k)
+    key = (heads, dtype, *((t.data_ptr(), t._version, t.device) for t in parts))
+    if (tables := _TABLES.get(key)) is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))
+        tables = _TABLES[key] = window_tables(rel_pos_h, rel_pos_w, bias_k, heads, dtype)
+    return tables
+
+
 @functools.cache
 def window_constants(pad_x: int, pad_y: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """The key slots' side of the scores' extra columns, two `[256, 16]` tiles stacked:
@@ -443,7 +461,7 @@ def launch_gluon_window_attention(
     box = [1, BOX, BOX, C]
     qkv_desc = TensorDescriptor.from_tensor(qkv.view(B, height, width, 3 * heads * C), box,
                                             shared_layout(box, qkv.dtype))  # fmt: skip
-    tables = window_tables(rel_pos_h, rel_pos_w, bias_k, heads, qkv.dtype)
+    tables = _layer_tables(rel_pos_h, rel_pos_w, bias_k, heads, qkv.dtype)
     t_desc = TensorDescriptor.from_tensor(tables, [TABLE, C],
                                           shared_layout([TABLE, C], qkv.dtype))  # fmt: skip
     const = window_constants(pad_x, pad_y, qkv.device, qkv.dtype)

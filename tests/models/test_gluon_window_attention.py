@@ -173,3 +173,16 @@ def test_only_the_layers_it_was_written_for_are_taken() -> None:
     cpu = torch.zeros(1, 4096, 3, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA"):
         launch_gluon_window_attention(cpu, rph, rph, None, 64, 64)
+
+
+def test_a_layers_tables_are_built_once_and_again_after_the_weights_change() -> None:
+    _, rph, rpw, bias = _inputs(1)
+    bias_k = bias.view(3, -1)[1]
+    first = gw._layer_tables(rph, rpw, bias_k, HEADS, torch.bfloat16)
+    assert gw._layer_tables(rph, rpw, bias_k, HEADS, torch.bfloat16) is first
+    assert torch.equal(first, window_tables(rph, rpw, bias_k, HEADS, torch.bfloat16))
+    with torch.no_grad():
+        rph.add_(1.0)  # new weights in place: the tables follow
+    again = gw._layer_tables(rph, rpw, bias_k, HEADS, torch.bfloat16)
+    assert again is not first
+    assert torch.equal(again, window_tables(rph, rpw, bias_k, HEADS, torch.bfloat16))

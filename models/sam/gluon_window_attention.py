@@ -78,6 +78,7 @@ warpgroup_mma_wait: Any = None
 tma_load: Any = None
 NEW_API: Any = None
 _win_job: Any = None
+_win_here: Any = None
 _win_exp_terms: Any = None
 _win_producer: Any = None
 _win_consumer: Any = None
@@ -87,7 +88,7 @@ _win_consumer: Any = None
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, warpgroup_mma, warpgroup_mma_wait, tma_load, NEW_API
-    global _win_job, _win_exp_terms, _win_producer, _win_consumer
+    global _win_job, _win_here, _win_exp_terms, _win_producer, _win_consumer
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -109,6 +110,15 @@ def _kernel() -> Any:
         bw = job // heads
         win = bw % n_win
         return bw // n_win, win // windows_w, win % windows_w, h
+
+    @gluon.jit
+    def _win_here(x, i):
+        # x, through an instruction the compiler cannot see into, tied to the tile i: the
+        # shared-memory descriptors built from it stay next to their products in the tile
+        # loop. Hoisted out of it (they depend only on the job's buffer), about 36 of them
+        # lived across both tiles and ptxas spilled them.
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, i], dtype=gl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
 
     @gluon.jit
     def _win_producer(
@@ -175,8 +185,6 @@ def _kernel() -> Any:
         extra: gl.constexpr = c_smem.shape[2]  # 16 columns for each table's terms
         bk_row: gl.constexpr = 2 * WINDOW_ - 1
         dtype: gl.constexpr = q_smem.dtype
-        c_h = c_smem.index(0)
-        c_w = c_smem.index(1)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
         )
@@ -209,8 +217,6 @@ def _kernel() -> Any:
             rows_here = gl.minimum(height - wy * WINDOW_, WINDOW_)  # the window's real rows
             f_r = right.to(gl.float32)
             f_b = bottom.to(gl.float32)
-            k_all = k_bufs.index(buf)
-            v_all = v_bufs.index(buf)
             mbarrier.wait(kv_ready.index(buf), (local // 2) & 1)
             mbarrier.wait(q_ready, local & 1)
             for i in range(2):
@@ -218,10 +224,15 @@ def _kernel() -> Any:
                 # a tile of only padded queries (the bottom windows' last rows) is skipped
                 if t * (M // BOX_) < rows_here:
                     a_q = q_smem.index(t)
+                    here = _win_here(buf, i)
+                    k_all = k_bufs.index(here)
+                    v_all = v_bufs.index(here)
+                    c_h = c_smem.index(here - buf)
+                    c_w = c_smem.index(here - buf + 1)
                     # the queries against the head's tables (each [32, 64]: Rh or Rw, then b_k)
-                    u_h = warpgroup_mma(a_q, t_bufs.index(2 * buf).permute((1, 0)), zero_e,
+                    u_h = warpgroup_mma(a_q, t_bufs.index(2 * here).permute((1, 0)), zero_e,
                                         use_acc=False)  # fmt: skip
-                    u_w = warpgroup_mma(a_q, t_bufs.index(2 * buf + 1).permute((1, 0)), zero_e,
+                    u_w = warpgroup_mma(a_q, t_bufs.index(2 * here + 1).permute((1, 0)), zero_e,
                                         use_acc=False)  # fmt: skip
                     r = t * M + e_rows
                     # rel_h[q, ky] = q . Rh[qy - ky + 13]; then q . b_k for the right and
@@ -268,7 +279,8 @@ def _kernel() -> Any:
                     p_a = gl.convert_layout(p.to(q_smem.dtype), p_op)
                     # the second half's scores, then the first half's p . v behind them: the
                     # tensor cores run p . v while the second softmax runs
-                    s = warpgroup_mma(a_q, k_all.slice(half, half).permute((1, 0)), zero_s,
+                    s = warpgroup_mma(q_smem.index(_win_here(t, i)),
+                                      k_all.slice(half, half).permute((1, 0)), zero_s,
                                       use_acc=False, is_async=True)  # fmt: skip
                     s = warpgroup_mma(x_h, c_h.slice(half, half).permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma(x_w, c_w.slice(half, half).permute((1, 0)), s, is_async=True)

@@ -110,6 +110,8 @@ class ModelInfo:
     attention: str
     cuda_graphs: bool
     batch_buckets: tuple[int, ...]
+    kernels: str = "triton"  # SERVE_KERNELS resolved: "gluon" or "triton" (the int8 GEMMs'
+    # and SAM's attention kernels on CUDA; eager CPU models name "triton" and run none)
 
     def brief(self) -> dict[str, str]:
         return {"name": self.name, "weights": self.weights, "precision": self.precision}

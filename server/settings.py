@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     # auto: our Triton kernel for the global blocks on CUDA (docs/BENCHMARKS.md), else SDPA
     attention: Literal["auto", "sdpa", "flex", "triton"] = "auto"
     """SAM global attention: auto (triton on CUDA, sdpa on the CPU), sdpa, flex, triton"""
+    # auto: the Gluon kernels on Hopper, where the int8 encoder ran 531.7 / 541.4 img/s at
+    # batch 8 / 16 against 508.5 / 515.2 with Triton's (H100, docs/BENCHMARKS.md, issue 20)
+    kernels: Literal["auto", "triton", "gluon"] = "auto"
+    """SAM's attention and the int8 GEMMs on CUDA: auto (gluon on Hopper where Triton has
+    Gluon, else triton), triton, gluon (warp-specialised Hopper kernels; sm_90 only)"""
     swin_attention: Literal["auto", "kernel", "matmul", "sdpa"] = "auto"
     """Swin's window attention: auto (kernel on CUDA, matmul elsewhere), kernel (one Triton
     kernel on the unrolled grid, models/swin/window_kernel.py; CUDA only), matmul (written

@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -17,6 +18,7 @@ from models.optimize import OptimizeOptions
 from models.quantize import Quantization, torchao_unsupported
 from models.sam.fused_attention import triton_available
 from models.swin.window_kernel import kernel_compiles
+from models.triton_device import gluon_unsupported
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,38 @@ def swin_attention_form(settings: Settings, device: torch.device) -> str:
             "written-out form elsewhere), matmul or sdpa."
         )
     return form
+
+
+def resolve_kernels(settings: Settings, device: torch.device) -> Literal["triton", "gluon"]:
+    """`SERVE_KERNELS` resolved for the device. `auto` is the Gluon kernels where they run
+    (Hopper, a Triton with Gluon): the int8 encoder 531.7 / 541.4 img/s at batch 8 / 16
+    against 508.5 / 515.2 with the Triton kernels, the same masks (H100, docs/BENCHMARKS.md,
+    issue 20). `gluon` asked for where they cannot run is refused at start, naming the
+    setting."""
+    why = gluon_unsupported(device)
+    if settings.kernels == "auto":
+        return "gluon" if why is None else "triton"
+    if settings.kernels == "gluon" and why is not None:
+        raise VariantUnsupportedError(
+            f"SERVE_KERNELS=gluon cannot run on this device: {why}. Use auto (the Gluon "
+            "kernels on Hopper, Triton's elsewhere) or triton."
+        )
+    return settings.kernels
+
+
+def use_kernels(kernels: Literal["triton", "gluon"]) -> None:
+    """The process-wide switches the kernels' launches read: the int8 GEMMs
+    (`gemm_persistent.GLUON`, SAM's and Swin's) and SAM's global and windowed attention
+    (`fused_attention.GLUON_GLOBAL`, `GLUON_WINDOW`). The engine process serves one choice;
+    each launch falls back to the Triton kernel for a shape the Gluon one does not take, and
+    traced launches (AOT packages) keep the Triton kernels."""
+    from models import gemm_persistent
+    from models.sam import fused_attention
+
+    on = kernels == "gluon"
+    gemm_persistent.GLUON = on
+    fused_attention.GLUON_GLOBAL = on
+    fused_attention.GLUON_WINDOW = on
 
 
 def check_tf32(device: torch.device) -> None:

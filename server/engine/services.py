@@ -46,9 +46,11 @@ from server.engine.build import (
     compile_cache_hits,
     optimize_options,
     resolve_device,
+    resolve_kernels,
     swin_attention_form,
     swin_options,
     use_compile_cache,
+    use_kernels,
     use_precision,
     variant_refusal,
 )
@@ -130,6 +132,8 @@ class Engine:
         self.options = optimize_options(settings, self.device)
         self.swin_options = swin_options(settings, self.options, self.device)
         use_precision(self.options)
+        self.kernels = resolve_kernels(settings, self.device)
+        use_kernels(self.kernels)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
         self.rle_on_device = settings.mask_rle in ("low_res", "device") or (
@@ -371,6 +375,7 @@ class Engine:
             attention=opts.attention,
             cuda_graphs=opts.cuda_graphs,
             batch_buckets=tuple(buckets),
+            kernels=self.kernels,
         )
 
     def _load_sam(self) -> SamParts:

@@ -515,7 +515,7 @@ async def models(request: Request) -> Response:
                 {"name": m.name, "weights": m.weights, "precision": m.precision,
                  "device": m.device, "compile_mode": m.compile_mode,
                  "attention": m.attention, "cuda_graphs": m.cuda_graphs,
-                 "batch_buckets": list(m.batch_buckets)}
+                 "batch_buckets": list(m.batch_buckets), "kernels": m.kernels}
                 for m in loaded
             ],
             "ready": state.ready,

@@ -214,6 +214,7 @@ class ModelDetail(BaseModel):
     attention: str
     cuda_graphs: bool
     batch_buckets: list[int]
+    kernels: str
 
 
 class ModelsResponse(BaseModel):

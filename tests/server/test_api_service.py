@@ -63,6 +63,7 @@ def test_health_ready_models(client):
         assert m["device"] == "cpu"
         assert m["precision"] == "fp32"
         assert m["batch_buckets"] == [1, 2, 4]
+        assert m["kernels"] == "triton"  # SERVE_KERNELS=auto off Hopper
 
 
 def test_metrics_parse_and_count_requests(client, jpeg_bytes):

@@ -15,9 +15,12 @@ import torch
 
 from models.optimize import OptimizeOptions
 from models.quantize import Int8DynamicLinear
+from server.engine import build
 from server.engine.build import (
     VariantUnsupportedError,
+    resolve_kernels,
     swin_attention_form,
+    use_kernels,
     use_precision,
     variant_refusal,
 )
@@ -109,6 +112,49 @@ def test_the_swin_kernel_asked_for_where_it_cannot_run_is_refused_at_start() -> 
     message = str(start_refusal(small_settings(swin_attention="kernel", enable_sam=False)))
     assert message.startswith("SERVE_SWIN_ATTENTION=kernel cannot run on this device (cpu)")
     assert "auto" in message and "matmul" in message
+
+
+def test_the_gluon_kernels_asked_for_where_they_cannot_run_are_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`SERVE_KERNELS=gluon` names Hopper kernels: elsewhere start-up refuses it naming the
+    setting, before any weights load; `auto` takes them only where they run."""
+    with pytest.raises(VariantUnsupportedError) as caught:
+        Engine(small_settings(kernels="gluon"))
+    message = str(caught.value)
+    assert message.startswith("SERVE_KERNELS=gluon cannot run on this device: cpu is not a CUDA")
+    assert "auto" in message and "triton" in message
+    cpu = torch.device("cpu")
+    assert resolve_kernels(small_settings(), cpu) == "triton"
+    assert resolve_kernels(small_settings(kernels="triton"), cpu) == "triton"
+    # where nothing stands in their way (a Hopper whose Triton has Gluon), auto takes them
+    monkeypatch.setattr(build, "gluon_unsupported", lambda device: None)
+    assert resolve_kernels(small_settings(), cpu) == "gluon"
+    assert resolve_kernels(small_settings(kernels="gluon"), cpu) == "gluon"
+    assert resolve_kernels(small_settings(kernels="triton"), cpu) == "triton"
+
+
+def test_the_kernels_setting_turns_all_three_switches_together() -> None:
+    """The int8 GEMMs and both attentions read module switches at each launch; the engine
+    sets them once for its process, both ways (an engine after another in one process)."""
+    from models import gemm_persistent
+    from models.sam import fused_attention
+
+    def switches() -> tuple[bool, bool, bool]:
+        return (gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
+                fused_attention.GLUON_WINDOW)  # fmt: skip
+
+    before = switches()
+    try:
+        use_kernels("gluon")
+        assert switches() == (True, True, True)
+        use_kernels("triton")
+        assert switches() == (False, False, False)
+        engine = Engine(small_settings())
+        asyncio.run(engine.close())
+        assert engine.kernels == "triton" and switches() == (False, False, False)
+    finally:
+        gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL, fused_attention.GLUON_WINDOW = before
 
 
 def test_the_served_swin_runs_the_form_the_setting_names() -> None:

@@ -64,7 +64,6 @@ _attn_producer: Any = None
 _attn_consumer: Any = None
 _attn_softmax: Any = None
 _attn_tile: Any = None
-_attn_here: Any = None
 
 
 @functools.cache
@@ -72,7 +71,7 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, tma
     global tma_load, tma_store, sync_group, _attn_producer, _attn_consumer, _attn_softmax
-    global _attn_tile, _attn_here
+    global _attn_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -93,14 +92,6 @@ def _kernel() -> Any:
     sync_group = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
     @gluon.jit
-    def _attn_here(x, i):
-        # x through an instruction the compiler cannot see into, tied to i (the loop's
-        # variable): what is built from it (shared-memory descriptors) stays in the loop
-        # next to its use rather than being hoisted out and held in registers throughout
-        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, i], dtype=gl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-
-    @gluon.jit
     def _attn_tile(tile, q_tiles, heads):
         # a tile is two grid rows of queries of one image's head; tiles run head by head
         bh = tile // q_tiles
@@ -108,15 +99,15 @@ def _kernel() -> Any:
 
     @gluon.jit
     def _attn_producer(
-        qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, tables, tables_ready, q_ready,
-        q_empty, kv_ready, kv_empty, n_tiles, q_tiles, heads, num_programs,
+        qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, tables_ready,
+        q_ready, q_empty, kv_ready, kv_empty, n_tiles, q_tiles, heads, num_programs,
         GRID_N: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         # the tables once; then each tile's two query rows and its 64 key and value rows,
         # the ring's slots in order across tiles
         mbarrier.expect(tables_ready, 2 * rh_desc.block_type.nbytes)
-        tma_load(rh_desc, [0, 0], tables_ready, tables.index(0))
-        tma_load(rw_desc, [0, 0], tables_ready, tables.index(1))
+        tma_load(rh_desc, [0, 0], tables_ready, rh_smem)
+        tma_load(rw_desc, [0, 0], tables_ready, rw_smem)
         tile_bytes: gl.constexpr = qkv_desc.block_type.nbytes
         head_dim: gl.constexpr = qkv_desc.block_type.shape[1]
         step = 0
@@ -142,21 +133,18 @@ def _kernel() -> Any:
             local += 1
 
     @gluon.jit
-    def _attn_softmax(qk_a, qk_b, rw, rh_a, rh_b, m_i, l_i, QK_SCALE: gl.constexpr):
-        # two key rows at once, log2 units; each row's rel_h, one number a query, rides on
-        # the row maximum; one rescale for both rows
-        s_a = qk_a * QK_SCALE + rw
-        s_b = qk_b * QK_SCALE + rw
-        m_new = gl.maximum(m_i, gl.maximum(gl.max(s_a, 1) + rh_a, gl.max(s_b, 1) + rh_b))
-        p_a = gl.exp2(s_a - gl.expand_dims(m_new - rh_a, 1))
-        p_b = gl.exp2(s_b - gl.expand_dims(m_new - rh_b, 1))
+    def _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE: gl.constexpr):
+        # log2 units; rel_h, one number a query this row, rides on the row maximum
+        s = qk * QK_SCALE + rw
+        m_new = gl.maximum(m_i, gl.max(s, 1) + rh)
+        p = gl.exp2(s - gl.expand_dims(m_new - rh, 1))
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p_a + p_b, 1)
-        return p_a, p_b, m_new, l_i, alpha
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
 
     @gluon.jit
     def _attn_consumer(
-        q_bufs, k_bufs, v_bufs, tables, uh_smem, o_smem, tables_ready, q_ready,
+        q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, tables_ready, q_ready,
         q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs,
         CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
         QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr,
@@ -178,6 +166,7 @@ def _kernel() -> Any:
         rows = gl.expand_dims(gl.arange(0, GRID_N, layout=row_layout), 1)
         diag = rows - gl.expand_dims(gl.arange(0, GRID_N, layout=col_layout), 0) + (GRID_N - 1)
         zero_s = gl.zeros((GRID_N, GRID_N), gl.float32, layout=s_layout)
+        q_smem = q_bufs.index(CONSUMER)
         # the same bytes as 128 rows of one dimension, so that a row can be indexed (the
         # layouts are plain row-major, without swizzling, so both views agree)
         row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -192,12 +181,6 @@ def _kernel() -> Any:
             b, h, qt = _attn_tile(tile, q_tiles, heads)
             qy = qt * 2 + CONSUMER  # this group's grid row of queries
             mbarrier.wait(q_ready.index(CONSUMER), local & 1)
-            # the queries' and tables' shared-memory descriptors made here, each tile: hoisted
-            # out of the loop they would hold registers through it (ptxas spilled them)
-            here = _attn_here(CONSUMER, tile)
-            q_smem = q_bufs.index(here)
-            rh_smem = tables.index(here - CONSUMER)
-            rw_smem = tables.index(here - CONSUMER + 1)
             uw = warpgroup_mma(q_smem, rw_smem.permute((1, 0)),
                                gl.zeros((GRID_N, 2 * GRID_N), gl.float32, layout=uw_layout),
                                use_acc=False)  # fmt: skip
@@ -211,58 +194,36 @@ def _kernel() -> Any:
             uh_smem.store(uh_t.to(uh_smem.dtype))
             sync_group()  # and every thread's part of it is there to read
 
-            # key rows two at a time: one softmax rescale, one wait on each product and one
-            # rescale of the accumulator for 128 keys
             s0 = step % STAGES
-            s1 = (step + 1) % STAGES
             mbarrier.wait(kv_ready.index(s0), (step // STAGES) & 1)
-            mbarrier.wait(kv_ready.index(s1), ((step + 1) // STAGES) & 1)
-            qk_a = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False)
-            qk_b = warpgroup_mma(q, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False)
-            rh_a = uh_rows.index(qy + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
-            rh_b = uh_rows.index(qy + GRID_N - 2).load(row_layout).to(gl.float32) * LOG2E_
+            qk = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False)
+            rh = uh_rows.index(qy + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
             m_i = gl.full((GRID_N,), float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros((GRID_N,), gl.float32, layout=row_layout)
-            p_a, p_b, m_i, l_i, alpha = _attn_softmax(qk_a, qk_b, rw, rh_a, rh_b, m_i, l_i,
-                                                      QK_SCALE)  # fmt: skip
-            pa_op = gl.convert_layout(p_a.to(q_smem.dtype), a_layout)
-            pb_op = gl.convert_layout(p_b.to(q_smem.dtype), a_layout)
+            p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), a_layout)
             acc = gl.zeros((GRID_N, head_dim), gl.float32, layout=s_layout)
-            for y in range(2, GRID_N, 2):
+            for y in range(1, GRID_N):
                 st = step + y
-                s0 = st % STAGES
-                s1 = (st + 1) % STAGES
-                prev0 = (st - 2) % STAGES
-                prev1 = (st - 1) % STAGES
-                mbarrier.wait(kv_ready.index(s0), (st // STAGES) & 1)
-                mbarrier.wait(kv_ready.index(s1), ((st + 1) // STAGES) & 1)
-                # these rows' q . k, then the rows before's p . v behind them: the softmax
-                # below runs while the latter are on the tensor cores
-                qka_t = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), zero_s,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                qkb_t = warpgroup_mma(q, k_bufs.index(s1).permute((1, 0)), zero_s,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                pv_t = warpgroup_mma(pa_op, v_bufs.index(prev0), acc, use_acc=y > 2,
+                s = st % STAGES
+                prev = (st - 1) % STAGES
+                mbarrier.wait(kv_ready.index(s), (st // STAGES) & 1)
+                # this row's q . k, then the row before's p . v behind it: the softmax
+                # below runs while the second is on the tensor cores
+                qk_t = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s,
+                                     use_acc=False, is_async=True)  # fmt: skip
+                pv_t = warpgroup_mma(p_op, v_bufs.index(prev), acc, use_acc=y > 1,
                                      is_async=True)  # fmt: skip
-                pv_t = warpgroup_mma(pb_op, v_bufs.index(prev1), pv_t, is_async=True)
-                rh_a = uh_rows.index(qy - y + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
-                rh_b = uh_rows.index(qy - y + GRID_N - 2).load(row_layout).to(gl.float32) * LOG2E_
-                qk_a, qk_b = warpgroup_mma_wait(2, deps=(qka_t, qkb_t))
-                p_a, p_b, m_i, l_i, alpha = _attn_softmax(qk_a, qk_b, rw, rh_a, rh_b, m_i, l_i,
-                                                          QK_SCALE)  # fmt: skip
-                acc, pa_op, pb_op = warpgroup_mma_wait(0, deps=(pv_t, pa_op, pb_op))
-                mbarrier.arrive(kv_empty.index(prev0))  # the rows before's k and v are used
-                mbarrier.arrive(kv_empty.index(prev1))
+                rh = uh_rows.index(qy - y + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
+                qk = warpgroup_mma_wait(1, deps=(qk_t,))
+                p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
+                acc, p_op = warpgroup_mma_wait(0, deps=(pv_t, p_op))
+                mbarrier.arrive(kv_empty.index(prev))  # the row before's k and v are used
                 acc = acc * gl.expand_dims(alpha, 1)
-                pa_op = gl.convert_layout(p_a.to(q_smem.dtype), a_layout)
-                pb_op = gl.convert_layout(p_b.to(q_smem.dtype), a_layout)
-            last0 = (step + GRID_N - 2) % STAGES
-            last1 = (step + GRID_N - 1) % STAGES
-            acc = warpgroup_mma(pa_op, v_bufs.index(last0), acc, is_async=True)
-            acc = warpgroup_mma(pb_op, v_bufs.index(last1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(last0))
-            mbarrier.arrive(kv_empty.index(last1))
+                p_op = gl.convert_layout(p.to(q_smem.dtype), a_layout)
+            last = (step + GRID_N - 1) % STAGES
+            acc = warpgroup_mma(p_op, v_bufs.index(last), acc)
+            mbarrier.arrive(kv_empty.index(last))
             step += GRID_N
 
             out = acc / gl.expand_dims(l_i, 1)
@@ -286,20 +247,20 @@ def _kernel() -> Any:
         q_bufs = gl.allocate_shared_memory(dtype, [2, GRID_N, head_dim], tile_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, GRID_N, head_dim], tile_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, GRID_N, head_dim], tile_layout)
-        # Rh then Rw (one layout: both `[128, 64]` boxes of one dtype)
-        tables = gl.allocate_shared_memory(dtype, [2, 2 * GRID_N, head_dim], rh_desc.layout)
+        rh_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rh_desc.layout)
+        rw_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rw_desc.layout)
         o_bufs = gl.allocate_shared_memory(dtype, [2, GRID_N, head_dim], o_desc.layout)
         # Rh . q^T of each consumer, a row of it read each key row (plain rows: a row is
         # read whole, by the scores' row layout)
         uh_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         uh_bufs = gl.allocate_shared_memory(dtype, [2, 2 * GRID_N, GRID_N], uh_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        tables_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
+        tables = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a consumer each
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        tables_ready = tables_bar.index(0)
+        tables_ready = tables.index(0)
         mbarrier.init(tables_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
@@ -308,16 +269,16 @@ def _kernel() -> Any:
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers read every tile
         gl.warp_specialize([
-            (_attn_consumer, (q_bufs, k_bufs, v_bufs, tables, uh_bufs.index(0),
+            (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(0),
                               o_bufs.index(0), tables_ready, q_ready, q_empty, kv_ready,
                               kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 0,
                               GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
-            (_attn_consumer, (q_bufs, k_bufs, v_bufs, tables, uh_bufs.index(1),
+            (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(1),
                               o_bufs.index(1), tables_ready, q_ready, q_empty, kv_ready,
                               kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 1,
                               GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
-            (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, tables,
-                              tables_ready, q_ready, q_empty, kv_ready, kv_empty,
+            (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem,
+                              rw_smem, tables_ready, q_ready, q_empty, kv_ready, kv_empty,
                               n_tiles, q_tiles, heads, num_programs, GRID_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 

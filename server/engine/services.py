@@ -134,6 +134,8 @@ class Engine:
         use_precision(self.options)
         self.kernels = resolve_kernels(settings, self.device)
         use_kernels(self.kernels)
+        if self.device.type == "cuda":
+            log.info("SERVE_KERNELS=%s: the %s kernels", settings.kernels, self.kernels)
         # RLE runs found on the GPU (one small copy back) rather than by pycocotools on the
         # host (whole masks copied back, then 10-30 ms of one core each, holding the GIL).
         self.rle_on_device = settings.mask_rle in ("low_res", "device") or (

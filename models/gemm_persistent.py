@@ -55,9 +55,10 @@ SERVED: PersistentConfig | None = None
 # fixed per-column scales; no group scales) run its warp-specialised Gluon kernel instead
 # (bench/sam_encoder.py `-gluon`, to compare the encoder with and without it). On an H100
 # it ran SAM's int8 products 1.11-1.36x faster with the same outputs and the encoder 3-4%
-# faster (docs/BENCHMARKS.md, issue 20, twenty-second session); off until the service has
-# run with it, and an AOT export must keep this module's kernel (a Gluon launch is not
-# traced into a package).
+# faster (docs/BENCHMARKS.md, issue 20, twenty-second session). The engine sets it from
+# SERVE_KERNELS (server.engine.build.use_kernels: on for Hopper by default); off here, so
+# that code importing this module alone gets this module's kernel. An AOT export keeps
+# this module's kernel (a Gluon launch is not traced into a package).
 GLUON: bool = False
 
 

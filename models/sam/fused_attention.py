@@ -91,19 +91,19 @@ DENSE_ROWS = False
 # (models/sam/gluon_attention.py: two consumer warp groups share each key and value tile a
 # producer warp loads by TMA) where it runs the layer: on an H100 a global layer at batch 8
 # took 1.217 ms against this kernel's 1.262, at the same fidelity (bench/gluon_attention.py;
-# docs/BENCHMARKS.md, issue 20, twenty-second session). Off until the service has run with
-# it (bench/sam_encoder.py's `-gattn` variants turn it on); traced launches (AOT) keep
-# this kernel.
+# docs/BENCHMARKS.md, issue 20, twenty-second session). The engine sets it from
+# SERVE_KERNELS (server.engine.build.use_kernels: on for Hopper by default; the encoder
+# bench's `-gattn` variants turn it on); traced launches (AOT) keep this kernel.
 GLUON_GLOBAL = False
 
 # Whether the windowed blocks go to the warp-specialised Gluon window kernel
 # (models/sam/gluon_window_attention.py: a window's 196 keys in the 256 slots of its box,
 # two products of 128, the decomposed bias from the tensor cores) where it runs the layer:
-# on an H100 a windowed layer at batch 8 took 0.242 ms against this kernel's 0.266, at the
-# same fidelity
-# (bench/gluon_window_attention.py; docs/BENCHMARKS.md, issue 20, twenty-third session).
-# Off until the service has run with it (bench/sam_encoder.py's `-gwin` variants turn it
-# on); traced launches (AOT) keep this kernel.
+# on an H100 a windowed layer at batch 8 took 0.173-0.177 ms against this kernel's
+# 0.271-0.274, at the same fidelity (bench/gluon_window_attention.py; docs/BENCHMARKS.md,
+# issue 20, twenty-fourth session). Set with GLUON_GLOBAL by the engine from SERVE_KERNELS
+# (the encoder bench's `-gwin` variants turn it on); traced launches (AOT) keep this
+# kernel.
 GLUON_WINDOW = False
 
 

@@ -30,12 +30,13 @@ alone (a padded key's score is q . b_k + rel_h[ky] + rel_w[kx], so the sum of it
 exponentials over a region factors into a sum over ky times one over kx), with no mask a
 key in registers.
 
-Measured on an H100 (2026-12-07, batch 8): 0.242 ms a windowed layer against the Triton
-kernel's 0.266, the same output within bf16's rounding; the int8 encoder 515.6 img/s
-against 502.9. Nsight Compute puts most of the rest on spilled registers: ptxas keeps the
-products' shared-memory descriptors (about 40 64-bit values) in local memory, and 192 KB
-of shared memory leaves L1 little room for them (docs/BENCHMARKS.md, issue 20, twenty-third
-session).
+Measured on an H100 (2026-12-07, batch 8): 0.173-0.177 ms a windowed layer against the
+Triton kernel's 0.271-0.274, the same output within bf16's rounding; the int8 encoder
+531.7 img/s against 508.5 with the Triton kernel. The products' shared-memory descriptors
+(about 36 64-bit values) are made from an opaque copy of the buffer index each tile
+(`_win_here`): hoisted out of the tile loop, ptxas kept them in local memory (352 bytes of
+stack) and the layer took 0.242 ms (docs/BENCHMARKS.md, issue 20, twenty-third and
+twenty-fourth sessions).
 
 Forward only, bf16 or fp16, windows of 14 and heads of 64 (ViT-B/L/H's windowed blocks);
 Gluon has no interpreter: the CPU tests compile it for sm_90

@@ -145,6 +145,12 @@ def test_it_compiles_to_a_producer_and_two_consumers() -> None:
         "m64n128k16.f32.bf16.bf16 m64n32k16.f32.bf16.bf16 m64n64k16.f32.bf16.bf16"
     ), found
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    # nothing spilled: the products' descriptors are made next to them, each tile (hoisted
+    # out of the tile loop they took 352 bytes of stack under Triton 3.6, 0.242 against
+    # 0.173-0.177 ms a layer on an H100)
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    # ... made from the buffer index through one opaque move, once a tile of each consumer
+    assert len(re.findall(r"mov\.b32 %r\d+, %r\d+;\s*// end inline asm", ptx)) >= 2
     regs = {n for _, n in setmaxnreg(ptx)}
     assert {gw.CONSUMER_REGISTERS, gw.PRODUCER_REGISTERS} <= regs
     # TMA: the two constant tiles once; a job's keys, values, two tables and queries

@@ -80,7 +80,6 @@ tma_load: Any = None
 NEW_API: Any = None
 _win_job: Any = None
 _win_here: Any = None
-_win_tiles: Any = None
 _win_exp_terms: Any = None
 _win_producer: Any = None
 _win_consumer: Any = None
@@ -90,7 +89,7 @@ _win_consumer: Any = None
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, warpgroup_mma, warpgroup_mma_wait, tma_load, NEW_API
-    global _win_job, _win_here, _win_tiles, _win_exp_terms, _win_producer, _win_consumer
+    global _win_job, _win_here, _win_exp_terms, _win_producer, _win_consumer
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -123,20 +122,9 @@ def _kernel() -> Any:
                                          is_pure=True, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _win_tiles(rows, M: gl.constexpr, NEW_NAMES: gl.constexpr):
-        # a slot's 256 query rows as tiles of M (the same bytes: the swizzle repeats every
-        # 8 rows), so that a tile can be indexed
-        shape: gl.constexpr = [rows.shape[0] // M, M, rows.shape[1]]
-        if NEW_NAMES:
-            tiles = rows.reinterpret(rows.dtype, shape, rows.layout)
-        else:
-            tiles = rows._reinterpret(rows.dtype, shape, rows.layout)
-        return tiles
-
-    @gluon.jit
     def _win_producer(
-        qkv_desc, t_desc, c_desc, q_bufs, k_bufs, v_bufs, t_bufs, c_smem, const_ready,
-        kv_ready, kv_empty, n_jobs, n_win, windows_w, heads, num_programs,
+        qkv_desc, t_desc, c_desc, q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready,
+        q_ready, q_empty, kv_ready, kv_empty, n_jobs, n_win, windows_w, heads, num_programs,
         WINDOW_: gl.constexpr, NEW_NAMES: gl.constexpr,
     ):  # fmt: skip
         box_layout: gl.constexpr = qkv_desc.layout
@@ -146,7 +134,10 @@ def _kernel() -> Any:
         mbarrier.expect(const_ready, 2 * c_desc.block_type.nbytes)
         for i in gl.static_range(2):
             tma_load(c_desc, [i * c_desc.block_type.shape[0], 0], const_ready, c_smem.index(i))
-        dtype: gl.constexpr = q_bufs.dtype
+        if NEW_NAMES:
+            q_box = q_smem.reinterpret(q_smem.dtype, box_shape, box_layout)
+        else:
+            q_box = q_smem._reinterpret(q_smem.dtype, box_shape, box_layout)
         local = 0
         for job in range(gl.program_id(0), n_jobs, num_programs):
             b, wy, wx, h = _win_job(job, n_win, windows_w, heads)
@@ -154,24 +145,23 @@ def _kernel() -> Any:
             x0 = wx * WINDOW_
             buf = local % 2
             mbarrier.wait(kv_empty.index(buf), ((local // 2) & 1) ^ 1)
-            # a job's queries, keys, values and tables on one ring of two: the next job's
-            # load while this one runs, queries too
-            mbarrier.expect(kv_ready.index(buf), 3 * box_bytes + 2 * t_desc.block_type.nbytes)
+            mbarrier.expect(kv_ready.index(buf), 2 * box_bytes + 2 * t_desc.block_type.nbytes)
             if NEW_NAMES:
-                q_box = q_bufs.index(buf).reinterpret(dtype, box_shape, box_layout)
-                k_box = k_bufs.index(buf).reinterpret(dtype, box_shape, box_layout)
-                v_box = v_bufs.index(buf).reinterpret(dtype, box_shape, box_layout)
+                k_box = k_bufs.index(buf).reinterpret(q_smem.dtype, box_shape, box_layout)
+                v_box = v_bufs.index(buf).reinterpret(q_smem.dtype, box_shape, box_layout)
             else:
-                q_box = q_bufs.index(buf)._reinterpret(dtype, box_shape, box_layout)
-                k_box = k_bufs.index(buf)._reinterpret(dtype, box_shape, box_layout)
-                v_box = v_bufs.index(buf)._reinterpret(dtype, box_shape, box_layout)
-            tma_load(qkv_desc, [b, y0, x0, h * head_dim], kv_ready.index(buf), q_box)
+                k_box = k_bufs.index(buf)._reinterpret(q_smem.dtype, box_shape, box_layout)
+                v_box = v_bufs.index(buf)._reinterpret(q_smem.dtype, box_shape, box_layout)
             tma_load(qkv_desc, [b, y0, x0, (heads + h) * head_dim], kv_ready.index(buf), k_box)
             tma_load(qkv_desc, [b, y0, x0, (2 * heads + h) * head_dim], kv_ready.index(buf),
                      v_box)  # fmt: skip
             for i in gl.static_range(2):  # the head's two tables
                 tma_load(t_desc, [(2 * h + i) * t_desc.block_type.shape[0], 0],
                          kv_ready.index(buf), t_bufs.index(2 * buf + i))  # fmt: skip
+            # the queries: one buffer, free once both consumers' products have read it
+            mbarrier.wait(q_empty, (local & 1) ^ 1)
+            mbarrier.expect(q_ready, box_bytes)
+            tma_load(qkv_desc, [b, y0, x0, h * head_dim], q_ready, q_box)
             local += 1
 
     @gluon.jit
@@ -184,18 +174,18 @@ def _kernel() -> Any:
 
     @gluon.jit
     def _win_consumer(
-        q_bufs, k_bufs, v_bufs, t_bufs, c_smem, const_ready, kv_ready, kv_empty, out_ptr,
-        bias_v_ptr, n_jobs, n_win, windows_w, heads, height, width, pad_x, pad_y, num_programs,
-        CONSUMER: gl.constexpr, WINDOW_: gl.constexpr,
+        q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready, q_empty, kv_ready,
+        kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win, windows_w, heads, height, width,
+        pad_x, pad_y, num_programs, CONSUMER: gl.constexpr, WINDOW_: gl.constexpr,
         BOX_: gl.constexpr, QK_SCALE: gl.constexpr, REL_SCALE: gl.constexpr,
-        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr, NEW_NAMES: gl.constexpr,
+        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr,
     ):  # fmt: skip
-        head_dim: gl.constexpr = q_bufs.shape[2]
-        M: gl.constexpr = 64  # queries a tile
+        M: gl.constexpr = q_smem.shape[1]  # 64 queries a tile
+        head_dim: gl.constexpr = q_smem.shape[2]
         half: gl.constexpr = k_bufs.shape[1] // 2  # key slots a product
         extra: gl.constexpr = c_smem.shape[2]  # 16 columns for each table's terms
         bk_row: gl.constexpr = 2 * WINDOW_ - 1
-        dtype: gl.constexpr = q_bufs.dtype
+        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
         )
@@ -229,12 +219,13 @@ def _kernel() -> Any:
             f_r = right.to(gl.float32)
             f_b = bottom.to(gl.float32)
             mbarrier.wait(kv_ready.index(buf), (local // 2) & 1)
+            mbarrier.wait(q_ready, local & 1)
             for i in range(2):
                 t = CONSUMER + 2 * i  # this group's query tiles: 4 rows of the box each
                 # a tile of only padded queries (the bottom windows' last rows) is skipped
                 if t * (M // BOX_) < rows_here:
+                    a_q = q_smem.index(t)
                     here = _win_here(buf, i)
-                    a_q = _win_tiles(q_bufs.index(here), M, NEW_NAMES).index(t)
                     k_all = k_bufs.index(here)
                     v_all = v_bufs.index(here)
                     c_h = c_smem.index(here - buf)
@@ -286,11 +277,10 @@ def _kernel() -> Any:
                     m0 = gl.max(s, 1) * QK_SCALE
                     p = gl.exp2(s * QK_SCALE - gl.expand_dims(m0, 1))
                     l_i = gl.sum(p, 1)
-                    p_a = gl.convert_layout(p.to(dtype), p_op)
+                    p_a = gl.convert_layout(p.to(q_smem.dtype), p_op)
                     # the second half's scores, then the first half's p . v behind them: the
                     # tensor cores run p . v while the second softmax runs
-                    q_again = _win_tiles(q_bufs.index(_win_here(buf, t)), M, NEW_NAMES)
-                    s = warpgroup_mma(q_again.index(t),
+                    s = warpgroup_mma(q_smem.index(_win_here(t, i)),
                                       k_all.slice(half, half).permute((1, 0)), zero_s,
                                       use_acc=False, is_async=True)  # fmt: skip
                     s = warpgroup_mma(x_h, c_h.slice(half, half).permute((1, 0)), s, is_async=True)
@@ -298,17 +288,19 @@ def _kernel() -> Any:
                     acc = warpgroup_mma(p_a, v_all.slice(0, half), zero_o, use_acc=False,
                                         is_async=True)  # fmt: skip
                     s = warpgroup_mma_wait(1, deps=(s,))
+                    if i == 1:
+                        mbarrier.arrive(q_empty)  # this group has read its queries
                     m1 = gl.maximum(m0, gl.max(s, 1) * QK_SCALE)
                     alpha = gl.exp2(m0 - m1)
                     p = gl.exp2(s * QK_SCALE - gl.expand_dims(m1, 1))
                     l_i = l_i * alpha + gl.sum(p, 1)
-                    p_b = gl.convert_layout(p.to(dtype), p_op)
+                    p_b = gl.convert_layout(p.to(q_smem.dtype), p_op)
                     acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
                     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                     acc = acc * gl.expand_dims(alpha_o, 1)
                     acc = warpgroup_mma(p_b, v_all.slice(half, half), acc)
                     if i == 1:
-                        mbarrier.arrive(kv_empty.index(buf))  # the job's slot is used
+                        mbarrier.arrive(kv_empty.index(buf))  # keys, values, tables used
                     if HAS_BIAS:
                         bv = gl.load(bias_v_ptr + h * head_dim + o_cols).to(gl.float32)
                         m_e = gl.convert_layout(m1, pad_log.type.layout)
@@ -326,8 +318,9 @@ def _kernel() -> Any:
                     token = (b * height + y) * width + x_
                     ptrs = out_ptr + gl.expand_dims(token * (heads * head_dim) + h * head_dim, 1) \
                         + gl.expand_dims(o_cols, 0)  # fmt: skip
-                    gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(keep, 1))
+                    gl.store(ptrs, out.to(q_smem.dtype), mask=gl.expand_dims(keep, 1))
                 elif i == 1:
+                    mbarrier.arrive(q_empty)
                     mbarrier.arrive(kv_empty.index(buf))
             local += 1
 
@@ -345,7 +338,7 @@ def _kernel() -> Any:
         keys: gl.constexpr = BOX_ * BOX_
         M: gl.constexpr = 64
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, head_dim], dtype)
-        q_bufs = gl.allocate_shared_memory(dtype, [2, keys, head_dim], tile_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [keys // M, M, head_dim], tile_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [2, keys, head_dim], tile_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [2, keys, head_dim], tile_layout)
         t_rows: gl.constexpr = t_desc.block_type.shape[0]
@@ -354,27 +347,29 @@ def _kernel() -> Any:
         c_cols: gl.constexpr = c_desc.block_type.shape[1]
         c_smem = gl.allocate_shared_memory(dtype, [2, c_rows, c_cols], c_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        singles = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
+        singles = gl.allocate_shared_memory(gl.int64, [3, 1], bar_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         const_ready = singles.index(0)
+        q_ready = singles.index(1)
+        q_empty = singles.index(2)
         mbarrier.init(const_ready, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers read every job's queries
         for i in gl.static_range(2):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         gl.warp_specialize([
-            (_win_consumer, (q_bufs, k_bufs, v_bufs, t_bufs, c_smem, const_ready, kv_ready,
-                             kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
+            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
                              windows_w, heads, height, width, pad_x, pad_y, num_programs, 0,
-                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE,
-                             NEW_NAMES)),
-            (_win_consumer, (q_bufs, k_bufs, v_bufs, t_bufs, c_smem, const_ready, kv_ready,
-                             kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
+                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
+            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
                              windows_w, heads, height, width, pad_x, pad_y, num_programs, 1,
-                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE,
-                             NEW_NAMES)),
-            (_win_producer, (qkv_desc, t_desc, c_desc, q_bufs, k_bufs, v_bufs, t_bufs, c_smem,
-                             const_ready, kv_ready, kv_empty, n_jobs, n_win,
+                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
+            (_win_producer, (qkv_desc, t_desc, c_desc, q_smem, k_bufs, v_bufs, t_bufs, c_smem,
+                             const_ready, q_ready, q_empty, kv_ready, kv_empty, n_jobs, n_win,
                              windows_w, heads, num_programs, WINDOW_, NEW_NAMES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 

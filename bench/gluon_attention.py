@@ -31,9 +31,10 @@ from models.sam.gluon_attention import GRID, HEAD_DIM, launch_gluon_attention
 HEADS = 12  # ViT-B
 
 
-def compile_for_hopper() -> Any:
+def compile_for_hopper(p_shared: bool = False) -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
-    `launch_gluon_attention` launches it for ViT-B."""
+    `launch_gluon_attention` launches it for ViT-B (`p_shared`: p handed to `p . v` by
+    shared memory, `gluon_attention.P_SHARED`)."""
     from bench.gemm_resources import compile_gluon, gluon_descriptor
 
     def desc(rows: int, cols: int, block: list[int]) -> str:
@@ -51,7 +52,8 @@ def compile_for_hopper() -> Any:
     constexprs = {"GRID_N": GRID, "STAGES": gluon_attention.STAGES,
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
                   "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
-                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
+                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS,
+                  "P_SHARED": p_shared}  # fmt: skip
     return compile_gluon(gluon_attention._kernel(), signature, constexprs,
                          gluon_attention.KERNEL_MAX_REGISTERS)  # fmt: skip
 
@@ -74,6 +76,47 @@ def print_resources(compile_kernel: Callable[[], Any] = compile_for_hopper) -> N
     row = resources_row(compile_kernel())
     print(f"Triton {triton.__version__}, sm_90")
     print_table([row], list(row))
+
+
+def consumer_loop(compiled: Any) -> list[str]:
+    """The SASS of a consumer's key-row loop, one instruction a line: the first backward
+    branch over more than 128 and fewer than 700 instructions (the tile loop is longer,
+    the waits' spins shorter)."""
+    from bench.gemm_resources import cuobjdump
+
+    found = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", cuobjdump(compiled, "-sass"))
+    code = [(int(address, 16), text.strip()) for address, text in found]
+    at = {address: i for i, (address, _) in enumerate(code)}
+    for i, (_, text) in enumerate(code):
+        target = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if target is None or int(target[1], 16) not in at:
+            continue
+        start = at[int(target[1], 16)]
+        if 128 < i - start < 700:
+            return [text for _, text in code[start : i + 1]]
+    raise ValueError("no key-row loop found in the SASS")
+
+
+def exponentials_beside_p_v(loop: list[str]) -> bool:
+    """Whether the row's first exponential comes before its wait for `p . v` (the loop's
+    second wgmma wait): whether the softmax runs while that product is on the tensor
+    cores."""
+    waits = [i for i, text in enumerate(loop) if text.startswith("WARPGROUP.DEPBAR")]
+    first_exp = next(i for i, text in enumerate(loop) if text.startswith("MUFU.EX2"))
+    return first_exp < waits[1]
+
+
+def print_both_resources() -> None:
+    """`--resources` for this kernel: both forms of handing p to `p . v`."""
+    import triton
+
+    rows = []
+    for form in ("registers", "shared"):
+        compiled = compile_for_hopper(form == "shared")
+        beside = exponentials_beside_p_v(consumer_loop(compiled))
+        rows.append({"p": form, **resources_row(compiled), "exp beside p.v": beside})
+    print(f"Triton {triton.__version__}, sm_90")
+    print_table(rows, list(rows[0]))
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,32 +147,44 @@ def dense_reference(qkv: torch.Tensor, rph: torch.Tensor, rpw: torch.Tensor) -> 
 
 def check(batch: int) -> dict[str, Any]:
     qkv, rph, rpw = inputs(batch, seed=1)
-    got = launch_gluon_attention(qkv, rph, rpw)
+    got = launch_gluon_attention(qkv, rph, rpw, p_shared=False)
+    shared = launch_gluon_attention(qkv, rph, rpw, p_shared=True)
     torch.cuda.synchronize()
     served = fused_attention.fused_rel_pos_attention(qkv, rph, rpw)
     ref = dense_reference(qkv, rph, rpw)
     scale = ref.abs().max()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max() / scale)
+
     row = {
         "batch": batch,
-        "gluon vs triton max_rel": float((got.float() - served.float()).abs().max() / scale),
-        "gluon vs fp32 max_rel (image 0)": float((got[:1].float() - ref).abs().max() / scale),
-        "triton vs fp32 max_rel (image 0)": float((served[:1].float() - ref).abs().max() / scale),
+        "gluon vs triton max_rel": rel(got, served),
+        "gluon vs fp32 max_rel (image 0)": rel(got[:1], ref),
+        "triton vs fp32 max_rel (image 0)": rel(served[:1], ref),
         "nan": bool(got.isnan().any()),
+        # the form with p by shared memory (P_SHARED), timed only where it agrees too
+        "p shared vs triton max_rel": rel(shared, served),
+        "p shared nan": bool(shared.isnan().any()),
     }
     print(row, flush=True)
     return row
 
 
-def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
+def measure(batch: int, reps: int, iters: int, p_shared_ok: bool = True) -> dict[str, Any]:
     qkv, rph, rpw = inputs(batch)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     flops = 4 * batch * HEADS * (GRID * GRID) ** 2 * HEAD_DIM
     row: dict[str, Any] = {"batch": batch}
-    for name, fn in (
+    forms: list[tuple[str, Callable[[], Any]]] = [
         ("triton ms", lambda: fused_attention.fused_rel_pos_attention(qkv, rph, rpw)),
-        ("gluon ms", lambda: launch_gluon_attention(qkv, rph, rpw)),
+        ("gluon ms", lambda: launch_gluon_attention(qkv, rph, rpw, p_shared=False)),
         ("sdpa no bias ms", lambda: F.scaled_dot_product_attention(q, k, v)),
-    ):
+    ]
+    if p_shared_ok:
+        forms.insert(2, ("gluon p shared ms",
+                         lambda: launch_gluon_attention(qkv, rph, rpw, p_shared=True)))  # fmt: skip
+    for name, fn in forms:
         row[name] = graphed_ms(fn, reps, iters)
         row[name.replace("ms", "TFLOP/s")] = flops / row[name] / 1e9
         print(f"  {name}: {row[name]:.4f}", flush=True)
@@ -188,7 +243,17 @@ def main() -> None:
     def launch_once(batch: int) -> None:
         launch_gluon_attention(*inputs(batch))
 
-    bench_main(__doc__ or "", print_resources, launch_once, check, measure)
+    checked: dict[str, bool] = {}
+
+    def check_both(batch: int) -> dict[str, Any]:
+        row = check(batch)
+        checked["p shared"] = not row["p shared nan"] and row["p shared vs triton max_rel"] <= 0.02
+        return row
+
+    def measure_both(batch: int, reps: int, iters: int) -> dict[str, Any]:
+        return measure(batch, reps, iters, checked.get("p shared", False))
+
+    bench_main(__doc__ or "", print_both_resources, launch_once, check_both, measure_both)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,15 @@ from models import gemm_persistent, ln_quant
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
-from models.sam import SAM_CONFIGS, PromptSet, Sam, fused_attention, load_sam, pack_prompts
+from models.sam import (
+    SAM_CONFIGS,
+    PromptSet,
+    Sam,
+    fused_attention,
+    gluon_attention,
+    load_sam,
+    pack_prompts,
+)
 from models.sam import transforms as tf
 from models.sam.image_encoder import Block
 
@@ -120,6 +128,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pshared",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -156,7 +165,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     (`ln_quant.SHAPE`), `-gluon` the int8 products through the warp-specialised Gluon
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
-    Gluon window kernel (`fused_attention.GLUON_WINDOW`).
+    Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-pshared` the Gluon global
+    attention's p handed to `p . v` by shared memory (`gluon_attention.P_SHARED`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -167,11 +177,12 @@ def runtime_knobs(name: str) -> Iterator[None]:
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-             fused_attention.GLUON_WINDOW)  # fmt: skip
+             fused_attention.GLUON_WINDOW, gluon_attention.P_SHARED)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
     fused_attention.GLUON_WINDOW = "gwin" in parts
+    gluon_attention.P_SHARED = "pshared" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -188,7 +199,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-         fused_attention.GLUON_WINDOW) = saved  # fmt: skip
+         fused_attention.GLUON_WINDOW, gluon_attention.P_SHARED) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

@@ -49,6 +49,7 @@ from models.sam import (
     Sam,
     fused_attention,
     gluon_attention,
+    gluon_window_attention,
     load_sam,
     pack_prompts,
 )
@@ -128,7 +129,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pshared",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-anchor",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -165,8 +166,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
     (`ln_quant.SHAPE`), `-gluon` the int8 products through the warp-specialised Gluon
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
-    Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-pshared` the Gluon global
-    attention's p handed to `p . v` by shared memory (`gluon_attention.P_SHARED`).
+    Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-anchor` both Gluon attentions'
+    softmax sums stored before their `p . v` waits (`gluon_attention.ANCHOR`,
+    `gluon_window_attention.ANCHOR`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -177,12 +179,13 @@ def runtime_knobs(name: str) -> Iterator[None]:
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-             fused_attention.GLUON_WINDOW, gluon_attention.P_SHARED)  # fmt: skip
+             fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
+             gluon_window_attention.ANCHOR)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
     fused_attention.GLUON_WINDOW = "gwin" in parts
-    gluon_attention.P_SHARED = "pshared" in parts
+    gluon_attention.ANCHOR = gluon_window_attention.ANCHOR = "anchor" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -199,7 +202,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-         fused_attention.GLUON_WINDOW, gluon_attention.P_SHARED) = saved  # fmt: skip
+         fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
+         gluon_window_attention.ANCHOR) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.gemm_resources import resources, setmaxnreg
-from bench.gluon_attention import compile_for_hopper, consumer_loop, exponentials_beside_p_v
+from bench.gluon_attention import compile_for_hopper, exponentials_before_p_v_wait
 from models.sam import gluon_attention
 from models.sam.gluon_attention import gluon_attention_supported, launch_gluon_attention
 
@@ -45,22 +45,16 @@ def test_it_compiles_to_two_overlapping_consumers_and_a_producer() -> None:
     assert "st.shared.v" not in loop_rest
 
 
-def test_p_by_shared_memory_lets_the_exponentials_run_beside_p_v() -> None:
-    """With p in registers ptxas waits for the row before's `p . v` before the softmax's
-    first exponential, whatever the PTX's order; handed over by shared memory (two buffers
-    a consumer, `P_SHARED`) the exponentials come first, so the softmax and that product
-    overlap in one warp group. What the CPU can show; the speed is the GPU's to measure
+def test_an_anchor_puts_the_softmax_beside_p_v() -> None:
+    """ptxas waits for the row before's `p . v` before the softmax's exponentials, whatever
+    the PTX's order; with the row sums stored first (`ANCHOR`) all 32 a thread (and the
+    rescale's) come before that wait, and nothing spills. The speed is the GPU's to measure
     (bench/gluon_attention.py times both forms)."""
-    registers = compile_for_hopper(p_shared=False)
-    shared = compile_for_hopper(p_shared=True)
-    assert not exponentials_beside_p_v(consumer_loop(registers))
-    assert exponentials_beside_p_v(consumer_loop(shared))
-    loop = consumer_loop(shared)
-    # one row of 64 keys: 4 + 4 products, 32 exponentials a thread and the rescale's
-    assert sum(text.startswith("HGMMA") for text in loop) == 8
-    assert sum(text.startswith("MUFU.EX2") for text in loop) == 34
-    found = resources(shared)
-    assert found["local_bytes"] == 0 and shared.metadata.shared <= 227 * 1024, found
+    assert exponentials_before_p_v_wait(compile_for_hopper(anchor=False)) < 8
+    anchored = compile_for_hopper(anchor=True)
+    assert exponentials_before_p_v_wait(anchored) >= 32
+    found = resources(anchored)
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
 
 
 def test_only_the_layers_it_was_written_for_are_taken() -> None:

@@ -149,15 +149,17 @@ def resolve_kernels(settings: Settings, device: torch.device) -> Literal["triton
     against 508.5 / 515.2 with the Triton kernels, the same masks (H100, docs/BENCHMARKS.md,
     issue 20). `gluon` asked for where they cannot run is refused at start, naming the
     setting."""
+    if settings.kernels == "triton":
+        return "triton"
     why = gluon_unsupported(device)
     if settings.kernels == "auto":
         return "gluon" if why is None else "triton"
-    if settings.kernels == "gluon" and why is not None:
+    if why is not None:
         raise VariantUnsupportedError(
             f"SERVE_KERNELS=gluon cannot run on this device: {why}. Use auto (the Gluon "
             "kernels on Hopper, Triton's elsewhere) or triton."
         )
-    return settings.kernels
+    return "gluon"
 
 
 def use_kernels(kernels: Literal["triton", "gluon"]) -> None:

@@ -85,6 +85,19 @@ def exponentials_before_p_v_wait(compiled: Any) -> int:
     return sum(text.startswith("MUFU.EX2") for text in code[start:end])
 
 
+def anchor_effect(compile_kernel: Callable[[bool], Any]) -> dict[str, int]:
+    """What `ANCHOR` does to a kernel compiled for sm_90 (both attentions' tests hold it):
+    the exponentials before the `p . v` wait without and with it, and the anchored form's
+    spilled bytes."""
+    from bench.gemm_resources import resources
+
+    anchored = compile_kernel(True)
+    found = resources(anchored)
+    return {"plain": exponentials_before_p_v_wait(compile_kernel(False)),
+            "anchored": exponentials_before_p_v_wait(anchored),
+            "anchored spills": found["stack_bytes"] + found["local_bytes"]}  # fmt: skip
+
+
 def print_resources(compile_kernel: Callable[[bool], Any] = compile_for_hopper) -> None:
     """`--resources`: both forms (`ANCHOR` off and on) compiled for sm_90."""
     import triton

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.gemm_resources import resources, setmaxnreg
-from bench.gluon_attention import compile_for_hopper, exponentials_before_p_v_wait
+from bench.gluon_attention import anchor_effect, compile_for_hopper
 from models.sam import gluon_attention
 from models.sam.gluon_attention import gluon_attention_supported, launch_gluon_attention
 
@@ -50,11 +50,9 @@ def test_an_anchor_puts_the_softmax_beside_p_v() -> None:
     the PTX's order; with the row sums stored first (`ANCHOR`) all 32 a thread (and the
     rescale's) come before that wait, and nothing spills. The speed is the GPU's to measure
     (bench/gluon_attention.py times both forms)."""
-    assert exponentials_before_p_v_wait(compile_for_hopper(anchor=False)) < 8
-    anchored = compile_for_hopper(anchor=True)
-    assert exponentials_before_p_v_wait(anchored) >= 32
-    found = resources(anchored)
-    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    found = anchor_effect(compile_for_hopper)
+    assert found["plain"] < 8 and found["anchored"] >= 32, found
+    assert found["anchored spills"] == 0, found
 
 
 def test_only_the_layers_it_was_written_for_are_taken() -> None:

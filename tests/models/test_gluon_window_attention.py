@@ -164,14 +164,11 @@ def test_it_compiles_to_a_producer_and_two_consumers() -> None:
 def test_an_anchor_puts_the_second_softmax_beside_the_first_p_v() -> None:
     """As in the global kernel (`ANCHOR`): stored sums keep the second half's exponentials
     (64 a thread) before the wait for the first half's `p . v`; without, ptxas waits first."""
-    from bench.gemm_resources import resources
-    from bench.gluon_attention import exponentials_before_p_v_wait
+    from bench.gluon_attention import anchor_effect
 
-    assert exponentials_before_p_v_wait(compile_for_hopper(anchor=False)) < 8
-    anchored = compile_for_hopper(anchor=True)
-    assert exponentials_before_p_v_wait(anchored) >= 64
-    found = resources(anchored)
-    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    found = anchor_effect(compile_for_hopper)
+    assert found["plain"] < 8 and found["anchored"] >= 64, found
+    assert found["anchored spills"] == 0, found
 
 
 def test_only_the_layers_it_was_written_for_are_taken() -> None:

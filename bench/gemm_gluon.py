@@ -21,6 +21,7 @@ differ and the largest difference in steps.
 
     python3 -m bench.gemm_gluon --batch 8
     python3 -m bench.gemm_gluon --check-only  # its numbers on odd shapes against torch
+    python3 -m bench.gemm_gluon --configs s4 --ceilings  # and what bounds each product
     python -m bench.gemm_gluon --resources    # no GPU: each form compiled for sm_90
 """
 
@@ -160,7 +161,44 @@ def products(batch: int) -> list[dict[str, Any]]:
             for r in sam_products(batch, SAM_TOKENS) if "~" not in r["layer"]]  # fmt: skip
 
 
-def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> None:
+def ceilings(
+    row: dict[str, Any],
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    reps: int,
+    iters: int,
+) -> None:
+    """What bounds the product, beside the served forms: the same operands through the Gluon
+    kernel with no epilogue work (no scales, bias, residual or GELU; bf16 out: its main loop
+    and store alone), cuBLASLt's int8 product (`torch._int_mm`, int32 out, contiguous rows)
+    and the vendor's fp8 rowwise product on e4m3 copies (`torch._scaled_mm`, CUTLASS on
+    sm_90, scales and bf16 out in its epilogue)."""
+    flops = 2 * row["M"] * row["K"] * row["N"]
+    dense = xq.contiguous()
+    a8 = (dense.float() / 127 * 448).to(torch.float8_e4m3fn)
+    b8 = (wq.float() / 127 * 448).to(torch.float8_e4m3fn)
+    forms: dict[str, Any] = {
+        "gluon bare": lambda: launch_gluon(xq, None, wq, ws.new_ones(ws.shape)),
+        "int_mm": lambda: torch._int_mm(dense, wq.t()),
+        "fp8 rowwise": lambda: torch._scaled_mm(
+            a8, b8.t(), scale_a=xs.float()[:, None].contiguous(),
+            scale_b=ws.float()[None, :].contiguous(), out_dtype=torch.bfloat16),
+    }  # fmt: skip
+    for name, fn in forms.items():
+        try:
+            ms = graphed_ms(fn, reps, iters)
+        except Exception as exc:  # a form this torch or device lacks: say so, go on
+            print(f"  {row['layer']} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        row[f"{name} ms"] = ms
+        row[f"{name} TFLOP/s"] = flops / ms / 1e9
+
+
+def measure(
+    row: dict[str, Any], configs: list[str], reps: int, iters: int, with_ceilings: bool = False
+) -> None:
     m, k, n = row["M"], row["K"], row["N"]
     layer = row["layer"].split(".")[1]
     dev = torch.device("cuda")
@@ -200,6 +238,8 @@ def measure(row: dict[str, Any], configs: list[str], reps: int, iters: int) -> N
         return y + residual if residual is not None else y
 
     flops = 2 * m * k * n
+    if with_ceilings:
+        ceilings(row, xq, xs, wq, ws, reps, iters)
     row["bf16 ms"] = graphed_ms(bf16, reps, iters)
     row["persistent ms"] = graphed_ms(persistent, reps, iters)
     want = persistent()
@@ -238,6 +278,11 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--resources", action="store_true", help="compile each form for sm_90 only")
     p.add_argument("--check-only", action="store_true", help="the numbers of `CHECKS` only")
+    p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="also the kernel without epilogue work, torch._int_mm, fp8 rowwise",
+    )
     args = p.parse_args()
     if args.resources:
         print_resources()
@@ -253,7 +298,7 @@ def main() -> None:
         return
     rows = [r for r in products(args.batch) if args.layers is None or r["layer"] in args.layers]
     for row in rows:
-        measure(row, args.configs, args.reps, args.iters)
+        measure(row, args.configs, args.reps, args.iters, args.ceilings)
         print(row, flush=True)
     total: dict[str, Any] = {"layer": "both blocks (sum)"}
     for key in ["bf16 ms", "persistent ms"] + [f"gluon {c} ms" for c in args.configs]:
@@ -266,6 +311,8 @@ def main() -> None:
         cols += [f"gluon {c} ms", f"gluon {c} TFLOP/s", f"{c} max_rel", f"{c} int8 differ",
                  f"{c} int8 max step"]  # fmt: skip
     cols.append("best gluon / persistent")
+    for name in ("gluon bare", "int_mm", "fp8 rowwise"):
+        cols += [f"{name} ms", f"{name} TFLOP/s"]
     print_table(rows, [c for c in cols if any(c in r for r in rows)])
     if args.json:
         write_json(Path(args.json), {"environment": env, "rows": rows})

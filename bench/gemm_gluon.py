@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +52,9 @@ CONFIGS = {
     "s4": GluonConfig(128, 128, 128, 4),
     "s3": GluonConfig(128, 128, 128, 3),
     "k64s6": GluonConfig(128, 128, 64, 6),
+    # both consumer groups on one 128 x 256 tile (the A rows shared): 3 slots fit
+    "coop3": GluonConfig(128, 128, 128, 3, coop=True),
+    "coop4": GluonConfig(128, 128, 128, 4, coop=True),  # int8 outputs only (lin1): 224 KiB
 }
 
 
@@ -88,7 +92,7 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
 
     signature = {
         "a_desc": desc(torch.int8, [c.block_m, c.block_k]),
-        "b_desc": desc(torch.int8, [c.block_n, c.block_k]),
+        "b_desc": desc(torch.int8, [c.block_n * (2 if c.coop else 1), c.block_k]),
         "c_desc": desc(out, [c.block_m, c.block_n]),
         "r_desc": desc(out, [c.block_m, c.block_n]),
         "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32", "OS": "*fp32",
@@ -97,7 +101,7 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
     constexprs = {"X_SCALED": f.x_scaled, "HAS_BIAS": f.bias, "HAS_RES": f.residual,
                   "GELU": f.gelu, "IS_FP8": False, "QUANT_OUT": f.int8_out, "GROUP_M": 8,
                   "STAGES": c.stages, "CONSUMER_REGS": c.consumer_registers,
-                  "PRODUCER_REGS": gemm_gluon.PRODUCER_REGISTERS}  # fmt: skip
+                  "PRODUCER_REGS": gemm_gluon.PRODUCER_REGISTERS, "COOP": c.coop}  # fmt: skip
     return compile_gluon(gemm_gluon._kernel(), signature, constexprs,
                          gemm_gluon.KERNEL_MAX_REGISTERS, divisible=("N", "K"))  # fmt: skip
 
@@ -124,14 +128,17 @@ CHECKS = [(300, 768, 768, "qkv"), (1000, 768, 2304, "proj"), (4100, 768, 3072, "
           (4100, 3072, 768, "lin2")]  # fmt: skip
 
 
-def check() -> list[dict[str, Any]]:
-    """Each of `CHECKS` through `launch_gluon` against torch: `max_rel` for bf16 outputs (the
-    largest difference over the largest magnitude), the share of int8 outputs off by a step
-    and the largest step for lin1's."""
+def check(configs: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each of `CHECKS` through `launch_gluon` in each of `configs` (the default config
+    alone: None) against torch: `max_rel` for bf16 outputs (the largest difference over the
+    largest magnitude), the share of int8 outputs off by a step and the largest step for
+    lin1's. A config whose shared memory a form overflows is left out of that form."""
+    from triton.runtime.errors import OutOfResources
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
-    for m, k, n, form in CHECKS:
+    for (m, k, n, form), name in itertools.product(CHECKS, configs or [None]):
         f = FORMS[form]
         xq, xs = quantize_rows(torch.randn(m, k, device=dev, generator=g))
         wq, ws = quantize_rows(torch.randn(n, k, device=dev, generator=g) / k**0.5)
@@ -142,9 +149,14 @@ def check() -> list[dict[str, Any]]:
         y = F.gelu(y, approximate="tanh") if f.gelu else y
         y = y + res.float() if res is not None else y
         inv = 127.0 / y.abs().amax(0) if f.int8_out else None
-        got = launch_gluon(xq, xs if f.x_scaled else None, wq, ws, bias, res, gelu=bool(f.gelu),
-                           gelu_tanh=True, out_inv_scale=inv)  # fmt: skip
-        row: dict[str, Any] = {"form": form, "M": m, "K": k, "N": n}
+        try:
+            got = launch_gluon(xq, xs if f.x_scaled else None, wq, ws, bias, res,
+                               gelu=bool(f.gelu), gelu_tanh=True, out_inv_scale=inv,
+                               config=CONFIGS[name] if name else None)  # fmt: skip
+        except OutOfResources as exc:
+            print(f"  {form} {name}: {str(exc)[:120]}", flush=True)
+            continue
+        row: dict[str, Any] = {"form": form, "config": name or "default", "M": m, "K": k, "N": n}
         if inv is not None:
             step = (got.int() - (y * inv).round().clamp(-127, 127).int()).abs()
             row |= {"int8 differ": float((step > 0).float().mean()), "max step": int(step.max())}
@@ -291,9 +303,9 @@ def main() -> None:
         raise SystemExit("the Gluon GEMM runs only on a Hopper GPU")
     env = environment()
     print(env, flush=True)
-    checks = check()
-    print_table(checks, [c for c in ("form", "M", "K", "N", "max_rel", "int8 differ", "max step")
-                         if any(c in r for r in checks)])  # fmt: skip
+    checks = check(args.configs)
+    columns = ("form", "config", "M", "K", "N", "max_rel", "int8 differ", "max step")
+    print_table(checks, [c for c in columns if any(c in r for r in checks)])
     if args.check_only:
         return
     rows = [r for r in products(args.batch) if args.layers is None or r["layer"] in args.layers]

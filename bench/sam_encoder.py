@@ -39,7 +39,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
-from models import gemm_persistent, ln_quant
+from models import gemm_gluon, gemm_persistent, ln_quant
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
@@ -69,8 +69,8 @@ def _variant(name: str) -> OptimizeOptions:
     calibrated at load (models.mlp_static), `-pres` the attention's residual added in
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
-    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`) may
-    follow."""
+    `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
+    `-anchor`, `-pingpong`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -130,6 +130,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-anchor",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pingpong",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -168,7 +169,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
     Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-anchor` both Gluon attentions'
     softmax sums stored before their `p . v` waits (`gluon_attention.ANCHOR`,
-    `gluon_window_attention.ANCHOR`).
+    `gluon_window_attention.ANCHOR`), `-pingpong` every Gluon GEMM in its ping-pong form,
+    none in the cooperative one (`gemm_gluon.COOPERATIVE`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -180,8 +182,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
              fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
-             gluon_window_attention.ANCHOR)  # fmt: skip
+             gluon_window_attention.ANCHOR, gemm_gluon.COOPERATIVE)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
+    gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
     fused_attention.GLUON_WINDOW = "gwin" in parts
@@ -203,7 +206,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
          fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
-         gluon_window_attention.ANCHOR) = saved  # fmt: skip
+         gluon_window_attention.ANCHOR, gemm_gluon.COOPERATIVE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

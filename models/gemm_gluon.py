@@ -61,6 +61,14 @@ class GluonConfig:
                 f"r{self.consumer_registers}{' coop' if self.coop else ''}")  # fmt: skip
 
 
+# The plain products (a float output, no residual, no GELU: SAM's qkv) on 128 x 256 tiles
+# shared by both groups where N allows (`COOP_PLAIN`): on an H100 at batch 8 SAM's qkv ran
+# 1.06-1.10x faster so, bound by L2's bandwidth (ncu: L2 89% busy, 128 x 128 tiles); the
+# products with an epilogue to hide (proj, lin1, lin2) 4-18% slower (docs/BENCHMARKS.md,
+# issue 20, twenty-fifth session). bench/sam_encoder.py `-pingpong` turns it off.
+COOPERATIVE: bool = True
+COOP_PLAIN = GluonConfig(128, 128, 128, 3, coop=True)
+
 PRODUCER_REGISTERS = 40
 # three warp groups an SM: two consumers and the producer's (one warp, padded to a group)
 KERNEL_MAX_REGISTERS = 168
@@ -315,7 +323,8 @@ def launch_gluon(
     """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]`, as
     models.gemm_persistent.launch_persistent computes it; with `out_inv_scale [N]` the
     output leaves as int8 by those fixed per-column scales (as `launch_persistent_static_out`).
-    Raises ValueError where TMA cannot carry the operands."""
+    Without `config`, the plain products take `COOP_PLAIN` (where `COOPERATIVE`), the rest
+    the ping-pong default. Raises ValueError where TMA cannot carry the operands."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_kernel import check_operands
@@ -327,8 +336,10 @@ def launch_gluon(
         raise ValueError(f"Gluon GEMM: {why}")
     if xq.device.type != "cuda":
         raise ValueError("the Gluon GEMM runs only on a CUDA device (Gluon has no interpreter)")
-    c = config or GluonConfig()
     quant_out = out_inv_scale is not None
+    plain = residual is None and not gelu and not quant_out
+    coop = COOPERATIVE and plain and N % (2 * COOP_PLAIN.block_n) == 0
+    c = config or (COOP_PLAIN if coop else GluonConfig())
     if quant_out and (xq.dtype != torch.int8 or residual is not None):
         raise ValueError("a fixed-scale int8 output needs int8 operands and no residual")
     out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)

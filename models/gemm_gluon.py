@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GluonConfig", "launch_gluon"]
+__all__ = ["GluonConfig", "launch_gluon", "served_config"]
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,16 @@ def _kernel() -> Any:
     return ws_gemm
 
 
+def served_config(residual: bool, gelu: bool, quant_out: bool, n: int) -> GluonConfig:
+    """The launch shape of a product with this epilogue and `n` output columns:
+    `COOP_PLAIN` for the plain ones where `COOPERATIVE` and its 256-column tiles divide `n`,
+    the ping-pong default for the rest."""
+    plain = not (residual or gelu or quant_out)
+    if COOPERATIVE and plain and n % (2 * COOP_PLAIN.block_n) == 0:
+        return COOP_PLAIN
+    return GluonConfig()
+
+
 def _layout(block: list[int], dtype: torch.dtype) -> Any:
     from triton.experimental.gluon import language as gl
 
@@ -337,9 +347,7 @@ def launch_gluon(
     if xq.device.type != "cuda":
         raise ValueError("the Gluon GEMM runs only on a CUDA device (Gluon has no interpreter)")
     quant_out = out_inv_scale is not None
-    plain = residual is None and not gelu and not quant_out
-    coop = COOPERATIVE and plain and N % (2 * COOP_PLAIN.block_n) == 0
-    c = config or (COOP_PLAIN if coop else GluonConfig())
+    c = config or served_config(residual is not None, gelu, quant_out, N)
     if quant_out and (xq.dtype != torch.int8 or residual is not None):
         raise ValueError("a fixed-scale int8 output needs int8 operands and no residual")
     out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)

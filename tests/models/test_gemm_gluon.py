@@ -62,3 +62,46 @@ def test_the_gpu_checks_cover_every_form_with_a_partial_last_tile() -> None:
     zero fill on load and clipping on store)."""
     assert {form for *_, form in CHECKS} == set(FORMS)
     assert all(m % 128 for m, *_ in CHECKS)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_cooperative_form_shares_each_tile_between_both_groups(form: str) -> None:
+    """`GluonConfig.coop`: both consumer groups on one 128 x 256 tile, each its half of the
+    columns, so the ring's slots hold 256 rows of B and 3 of them fit beside the output's
+    staging. No turns are handed over (each group waits for its slots, its residual, and
+    nothing else), and a slot is emptied by both groups' arrivals."""
+    config = gemm_gluon.COOP_PLAIN
+    compiled = compile_for_hopper(form, config)
+    ptx = compiled.asm["ptx"]
+    found = resources(compiled)
+    assert found["wgmma"] == "m64n128k32.s32.s8.s8", found
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    out_bytes = 1 if FORMS[form].int8_out else 2
+    ring = config.stages * (config.block_m + 2 * config.block_n) * config.block_k
+    staging = 2 * config.block_m * config.block_n * out_bytes
+    assert ring + staging <= compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    residual = FORMS[form].residual
+    waits = len(re.findall(r"mbarrier\.try_wait\.parity", ptx))
+    assert waits == 2 * (2 if residual else 1) + 1, waits  # slots (and residual); producer
+    # each group frees slots (twice in its code); no turn is handed over
+    assert len(re.findall(r"mbarrier\.arrive\.shared", ptx)) == 2 * 2
+    # the two slots of emptied counted twice: `mbarrier.init` with a count of 2
+    assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 2;", ptx)
+
+
+def test_the_plain_products_take_the_cooperative_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config `launch_gluon` runs without one: `COOP_PLAIN` for a float output with
+    neither residual nor GELU and N a multiple of 256 (SAM's qkv), the ping-pong default for
+    the rest (measured slower on the cooperative tiles), and for every product with
+    `COOPERATIVE` off."""
+    default = gemm_gluon.GluonConfig()
+    cases = [
+        ((False, False, False, 2304), gemm_gluon.COOP_PLAIN),  # qkv
+        ((True, False, False, 768), default),  # proj, lin2: a residual
+        ((False, True, True, 3072), default),  # lin1: GELU, int8 out
+        ((False, False, False, 288), default),  # Swin-T's first qkv: N not a multiple of 256
+    ]
+    for args, want in cases:
+        assert gemm_gluon.served_config(*args) == want, args
+    monkeypatch.setattr(gemm_gluon, "COOPERATIVE", False)
+    assert gemm_gluon.served_config(False, False, False, 2304) == default

@@ -31,9 +31,9 @@ from models.sam.gluon_attention import GRID, HEAD_DIM, launch_gluon_attention
 HEADS = 12  # ViT-B
 
 
-def compile_for_hopper(anchor: bool = False) -> Any:
+def compile_for_hopper() -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
-    `launch_gluon_attention` launches it for ViT-B (`anchor`: `gluon_attention.ANCHOR`)."""
+    `launch_gluon_attention` launches it for ViT-B."""
     from bench.gemm_resources import compile_gluon, gluon_descriptor
 
     def desc(rows: int, cols: int, block: list[int]) -> str:
@@ -51,8 +51,7 @@ def compile_for_hopper(anchor: bool = False) -> Any:
     constexprs = {"GRID_N": GRID, "STAGES": gluon_attention.STAGES,
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
                   "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
-                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS,
-                  "ANCHOR": anchor}  # fmt: skip
+                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
     return compile_gluon(gluon_attention._kernel(), signature, constexprs,
                          gluon_attention.KERNEL_MAX_REGISTERS)  # fmt: skip
 
@@ -85,30 +84,16 @@ def exponentials_before_p_v_wait(compiled: Any) -> int:
     return sum(text.startswith("MUFU.EX2") for text in code[start:end])
 
 
-def anchor_effect(compile_kernel: Callable[[bool], Any]) -> dict[str, int]:
-    """What `ANCHOR` does to a kernel compiled for sm_90 (both attentions' tests hold it):
-    the exponentials before the `p . v` wait without and with it, and the anchored form's
-    spilled bytes."""
-    from bench.gemm_resources import resources
-
-    anchored = compile_kernel(True)
-    found = resources(anchored)
-    return {"plain": exponentials_before_p_v_wait(compile_kernel(False)),
-            "anchored": exponentials_before_p_v_wait(anchored),
-            "anchored spills": found["stack_bytes"] + found["local_bytes"]}  # fmt: skip
-
-
-def print_resources(compile_kernel: Callable[[bool], Any] = compile_for_hopper) -> None:
-    """`--resources`: both forms (`ANCHOR` off and on) compiled for sm_90."""
+def print_resources(compile_kernel: Callable[[], Any] = compile_for_hopper) -> None:
+    """`--resources` (both benches): what the kernel takes, from the sm_90 compile alone so
+    no GPU is needed, and how much of its softmax ptxas runs beside `p . v` (ptxas decides
+    that, not the PTX's order)."""
     import triton
 
-    rows = []
-    for anchor in (False, True):
-        compiled = compile_kernel(anchor)
-        rows.append({"anchor": anchor, **resources_row(compiled),
-                     "ex2 beside p.v": exponentials_before_p_v_wait(compiled)})  # fmt: skip
+    compiled = compile_kernel()
+    row = {**resources_row(compiled), "ex2 beside p.v": exponentials_before_p_v_wait(compiled)}
     print(f"Triton {triton.__version__}, sm_90")
-    print_table(rows, list(rows[0]))
+    print_table([row], list(row))
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,8 +124,7 @@ def dense_reference(qkv: torch.Tensor, rph: torch.Tensor, rpw: torch.Tensor) -> 
 
 def check(batch: int) -> dict[str, Any]:
     qkv, rph, rpw = inputs(batch, seed=1)
-    got = launch_gluon_attention(qkv, rph, rpw, anchor=False)
-    anchored = launch_gluon_attention(qkv, rph, rpw, anchor=True)
+    got = launch_gluon_attention(qkv, rph, rpw)
     torch.cuda.synchronize()
     served = fused_attention.fused_rel_pos_attention(qkv, rph, rpw)
     ref = dense_reference(qkv, rph, rpw)
@@ -151,36 +135,21 @@ def check(batch: int) -> dict[str, Any]:
         "gluon vs fp32 max_rel (image 0)": float((got[:1].float() - ref).abs().max() / scale),
         "triton vs fp32 max_rel (image 0)": float((served[:1].float() - ref).abs().max() / scale),
         "nan": bool(got.isnan().any()),
-        **anchored_check(anchored, got),
     }
     print(row, flush=True)
     return row
 
 
-def anchored_check(anchored: torch.Tensor, plain: torch.Tensor) -> dict[str, Any]:
-    """The `ANCHOR` form against the plain one: the same arithmetic (only where ptxas puts
-    the exponentials differs), so they should agree to rounding at most."""
-    scale = plain.float().abs().max()
-    error = (anchored.float() - plain.float()).abs().max() / scale
-    return {"anchored vs gluon max_rel": float(error), "anchored nan": bool(anchored.isnan().any())}
-
-
-ANCHORED_TOLERANCE = 1e-3  # of the plain form's largest value: past it, not timed
-
-
-def measure(batch: int, reps: int, iters: int, anchored: bool) -> dict[str, Any]:
+def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
     qkv, rph, rpw = inputs(batch)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     flops = 4 * batch * HEADS * (GRID * GRID) ** 2 * HEAD_DIM
     row: dict[str, Any] = {"batch": batch}
     forms: list[tuple[str, Callable[[], Any]]] = [
         ("triton ms", lambda: fused_attention.fused_rel_pos_attention(qkv, rph, rpw)),
-        ("gluon ms", lambda: launch_gluon_attention(qkv, rph, rpw, anchor=False)),
+        ("gluon ms", lambda: launch_gluon_attention(qkv, rph, rpw)),
         ("sdpa no bias ms", lambda: F.scaled_dot_product_attention(q, k, v)),
     ]
-    if anchored:  # where its check passed
-        forms.insert(2, ("gluon anchored ms",
-                         lambda: launch_gluon_attention(qkv, rph, rpw, anchor=True)))  # fmt: skip
     for name, fn in forms:
         row[name] = graphed_ms(fn, reps, iters)
         row[name.replace("ms", "TFLOP/s")] = flops / row[name] / 1e9
@@ -194,12 +163,12 @@ def bench_main(
     show_resources: Callable[[], None],
     launch_once: Callable[[int], None],
     check_one: Callable[[int], dict[str, Any]],
-    measure_one: Callable[[int, int, int, bool], dict[str, Any]],
+    measure_one: Callable[[int, int, int], dict[str, Any]],
 ) -> None:
     """The command line of a Gluon attention bench (this one and
     bench/gluon_window_attention.py): the sm_90 compile alone, one launch for Nsight
-    Compute, or the check (2 images) and, where it passes, the timings (the `ANCHOR` form's
-    too where its own check passes: `anchored_check`)."""
+    Compute, or the check (2 images) and, where it passes, the timings: a wrong or hung
+    kernel shows before any time is spent timing it."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--batch", type=int, nargs="+", default=[8])
@@ -230,9 +199,7 @@ def bench_main(
         raise SystemExit("the Gluon kernel's output differs from the Triton kernel's: not timed")
     if args.check_only:
         return
-    anchored = (not checks[0]["anchored nan"]
-                and checks[0]["anchored vs gluon max_rel"] <= ANCHORED_TOLERANCE)  # fmt: skip
-    rows = [measure_one(b, args.reps, args.iters, anchored) for b in args.batch]
+    rows = [measure_one(b, args.reps, args.iters) for b in args.batch]
     print(f"\n{env['device']}, torch {env['torch']}, {env['date']}")
     print_table(rows, list(rows[0]))
     if args.json:

@@ -15,13 +15,12 @@ call. Timings are CUDA graphs of `--reps` calls, the median of `--iters`, ms a l
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.gluon_attention import anchored_check, bench_main, print_resources
+from bench.gluon_attention import bench_main, print_resources
 from bench.int8_gemm import graphed_ms
 from models.sam import fused_attention, gluon_window_attention
 from models.sam.gluon_window_attention import (
@@ -38,10 +37,9 @@ HEADS = 12  # ViT-B
 GRID = 64  # ViT-B's token grid at 1024 px: 5 x 5 windows, the last row and column padded
 
 
-def compile_for_hopper(anchor: bool = False) -> Any:
+def compile_for_hopper() -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
-    `launch_gluon_window_attention` launches it for ViT-B's windowed layers (`anchor`:
-    `gluon_window_attention.ANCHOR`)."""
+    `launch_gluon_window_attention` launches it for ViT-B's windowed layers."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
@@ -64,8 +62,7 @@ def compile_for_hopper(anchor: bool = False) -> Any:
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_window_attention.LOG2E,
                   "REL_SCALE": HEAD_DIM**0.5, "HAS_BIAS": True, "OUTSIDE": -30000.0,
                   "CONSUMER_REGS": gluon_window_attention.CONSUMER_REGISTERS,
-                  "PRODUCER_REGS": gluon_window_attention.PRODUCER_REGISTERS,
-                  "ANCHOR": anchor}  # fmt: skip
+                  "PRODUCER_REGS": gluon_window_attention.PRODUCER_REGISTERS}  # fmt: skip
     return compile_gluon(gluon_window_attention._kernel(), signature, constexprs,
                          gluon_window_attention.KERNEL_MAX_REGISTERS,
                          divisible=("out_ptr", "bias_v_ptr"))  # fmt: skip
@@ -116,8 +113,7 @@ def dense_reference(
 
 def check(batch: int) -> dict[str, Any]:
     qkv, rph, rpw, bias = inputs(batch, seed=1)
-    got = launch_gluon_window_attention(qkv, rph, rpw, bias, GRID, GRID, anchor=False)
-    anchored = launch_gluon_window_attention(qkv, rph, rpw, bias, GRID, GRID, anchor=True)
+    got = launch_gluon_window_attention(qkv, rph, rpw, bias, GRID, GRID)
     torch.cuda.synchronize()
     served = fused_attention.fused_window_attention(qkv, rph, rpw, bias, GRID, GRID)
     ref = dense_reference(qkv, rph, rpw, bias)
@@ -131,25 +127,19 @@ def check(batch: int) -> dict[str, Any]:
         # where the worst token lies: a window at the edge or inside
         "worst token": int(diff.amax(-1).flatten().argmax()) % (GRID * GRID),
         "nan": bool(got.isnan().any()),
-        **anchored_check(anchored, got),
     }
     print(row, flush=True)
     return row
 
 
-def measure(batch: int, reps: int, iters: int, anchored: bool) -> dict[str, Any]:
+def measure(batch: int, reps: int, iters: int) -> dict[str, Any]:
     qkv, rph, rpw, bias = inputs(batch)
     row: dict[str, Any] = {"batch": batch}
-    forms: list[tuple[str, Callable[[], Any]]] = [
+    for name, fn in (
         ("triton ms", lambda: fused_attention.fused_window_attention(
             qkv, rph, rpw, bias, GRID, GRID)),
-        ("gluon ms", lambda: launch_gluon_window_attention(
-            qkv, rph, rpw, bias, GRID, GRID, anchor=False)),
-    ]  # fmt: skip
-    if anchored:  # where its check passed
-        forms.append(("gluon anchored ms", lambda: launch_gluon_window_attention(
-            qkv, rph, rpw, bias, GRID, GRID, anchor=True)))  # fmt: skip
-    for name, fn in forms:
+        ("gluon ms", lambda: launch_gluon_window_attention(qkv, rph, rpw, bias, GRID, GRID)),
+    ):  # fmt: skip
         row[name] = graphed_ms(fn, reps, iters)
         print(f"  {name}: {row[name]:.4f}", flush=True)
     row["gluon / triton speed"] = row["triton ms"] / row["gluon ms"]

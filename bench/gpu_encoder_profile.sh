@@ -10,9 +10,7 @@
 #   OUT=/tmp/out bash bench/gpu_encoder_profile.sh      (PYTHONPATH at the repository)
 #   STEPS=kernels (0-2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
 #   passed in an earlier call) splits it over two calls; NCU=0 skips Nsight Compute,
-#   PROFILE=1 adds the profile of the first variant (with the window kernel where it ran);
-#   ANCHOR=1 adds, first, the variant with both attentions' `ANCHOR` on (`-anchor`), where
-#   the window kernel's check passed.
+#   PROFILE=1 adds the profile of the first variant (with the window kernel where it ran).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -52,7 +50,6 @@ fi
 if [[ " $STEPS " == *" encoder "* ]]; then
 V=bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn
 variants=()
-[ "$win" = 0 ] && [ "${ANCHOR:-0}" = 1 ] && variants+=("$V-gwin-anchor")
 [ "$win" = 0 ] && variants+=("$V-gwin")
 variants+=("$V")
 timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.sam_encoder --images .benchdata/images \

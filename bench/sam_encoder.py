@@ -48,8 +48,6 @@ from models.sam import (
     PromptSet,
     Sam,
     fused_attention,
-    gluon_attention,
-    gluon_window_attention,
     load_sam,
     pack_prompts,
 )
@@ -70,7 +68,7 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-anchor`, `-pingpong`) may follow."""
+    `-pingpong`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -129,7 +127,6 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-anchor",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pingpong",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
@@ -167,10 +164,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     (`ln_quant.SHAPE`), `-gluon` the int8 products through the warp-specialised Gluon
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
-    Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-anchor` both Gluon attentions'
-    softmax sums stored before their `p . v` waits (`gluon_attention.ANCHOR`,
-    `gluon_window_attention.ANCHOR`), `-pingpong` every Gluon GEMM in its ping-pong form,
-    none in the cooperative one (`gemm_gluon.COOPERATIVE`).
+    Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-pingpong` every Gluon GEMM in
+    its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -181,14 +176,12 @@ def runtime_knobs(name: str) -> Iterator[None]:
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-             fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
-             gluon_window_attention.ANCHOR, gemm_gluon.COOPERATIVE)  # fmt: skip
+             fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
     fused_attention.GLUON_WINDOW = "gwin" in parts
-    gluon_attention.ANCHOR = gluon_window_attention.ANCHOR = "anchor" in parts
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
@@ -205,8 +198,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-         fused_attention.GLUON_WINDOW, gluon_attention.ANCHOR,
-         gluon_window_attention.ANCHOR, gemm_gluon.COOPERATIVE) = saved  # fmt: skip
+         fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

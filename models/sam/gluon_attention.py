@@ -48,13 +48,6 @@ GRID = 64  # the token grid's side: one key row a block, one query row a consume
 HEAD_DIM = 64
 STAGES = 4  # key and value tiles in flight
 CONSUMER_REGISTERS = 232  # with the producer's, what the GEMM's warp groups take too
-# Whether each row's softmax sums are stored to shared memory before the wait for the row
-# before's `p . v` (a 256-byte scratch a consumer, read by nothing). ptxas otherwise puts
-# that wait before the softmax's exponentials whatever the PTX's order, so the softmax never
-# runs beside its own warp group's `p . v`; the store depends on every exponential and ptxas
-# keeps it before the wait (compiled for sm_90: docs/BENCHMARKS.md, issue 20,
-# twenty-fourth session). Not yet run on a GPU: off; bench/gluon_attention.py times both.
-ANCHOR = False
 LOG2E = 1.4426950408889634
 
 gl: Any = None  # set by `_kernel`: Triton resolves a kernel's names among module globals
@@ -151,10 +144,10 @@ def _kernel() -> Any:
 
     @gluon.jit
     def _attn_consumer(
-        q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, anchor, tables_ready,
+        q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, tables_ready,
         q_ready, q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs,
         CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
-        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr, ANCHOR: gl.constexpr,
+        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr,
     ):  # fmt: skip
         LOG2E_: gl.constexpr = 1.4426950408889634
         head_dim: gl.constexpr = o_desc.block_type.shape[1]
@@ -224,8 +217,6 @@ def _kernel() -> Any:
                 rh = uh_rows.index(qy - y + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
                 qk = warpgroup_mma_wait(1, deps=(qk_t,))
                 p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
-                if ANCHOR:
-                    anchor.store(l_i)  # the exponentials before the wait (see ANCHOR)
                 acc, p_op = warpgroup_mma_wait(0, deps=(pv_t, p_op))
                 mbarrier.arrive(kv_empty.index(prev))  # the row before's k and v are used
                 acc = acc * gl.expand_dims(alpha, 1)
@@ -247,7 +238,7 @@ def _kernel() -> Any:
     def rel_pos_attention_ws(
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, num_programs,
         GRID_N: gl.constexpr, STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ANCHOR: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -259,11 +250,6 @@ def _kernel() -> Any:
         rh_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rh_desc.layout)
         rw_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rw_desc.layout)
         o_bufs = gl.allocate_shared_memory(dtype, [2, GRID_N, head_dim], o_desc.layout)
-        # each consumer's scratch for ANCHOR: a row's softmax sums, stored, never read
-        anchor_len: gl.constexpr = GRID_N if ANCHOR else 1
-        anchor_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        anchor0 = gl.allocate_shared_memory(gl.float32, [anchor_len], anchor_layout)
-        anchor1 = gl.allocate_shared_memory(gl.float32, [anchor_len], anchor_layout)
         # Rh . q^T of each consumer, a row of it read each key row (plain rows: a row is
         # read whole, by the scores' row layout)
         uh_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -284,13 +270,13 @@ def _kernel() -> Any:
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers read every tile
         gl.warp_specialize([
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(0),
-                              o_bufs.index(0), anchor0, tables_ready, q_ready,
-                              q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads,
-                              num_programs, 0, GRID_N, STAGES, QK_SCALE, NEW_NAMES, ANCHOR)),
+                              o_bufs.index(0), tables_ready, q_ready, q_empty, kv_ready,
+                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 0,
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(1),
-                              o_bufs.index(1), anchor1, tables_ready, q_ready,
-                              q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads,
-                              num_programs, 1, GRID_N, STAGES, QK_SCALE, NEW_NAMES, ANCHOR)),
+                              o_bufs.index(1), tables_ready, q_ready, q_empty, kv_ready,
+                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 1,
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem,
                               rw_smem, tables_ready, q_ready, q_empty, kv_ready, kv_empty,
                               n_tiles, q_tiles, heads, num_programs, GRID_N, STAGES)),
@@ -334,13 +320,11 @@ def launch_gluon_attention(
     rel_pos_h: Tensor,
     rel_pos_w: Tensor,
     out: Tensor | None = None,
-    anchor: bool | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h + rel_w) v for qkv `[B, 4096, 3, heads, 64]` (the
     qkv projection, reshaped) -> `[B, 4096, heads * 64]` token-major, as
     models.sam.fused_attention.fused_rel_pos_attention computes it. Raises ValueError where
-    the layer is not one this kernel runs (`gluon_attention_supported`). `anchor`: the
-    softmax's sums stored before each `p . v` wait (None: `ANCHOR`)."""
+    the layer is not one this kernel runs (`gluon_attention_supported`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_persistent import _programs
@@ -369,7 +353,6 @@ def launch_gluon_attention(
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, programs,
         GRID_N=GRID, STAGES=STAGES, QK_SCALE=C**-0.5 * LOG2E,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
-        ANCHOR=ANCHOR if anchor is None else anchor,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip
     return out

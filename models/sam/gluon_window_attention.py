@@ -70,12 +70,6 @@ EXTRA = 16  # the scores' extra columns for each table: its 14 terms, then 2 fla
 TABLE = 32  # a table's rows: Rh's or Rw's 27, then the head's b_k
 BK_ROW = 2 * WINDOW - 1
 CONSUMER_REGISTERS = 232
-# Whether a tile's softmax sums are stored to shared memory before the wait for the first
-# half's `p . v` (a 256-byte scratch a consumer, read by nothing): ptxas otherwise puts that
-# wait before the second half's exponentials, so they never run beside the product, as in
-# models/sam/gluon_attention.py (`ANCHOR` there). Not yet run on a GPU: off;
-# bench/gluon_window_attention.py times both.
-ANCHOR = False
 LOG2E = 1.4426950408889634
 
 gl: Any = None  # set by `_kernel`: Triton resolves a kernel's names among module globals
@@ -180,11 +174,11 @@ def _kernel() -> Any:
 
     @gluon.jit
     def _win_consumer(
-        q_smem, k_bufs, v_bufs, t_bufs, c_smem, anchor, const_ready, q_ready, q_empty,
-        kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win, windows_w, heads, height, width,
+        q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready, q_empty, kv_ready,
+        kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win, windows_w, heads, height, width,
         pad_x, pad_y, num_programs, CONSUMER: gl.constexpr, WINDOW_: gl.constexpr,
         BOX_: gl.constexpr, QK_SCALE: gl.constexpr, REL_SCALE: gl.constexpr,
-        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr, ANCHOR: gl.constexpr,
+        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr,
     ):  # fmt: skip
         M: gl.constexpr = q_smem.shape[1]  # 64 queries a tile
         head_dim: gl.constexpr = q_smem.shape[2]
@@ -301,8 +295,6 @@ def _kernel() -> Any:
                     p = gl.exp2(s * QK_SCALE - gl.expand_dims(m1, 1))
                     l_i = l_i * alpha + gl.sum(p, 1)
                     p_b = gl.convert_layout(p.to(q_smem.dtype), p_op)
-                    if ANCHOR:
-                        anchor.store(l_i)  # the exponentials before the wait (see ANCHOR)
                     acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
                     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                     acc = acc * gl.expand_dims(alpha_o, 1)
@@ -338,7 +330,7 @@ def _kernel() -> Any:
         height, width, pad_x, pad_y, num_programs,
         WINDOW_: gl.constexpr, BOX_: gl.constexpr, QK_SCALE: gl.constexpr,
         REL_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ANCHOR: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -354,11 +346,6 @@ def _kernel() -> Any:
         c_rows: gl.constexpr = c_desc.block_type.shape[0]
         c_cols: gl.constexpr = c_desc.block_type.shape[1]
         c_smem = gl.allocate_shared_memory(dtype, [2, c_rows, c_cols], c_desc.layout)
-        # each consumer's scratch for ANCHOR: a tile's softmax sums, stored, never read
-        anchor_len: gl.constexpr = M if ANCHOR else 1
-        anchor_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        anchor0 = gl.allocate_shared_memory(gl.float32, [anchor_len], anchor_layout)
-        anchor1 = gl.allocate_shared_memory(gl.float32, [anchor_len], anchor_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         singles = gl.allocate_shared_memory(gl.int64, [3, 1], bar_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -373,16 +360,14 @@ def _kernel() -> Any:
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         gl.warp_specialize([
-            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, anchor0, const_ready,
-                             q_ready, q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs,
-                             n_win, windows_w, heads, height, width, pad_x, pad_y,
-                             num_programs, 0, WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS,
-                             OUTSIDE, ANCHOR)),
-            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, anchor1, const_ready,
-                             q_ready, q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs,
-                             n_win, windows_w, heads, height, width, pad_x, pad_y,
-                             num_programs, 1, WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS,
-                             OUTSIDE, ANCHOR)),
+            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
+                             windows_w, heads, height, width, pad_x, pad_y, num_programs, 0,
+                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
+            (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
+                             windows_w, heads, height, width, pad_x, pad_y, num_programs, 1,
+                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
             (_win_producer, (qkv_desc, t_desc, c_desc, q_smem, k_bufs, v_bufs, t_bufs, c_smem,
                              const_ready, q_ready, q_empty, kv_ready, kv_empty, n_jobs, n_win,
                              windows_w, heads, num_programs, WINDOW_, NEW_NAMES)),
@@ -464,15 +449,12 @@ def launch_gluon_window_attention(
     height: int,
     width: int,
     out: Tensor | None = None,
-    anchor: bool | None = None,
 ) -> Tensor:
     """SAM's windowed attention on the qkv projection of the whole grid, as
     models.sam.fused_attention.fused_window_attention computes it: qkv `[B, height *
     width, 3, heads, 64]` -> `[B, height * width, heads * 64]` token-major, windows of 14
     padded past the grid's edge as Meta pads them (keys and values of `qkv_bias`). Raises
-    ValueError where the layer is not one this kernel runs (`gluon_window_supported`).
-    `anchor`: the softmax's sums stored before the first half's `p . v` wait (None:
-    `ANCHOR`)."""
+    ValueError where the layer is not one this kernel runs (`gluon_window_supported`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_persistent import _programs
@@ -507,7 +489,6 @@ def launch_gluon_window_attention(
         WINDOW_=WINDOW, BOX_=BOX, QK_SCALE=C**-0.5 * LOG2E, REL_SCALE=C**0.5,
         HAS_BIAS=qkv_bias is not None, OUTSIDE=-30000.0,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
-        ANCHOR=ANCHOR if anchor is None else anchor,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip
     return out

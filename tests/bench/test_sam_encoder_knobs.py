@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.sam_encoder import PAIRED, VARIANTS, _variant, runtime_knobs
-from models import gemm_persistent, ln_quant
+from models import gemm_gluon, gemm_persistent, ln_quant
 from models.gemm_persistent import SWEEP
-from models.sam import fused_attention, gluon_attention, gluon_window_attention
+from models.sam import fused_attention
 
 
 def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
@@ -39,12 +39,17 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     with runtime_knobs(gattn):
         assert gemm_persistent.GLUON and fused_attention.GLUON_GLOBAL
     assert not gemm_persistent.GLUON and not fused_attention.GLUON_GLOBAL
-    anchored = gattn + "-gwin-anchor"
-    assert anchored in VARIANTS and _variant(anchored) == _variant(name)
-    with runtime_knobs(anchored):
+    gwin = gattn + "-gwin"
+    assert gwin in VARIANTS and _variant(gwin) == _variant(name)
+    with runtime_knobs(gwin):
         assert fused_attention.GLUON_WINDOW
-        assert gluon_attention.ANCHOR and gluon_window_attention.ANCHOR
-    assert not gluon_attention.ANCHOR and not gluon_window_attention.ANCHOR
+    assert not fused_attention.GLUON_WINDOW
+    pingpong = gwin + "-pingpong"  # every Gluon GEMM in its ping-pong form
+    assert pingpong in VARIANTS and _variant(pingpong) == _variant(name)
+    assert gemm_gluon.COOPERATIVE
+    with runtime_knobs(pingpong):
+        assert not gemm_gluon.COOPERATIVE and fused_attention.GLUON_WINDOW
+    assert gemm_gluon.COOPERATIVE
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

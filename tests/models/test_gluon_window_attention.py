@@ -161,16 +161,6 @@ def test_it_compiles_to_a_producer_and_two_consumers() -> None:
     assert len(re.findall(r"ex2\.approx", ptx)) >= 2 * 2 * 64
 
 
-def test_an_anchor_puts_the_second_softmax_beside_the_first_p_v() -> None:
-    """As in the global kernel (`ANCHOR`): stored sums keep the second half's exponentials
-    (64 a thread) before the wait for the first half's `p . v`; without, ptxas waits first."""
-    from bench.gluon_attention import anchor_effect
-
-    found = anchor_effect(compile_for_hopper)
-    assert found["plain"] < 8 and found["anchored"] >= 64, found
-    assert found["anchored spills"] == 0, found
-
-
 def test_only_the_layers_it_was_written_for_are_taken() -> None:
     rph = torch.zeros(27, 64)
     meta = torch.device("meta")

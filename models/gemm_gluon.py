@@ -23,7 +23,14 @@ and bench/gemm_gluon.py checks its numbers against torch and the Triton kernel o
 
 Measured on an H100 (2026-12-07, SAM ViT-B's products at batch 8): the same outputs as the
 persistent kernel, 1.11-1.36x its speed (704-1,204 TFLOP/s); the int8 encoder 3-4% faster
-with it (docs/BENCHMARKS.md, issue 20, twenty-second session).
+with it (docs/BENCHMARKS.md, issue 20, twenty-second session). As fast as the vendor's fp8
+rowwise kernel (`torch._scaled_mm`) on every one of those products, twice cuBLASLt's int8.
+
+Where an epilogue has nothing to hide (qkv: scales and bias, bf16 out) the product is bound
+by L2's bandwidth instead (ncu: L2 89% busy): each 128 x 128 tile brings A's and B's rows
+for K = 768. There both groups share one 128 x 256 tile (`GluonConfig.coop`), A's rows
+loaded once for the two: qkv 1.06-1.10x faster, the others slower, their epilogues no
+longer under a main loop (the same page, twenty-fifth session; `served_config`).
 """
 
 from __future__ import annotations

@@ -11,12 +11,7 @@
 #   STEPS=kernels (0-2) or STEPS=encoder (3; WIN_OK=0 where the window kernel's check
 #   passed in an earlier call) splits it over two calls; NCU=0 skips Nsight Compute,
 #   PROFILE=1 adds the profile of the first variant (with the window kernel where it ran).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/gpu_kernels_env.sh"
 # Nsight Compute on one launch of a kernel (NAME KERNEL BENCH): stall reasons, the most
 # stalled SASS lines (bench.ncu_attention) and the details page's summary
 ncu_stalls() {

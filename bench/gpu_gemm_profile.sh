@@ -6,12 +6,7 @@
 #    launch after the checks): its throughput and stall summary.
 #
 #   OUT=/tmp/out bash bench/gpu_gemm_profile.sh      (PYTHONPATH at the repository)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/gpu_kernels_env.sh"
 timeout "${GEMM_TIMEOUT:-200}" python3 -m bench.gemm_gluon --batch 8 --configs s4 --ceilings \
   --json "$OUT/gemm_gluon.json" > "$OUT/gemm_gluon.txt" 2>&1
 echo "gemm_gluon rc=$?"

@@ -9,12 +9,7 @@
 # 2. bench.gluon_attention: the warp-specialised global attention at batch 8;
 # 3. bench.sam_encoder, batch 8 and 16: the served int8 encoder, then `-gluon`, `-gattn`
 #    and both, as their checks allow.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/gpu_kernels_env.sh"
 timeout "${GEMM_TIMEOUT:-150}" python3 -m bench.gemm_gluon --batch 8 --configs s4 k64s6 \
   --json "$OUT/gemm_gluon.json" > "$OUT/gemm_gluon.txt" 2>&1
 gemm=$?

@@ -51,8 +51,7 @@ def compile_for_hopper() -> Any:
     constexprs = {"GRID_N": GRID, "STAGES": gluon_attention.STAGES,
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
                   "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
-                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS,
-                  "ON_FMA": gluon_attention.EXP2_ON_FMA}  # fmt: skip
+                  "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
     return compile_gluon(gluon_attention._kernel(), signature, constexprs,
                          gluon_attention.KERNEL_MAX_REGISTERS)  # fmt: skip
 

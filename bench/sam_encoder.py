@@ -48,7 +48,6 @@ from models.sam import (
     PromptSet,
     Sam,
     fused_attention,
-    gluon_attention,
     load_sam,
     pack_prompts,
 )
@@ -69,7 +68,7 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-pingpong`, `-fmaexp`) may follow."""
+    `-pingpong`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -129,7 +128,6 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pingpong",
-        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-fmaexp",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -167,9 +165,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
     Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-pingpong` every Gluon GEMM in
-    its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`), `-fmaexp`
-    half the global Gluon attention's exponentials on the FMA pipe
-    (`gluon_attention.EXP2_ON_FMA`).
+    its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -180,10 +176,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-             fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
-             gluon_attention.EXP2_ON_FMA)  # fmt: skip
+             fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
-    gluon_attention.EXP2_ON_FMA = "fmaexp" in parts
     gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
@@ -204,8 +198,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-         fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
-         gluon_attention.EXP2_ON_FMA) = saved  # fmt: skip
+         fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

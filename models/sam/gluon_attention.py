@@ -49,9 +49,6 @@ HEAD_DIM = 64
 STAGES = 4  # key and value tiles in flight
 CONSUMER_REGISTERS = 232  # with the producer's, what the GEMM's warp groups take too
 LOG2E = 1.4426950408889634
-# Whether half of each row's exponentials (the odd keys) run on the FMA pipe, as a
-# polynomial, rather than on the SFU (FlashAttention-4's split): an experiment, off.
-EXP2_ON_FMA = False
 
 gl: Any = None  # set by `_kernel`: Triton resolves a kernel's names among module globals
 mbarrier: Any = None
@@ -67,7 +64,6 @@ _attn_producer: Any = None
 _attn_consumer: Any = None
 _attn_softmax: Any = None
 _attn_tile: Any = None
-_exp2_fma: Any = None
 
 
 @functools.cache
@@ -75,7 +71,7 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, tma
     global tma_load, tma_store, sync_group, _attn_producer, _attn_consumer, _attn_softmax
-    global _attn_tile, _exp2_fma
+    global _attn_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -137,30 +133,11 @@ def _kernel() -> Any:
             local += 1
 
     @gluon.jit
-    def _exp2_fma(x):
-        # 2^x for x <= 0 without the SFU: 2^j by the exponent's bits, 2^f (|f| <= 1/2) by a
-        # cubic (relative error 7.5e-5); j from the sum with 1.5 * 2^23's low bits
-        x = gl.maximum(x, -127.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        p = ((0.05517146 * f + 0.24261086) * f + 0.69326099) * f + 0.99992809
-        bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE: gl.constexpr, ON_FMA: gl.constexpr):
+    def _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE: gl.constexpr):
         # log2 units; rel_h, one number a query this row, rides on the row maximum
         s = qk * QK_SCALE + rw
         m_new = gl.maximum(m_i, gl.max(s, 1) + rh)
-        x = s - gl.expand_dims(m_new - rh, 1)
-        if ON_FMA:  # each thread's pairs of neighbouring keys: one on the SFU, one not
-            rows: gl.constexpr = x.shape[0]
-            cols: gl.constexpr = x.shape[1]
-            even, odd = gl.split(gl.reshape(x, [rows, cols // 2, 2]))
-            p = gl.reshape(gl.join(gl.exp2(even), _exp2_fma(odd)), [rows, cols])
-            p = gl.convert_layout(p, s.type.layout)
-        else:
-            p = gl.exp2(x)
+        p = gl.exp2(s - gl.expand_dims(m_new - rh, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
@@ -170,7 +147,7 @@ def _kernel() -> Any:
         q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, tables_ready,
         q_ready, q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs,
         CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
-        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr, ON_FMA: gl.constexpr,
+        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr,
     ):  # fmt: skip
         LOG2E_: gl.constexpr = 1.4426950408889634
         head_dim: gl.constexpr = o_desc.block_type.shape[1]
@@ -223,7 +200,7 @@ def _kernel() -> Any:
             rh = uh_rows.index(qy + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
             m_i = gl.full((GRID_N,), float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros((GRID_N,), gl.float32, layout=row_layout)
-            p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE, ON_FMA)
+            p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
             p_op = gl.convert_layout(p.to(q_smem.dtype), a_layout)
             acc = gl.zeros((GRID_N, head_dim), gl.float32, layout=s_layout)
             for y in range(1, GRID_N):
@@ -239,7 +216,7 @@ def _kernel() -> Any:
                                      is_async=True)  # fmt: skip
                 rh = uh_rows.index(qy - y + GRID_N - 1).load(row_layout).to(gl.float32) * LOG2E_
                 qk = warpgroup_mma_wait(1, deps=(qk_t,))
-                p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE, ON_FMA)
+                p, m_i, l_i, alpha = _attn_softmax(qk, rw, rh, m_i, l_i, QK_SCALE)
                 acc, p_op = warpgroup_mma_wait(0, deps=(pv_t, p_op))
                 mbarrier.arrive(kv_empty.index(prev))  # the row before's k and v are used
                 acc = acc * gl.expand_dims(alpha, 1)
@@ -261,7 +238,7 @@ def _kernel() -> Any:
     def rel_pos_attention_ws(
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, num_programs,
         GRID_N: gl.constexpr, STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ON_FMA: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -295,11 +272,11 @@ def _kernel() -> Any:
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(0),
                               o_bufs.index(0), tables_ready, q_ready, q_empty, kv_ready,
                               kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 0,
-                              GRID_N, STAGES, QK_SCALE, NEW_NAMES, ON_FMA)),
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(1),
                               o_bufs.index(1), tables_ready, q_ready, q_empty, kv_ready,
                               kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 1,
-                              GRID_N, STAGES, QK_SCALE, NEW_NAMES, ON_FMA)),
+                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
             (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem,
                               rw_smem, tables_ready, q_ready, q_empty, kv_ready, kv_empty,
                               n_tiles, q_tiles, heads, num_programs, GRID_N, STAGES)),
@@ -375,7 +352,7 @@ def launch_gluon_attention(
     _kernel()[(programs,)](
         qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, programs,
         GRID_N=GRID, STAGES=STAGES, QK_SCALE=C**-0.5 * LOG2E,
-        CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, ON_FMA=EXP2_ON_FMA,
+        CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip
     return out

@@ -20,6 +20,8 @@ or on the photos mirrored, at each `--headroom`.
 About 2 minutes a row on a 2-core CPU for the 7 photos.
 
     python -m bench.sam_static_calibration --images .benchdata/images
+    python -m bench.sam_static_calibration --images .benchdata/images --no-per-token \
+        --no-photos --smooth 8 --headroom 1.5 --max-kept 0   # the float layers' worth
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from bench.sam_fp8_sensitivity import fp32_reference, photo_arguments
 from models import mlp_static
 from models.fidelity import compare_sam, eager_sam_runner
 from models.int8_select import calibration_on, calibration_run
-from models.quantize import quantize_linears
+from models.quantize import INT8_MAX_KEPT, quantize_linears
 from models.sam import Sam
 from models.sam.transforms import preprocess_images
 
@@ -49,13 +51,16 @@ def _blocks(name: str, layer: nn.Linear) -> bool:
     return name.startswith("blocks.")  # models.optimize's encoder filter
 
 
-def prepared(base: Sam, static: bool, calibrate: Any, headroom: float) -> Sam:
-    """A copy of `base` whose encoder is quantised as the service's int8 variant."""
+def prepared(
+    base: Sam, static: bool, calibrate: Any, headroom: float, max_kept: float = INT8_MAX_KEPT
+) -> Sam:
+    """A copy of `base` whose encoder is quantised as the service's int8 variant (at most
+    `max_kept` of its layers left in float by the per-layer choice)."""
     model = copy.deepcopy(base)
     served, mlp_static.HEADROOM = mlp_static.HEADROOM, headroom
     try:
         quantize_linears(model.image_encoder, "int8", _blocks, calibrate=calibrate,
-                         norm_quant=True, mlp_static=static)  # fmt: skip
+                         norm_quant=True, mlp_static=static, max_kept=max_kept)  # fmt: skip
     finally:
         mlp_static.HEADROOM = served
     return model
@@ -69,6 +74,11 @@ def main() -> None:
     p.add_argument("--headroom", nargs="*", type=float, default=[1.0, 1.5])
     p.add_argument("--no-photos", action="store_true", help="skip the mirrored-photo rows")
     p.add_argument("--no-per-token", action="store_true", help="skip the per-token rows")
+    p.add_argument(
+        "--max-kept", nargs="*", type=float, default=[],
+        help="also the served form (fixed scales, 8 smooth images, 1.5x) with at most this "
+        "share of layers kept in float (served: INT8_MAX_KEPT)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -87,15 +97,28 @@ def main() -> None:
             plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n), headroom))
         if not args.no_photos:
             plan.append(("fixed, the photos mirrored", True, on_photos, headroom))
+    plan_kept = [(label, static, calibrate, headroom, INT8_MAX_KEPT)
+                 for label, static, calibrate, headroom in plan]  # fmt: skip
+    for kept in args.max_kept:  # what the layers kept in float buy
+        plan_kept.append((f"fixed, 8 smooth images, {kept:g} kept", True,
+                          calibration_run(size, 8), 1.5, kept))  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for label, static, calibrate, headroom in plan:
-        model = prepared(base, static, calibrate, headroom)
+    for label, static, calibrate, headroom, kept in plan_kept:
+        model = prepared(base, static, calibrate, headroom, kept)
         result = compare_sam(reference, eager_sam_runner(model, DEVICE), photos)
-        rows.append({"scales": label, "headroom": headroom, **result.measures(),
-                     "at_s": round(time.perf_counter() - started)})  # fmt: skip
+        elapsed = round(time.perf_counter() - started)
+        rows.append({"scales": label, "headroom": headroom, "max_kept": kept,
+                     **result.measures(), "at_s": elapsed})  # fmt: skip
         print(rows[-1], flush=True)
         del model
-    cols = ["scales", "headroom", "embedding_rel_error", "mask_iou_mean", "mask_iou_min"]
+    cols = [
+        "scales",
+        "headroom",
+        "max_kept",
+        "embedding_rel_error",
+        "mask_iou_mean",
+        "mask_iou_min",
+    ]
     print_table(rows, [*cols, "score_diff_mean"])
     write_json(args.json, {"environment": environment(), "args": vars(args) | {"json": None},
                            "rows": rows})  # fmt: skip

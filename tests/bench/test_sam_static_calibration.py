@@ -37,3 +37,15 @@ def test_the_headroom_widens_each_fixed_scale_and_is_put_back() -> None:
     assert mlp_static.HEADROOM == 1.5  # the served one, put back
     after = base.state_dict()  # the copies were quantised, not the model
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_max_kept_zero_leaves_no_candidate_in_float() -> None:
+    """`--max-kept 0`: the per-layer choice keeps nothing in float, so every Linear of the
+    blocks is quantised (what the layers the service keeps in float buy is then the
+    difference between the two rows)."""
+    base = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    calibrate = calibration_run(base.config.image_size, 1)
+    model = prepared(base, True, calibrate, 1.5, max_kept=0.0)
+    floats = [name for name, m in model.image_encoder.blocks.named_modules()
+              if type(m) is torch.nn.Linear]  # fmt: skip
+    assert not floats, floats

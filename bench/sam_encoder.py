@@ -43,14 +43,7 @@ from models import gemm_gluon, gemm_persistent, ln_quant
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
-from models.sam import (
-    SAM_CONFIGS,
-    PromptSet,
-    Sam,
-    fused_attention,
-    load_sam,
-    pack_prompts,
-)
+from models.sam import SAM_CONFIGS, PromptSet, Sam, fused_attention, load_sam, pack_prompts
 from models.sam import transforms as tf
 from models.sam.image_encoder import Block
 

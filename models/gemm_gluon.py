@@ -71,7 +71,7 @@ class GluonConfig:
 # The plain products (a float output, no residual, no GELU: SAM's qkv) on 128 x 256 tiles
 # shared by both groups where N allows (`COOP_PLAIN`): on an H100 at batch 8 SAM's qkv ran
 # 1.06-1.10x faster so, bound by L2's bandwidth (ncu: L2 89% busy, 128 x 128 tiles); the
-# products with an epilogue to hide (proj, lin1, lin2) 4-18% slower (docs/BENCHMARKS.md,
+# products with an epilogue to hide (proj, lin1, lin2) 3-18% slower (docs/BENCHMARKS.md,
 # issue 20, twenty-fifth session). bench/sam_encoder.py `-pingpong` turns it off.
 COOPERATIVE: bool = True
 COOP_PLAIN = GluonConfig(128, 128, 128, 3, coop=True)

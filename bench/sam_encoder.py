@@ -39,7 +39,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
-from models import gemm_gluon, gemm_persistent, ln_quant
+from models import gemm_gluon, gemm_persistent, ln_quant, quantize
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
@@ -61,7 +61,7 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-pingpong`) may follow."""
+    `-pingpong`, `-kept0`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -121,6 +121,7 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pingpong",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-kept0",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -158,7 +159,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
     kernel (`gemm_persistent.GLUON`), `-gattn` the global attention through the Gluon
     kernel (`fused_attention.GLUON_GLOBAL`), `-gwin` the windowed attention through the
     Gluon window kernel (`fused_attention.GLUON_WINDOW`), `-pingpong` every Gluon GEMM in
-    its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`).
+    its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`), `-kept0` no
+    layer kept in float by the per-layer choice (`quantize.INT8_MAX_KEPT`: what the six
+    float lin2 cost and buy).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -169,8 +172,11 @@ def runtime_knobs(name: str) -> Iterator[None]:
     parts = name.split("-")
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-             fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE)  # fmt: skip
+             fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
+             quantize.INT8_MAX_KEPT)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
+    if "kept0" in parts:
+        quantize.INT8_MAX_KEPT = 0.0
     gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
@@ -191,7 +197,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     finally:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
-         fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE) = saved  # fmt: skip
+         fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
+         quantize.INT8_MAX_KEPT) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

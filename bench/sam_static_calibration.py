@@ -52,7 +52,7 @@ def _blocks(name: str, layer: nn.Linear) -> bool:
 
 
 def prepared(
-    base: Sam, static: bool, calibrate: Any, headroom: float, max_kept: float = INT8_MAX_KEPT
+    base: Sam, static: bool, calibrate: Any, headroom: float, max_kept: float | None = None
 ) -> Sam:
     """A copy of `base` whose encoder is quantised as the service's int8 variant (at most
     `max_kept` of its layers left in float by the per-layer choice)."""

@@ -129,7 +129,7 @@ def quantize_linears(
     *,
     backend: QuantBackend = "core",
     calibrate: Callable[[nn.Module], object] | None = None,
-    max_kept: float = INT8_MAX_KEPT,
+    max_kept: float | None = None,
     norm_quant: bool = False,
     mlp_hop: bool = False,
     mlp_static: bool = False,
@@ -139,7 +139,8 @@ def quantize_linears(
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
     they are. The `core` backend: the fused kernel (int8 or fp8), and when `calibrate` is
     given (it runs `module` on sample inputs), the layers whose measured error is worst stay
-    in float (at most `max_kept` of them; `models.int8_select`), the others' biases are
+    in float (at most `max_kept` of them, None: `INT8_MAX_KEPT` as it is at the call;
+    `models.int8_select`), the others' biases are
     corrected for their weights' rounding, which for int8 is GPTQ's
     (`Int8DynamicLinear(input_mean=..., hessian=...)`); `int_mm`: the earlier torch paths
     (`torch._int_mm`, `torch._scaled_mm`), every accepted layer, rounded to nearest, for
@@ -186,7 +187,8 @@ def quantize_linears(
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
             max_error=INT8_MAX_ERROR if kind == "int8" else FP8_MAX_ERROR,
-            max_kept=max_kept, hessians=kind == "int8", kind=kind,
+            max_kept=INT8_MAX_KEPT if max_kept is None else max_kept,
+            hessians=kind == "int8", kind=kind,
             grouped=mlp_second_layers(module) if mlp_hop else frozenset(), static=amax,
         )  # fmt: skip
         means, hessians = choice.input_means, choice.hessians

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.sam_encoder import PAIRED, VARIANTS, _variant, runtime_knobs
-from models import gemm_gluon, gemm_persistent, ln_quant
+from models import gemm_gluon, gemm_persistent, ln_quant, quantize
 from models.gemm_persistent import SWEEP
 from models.sam import fused_attention
 
@@ -50,6 +50,12 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     with runtime_knobs(pingpong):
         assert not gemm_gluon.COOPERATIVE and fused_attention.GLUON_WINDOW
     assert gemm_gluon.COOPERATIVE
+    kept0 = gwin + "-kept0"  # no layer left in float by the per-layer choice
+    assert kept0 in VARIANTS and _variant(kept0) == _variant(name)
+    served = quantize.INT8_MAX_KEPT
+    with runtime_knobs(kept0):
+        assert quantize.INT8_MAX_KEPT == 0.0
+    assert quantize.INT8_MAX_KEPT == served > 0
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

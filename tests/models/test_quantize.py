@@ -62,6 +62,26 @@ def test_quantize_linears_swaps_what_is_asked_and_fits():
     assert quantize_linears(model, "none", lambda n, layer: True) == []
 
 
+def test_the_share_kept_in_float_is_read_at_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`quantize_linears` without `max_kept` takes `INT8_MAX_KEPT` as the module holds it
+    when called, so a bench can time the encoder with fewer float layers (`-kept0`). Every
+    layer's error is past a bar of 0 here, so the choice keeps as many as the share allows."""
+    import models.quantize as quantize
+
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    samples = torch.randn(8, 32, generator=g)
+    monkeypatch.setattr(quantize, "INT8_MAX_ERROR", 0.0)
+
+    def floats(max_kept: float) -> int:
+        monkeypatch.setattr(quantize, "INT8_MAX_KEPT", max_kept)
+        quantized = copy.deepcopy(model)
+        quantize_linears(quantized, "int8", lambda n, layer: True, calibrate=lambda m: m(samples))
+        return sum(type(m) is nn.Linear for m in quantized)
+
+    assert floats(0.5) == 2 and floats(0.0) == 0
+
+
 def test_prune_2to4_keeps_the_two_largest_of_every_four():
     w = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     pruned = prune_2to4(w)

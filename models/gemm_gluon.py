@@ -305,11 +305,14 @@ def _kernel() -> Any:
     return ws_gemm
 
 
-def served_config(residual: bool, gelu: bool, quant_out: bool, n: int) -> GluonConfig:
+def served_config(
+    residual: bool, gelu: bool, quant_out: bool, n: int, fp8: bool = False
+) -> GluonConfig:
     """The launch shape of a product with this epilogue and `n` output columns:
-    `COOP_PLAIN` for the plain ones where `COOPERATIVE` and its 256-column tiles divide `n`,
-    the ping-pong default for the rest."""
-    plain = not (residual or gelu or quant_out)
+    `COOP_PLAIN` for the plain int8 ones where `COOPERATIVE` and its 256-column tiles
+    divide `n`, the ping-pong default for the rest (e4m3 operands too: the cooperative
+    form has run on a GPU with int8 ones only)."""
+    plain = not (residual or gelu or quant_out or fp8)
     if COOPERATIVE and plain and n % (2 * COOP_PLAIN.block_n) == 0:
         return COOP_PLAIN
     return GluonConfig()
@@ -354,7 +357,8 @@ def launch_gluon(
     if xq.device.type != "cuda":
         raise ValueError("the Gluon GEMM runs only on a CUDA device (Gluon has no interpreter)")
     quant_out = out_inv_scale is not None
-    c = config or served_config(residual is not None, gelu, quant_out, N)
+    fp8 = xq.dtype == torch.float8_e4m3fn
+    c = config or served_config(residual is not None, gelu, quant_out, N, fp8)
     if quant_out and (xq.dtype != torch.int8 or residual is not None):
         raise ValueError("a fixed-scale int8 output needs int8 operands and no residual")
     out = torch.empty(M, N, dtype=torch.int8 if quant_out else out_dtype, device=xq.device)
@@ -391,7 +395,7 @@ def launch_gluon(
         out_inv_scale.float().contiguous() if quant_out else w_scale,  # type: ignore[union-attr]
         M, N, K, xs.stride(0), programs,
         X_SCALED=x_scaled, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        GELU=(2 if gelu_tanh else 1) if gelu else 0, IS_FP8=xq.dtype == torch.float8_e4m3fn,
+        GELU=(2 if gelu_tanh else 1) if gelu else 0, IS_FP8=fp8,
         QUANT_OUT=quant_out, GROUP_M=8, STAGES=c.stages,
         CONSUMER_REGS=c.consumer_registers, PRODUCER_REGS=PRODUCER_REGISTERS, COOP=c.coop,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,

@@ -100,6 +100,7 @@ def test_the_plain_products_take_the_cooperative_form(monkeypatch: pytest.Monkey
         ((True, False, False, 768), default),  # proj, lin2: a residual
         ((False, True, True, 3072), default),  # lin1: GELU, int8 out
         ((False, False, False, 288), default),  # Swin-T's first qkv: N not a multiple of 256
+        ((False, False, False, 2304, True), default),  # e4m3: not run cooperatively on a GPU
     ]
     for args, want in cases:
         assert gemm_gluon.served_config(*args) == want, args

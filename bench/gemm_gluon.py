@@ -92,7 +92,7 @@ def compile_for_hopper(form: str, config: GluonConfig | None = None) -> Any:
 
     signature = {
         "a_desc": desc(torch.int8, [c.block_m, c.block_k]),
-        "b_desc": desc(torch.int8, [c.block_n * (2 if c.coop else 1), c.block_k]),
+        "b_desc": desc(torch.int8, [c.tile_n, c.block_k]),
         "c_desc": desc(out, [c.block_m, c.block_n]),
         "r_desc": desc(out, [c.block_m, c.block_n]),
         "XS": "*fp32", "WS": "*fp32", "BIAS": "*fp32", "OS": "*fp32",
@@ -138,7 +138,8 @@ def check(configs: list[str] | None = None) -> list[dict[str, Any]]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
-    for (m, k, n, form), name in itertools.product(CHECKS, configs or [None]):
+    names: list[str | None] = [*configs] if configs else [None]
+    for (m, k, n, form), name in itertools.product(CHECKS, names):
         f = FORMS[form]
         xq, xs = quantize_rows(torch.randn(m, k, device=dev, generator=g))
         wq, ws = quantize_rows(torch.randn(n, k, device=dev, generator=g) / k**0.5)

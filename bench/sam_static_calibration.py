@@ -87,23 +87,24 @@ def main() -> None:
     mirrored, _ = preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     on_photos = calibration_on(mirrored, chunk=1)
 
-    plan: list[tuple[str, bool, Any, float]] = []
+    # (label, fixed scales, calibration, headroom, share of layers kept in float at most)
+    plan: list[tuple[str, bool, Any, float, float]] = []
+    served = INT8_MAX_KEPT
     if not args.no_per_token:
-        plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0))
+        plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served))
         if not args.no_photos:  # how much of the photos' gain is the per-layer choice's
-            plan.append(("per-token, the photos mirrored", False, on_photos, 1.0))
+            plan.append(("per-token, the photos mirrored", False, on_photos, 1.0, served))
     for headroom in args.headroom:
         for n in args.smooth:
-            plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n), headroom))
+            plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n),
+                         headroom, served))  # fmt: skip
         if not args.no_photos:
-            plan.append(("fixed, the photos mirrored", True, on_photos, headroom))
-    plan_kept = [(label, static, calibrate, headroom, INT8_MAX_KEPT)
-                 for label, static, calibrate, headroom in plan]  # fmt: skip
+            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served))
     for kept in args.max_kept:  # what the layers kept in float buy
-        plan_kept.append((f"fixed, 8 smooth images, {kept:g} kept", True,
-                          calibration_run(size, 8), 1.5, kept))  # fmt: skip
+        plan.append((f"fixed, 8 smooth images, {kept:g} kept", True, calibration_run(size, 8),
+                     1.5, kept))  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for label, static, calibrate, headroom, kept in plan_kept:
+    for label, static, calibrate, headroom, kept in plan:
         model = prepared(base, static, calibrate, headroom, kept)
         result = compare_sam(reference, eager_sam_runner(model, DEVICE), photos)
         elapsed = round(time.perf_counter() - started)
@@ -111,14 +112,8 @@ def main() -> None:
                      **result.measures(), "at_s": elapsed})  # fmt: skip
         print(rows[-1], flush=True)
         del model
-    cols = [
-        "scales",
-        "headroom",
-        "max_kept",
-        "embedding_rel_error",
-        "mask_iou_mean",
-        "mask_iou_min",
-    ]
+    cols = ["scales", "headroom", "max_kept", "embedding_rel_error", "mask_iou_mean",
+            "mask_iou_min"]  # fmt: skip
     print_table(rows, [*cols, "score_diff_mean"])
     write_json(args.json, {"environment": environment(), "args": vars(args) | {"json": None},
                            "rows": rows})  # fmt: skip

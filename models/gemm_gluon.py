@@ -63,6 +63,11 @@ class GluonConfig:
     # under them). Slots are then 1.5x larger: 3 fit.
     coop: bool = False
 
+    @property
+    def tile_n(self) -> int:
+        """A tile's columns, B's rows in a ring slot: both groups' halves where `coop`."""
+        return 2 * self.block_n if self.coop else self.block_n
+
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} "
                 f"r{self.consumer_registers}{' coop' if self.coop else ''}")  # fmt: skip
@@ -298,8 +303,7 @@ def _kernel() -> Any:
                             X_SCALED, HAS_BIAS, HAS_RES, GELU, IS_FP8, QUANT_OUT, BLOCK_M,
                             BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP)),
             (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                            num_programs, BLOCK_M, TILE_N, BLOCK_K,
-                            GROUP_M, STAGES)),
+                            num_programs, BLOCK_M, TILE_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
     return ws_gemm
@@ -313,7 +317,7 @@ def served_config(
     divide `n`, the ping-pong default for the rest (e4m3 operands too: the cooperative
     form has run on a GPU with int8 ones only)."""
     plain = not (residual or gelu or quant_out or fp8)
-    if COOPERATIVE and plain and n % (2 * COOP_PLAIN.block_n) == 0:
+    if COOPERATIVE and plain and n % COOP_PLAIN.tile_n == 0:
         return COOP_PLAIN
     return GluonConfig()
 
@@ -343,8 +347,8 @@ def launch_gluon(
     """`xq [M, K]` int8 (or e4m3) x `weight [N, K]` -> `[M, N]`, as
     models.gemm_persistent.launch_persistent computes it; with `out_inv_scale [N]` the
     output leaves as int8 by those fixed per-column scales (as `launch_persistent_static_out`).
-    Without `config`, the plain products take `COOP_PLAIN` (where `COOPERATIVE`), the rest
-    the ping-pong default. Raises ValueError where TMA cannot carry the operands."""
+    Without `config`, `served_config` picks the launch shape. Raises ValueError where TMA
+    cannot carry the operands."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_kernel import check_operands
@@ -366,10 +370,9 @@ def launch_gluon(
         return out
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    tile_n = 2 * c.block_n if c.coop else c.block_n
     a_block, b_block, c_block = (
         [c.block_m, c.block_k],
-        [tile_n, c.block_k],
+        [c.tile_n, c.block_k],
         [c.block_m, c.block_n],
     )
     a_desc = TensorDescriptor.from_tensor(xq, a_block, _layout(a_block, xq.dtype))
@@ -386,7 +389,7 @@ def launch_gluon(
     x_scaled = x_scale is not None
     xs = x_scale.float() if x_scale is not None and x_scale.dtype != torch.float32 else x_scale
     xs = w_scale if xs is None else xs  # a placeholder where the scales are in the weight
-    tiles = -(-M // c.block_m) * -(-N // tile_n)
+    tiles = -(-M // c.block_m) * -(-N // c.tile_n)
     # an SM each, two tiles at a time (one, COOP)
     programs = min(tiles if c.coop else -(-tiles // 2), _programs(xq.device))
     _kernel()[(programs,)](

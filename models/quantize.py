@@ -139,9 +139,9 @@ def quantize_linears(
     Shapes that the int8/fp8 kernels cannot take (dimensions not multiples of 16) stay as
     they are. The `core` backend: the fused kernel (int8 or fp8), and when `calibrate` is
     given (it runs `module` on sample inputs), the layers whose measured error is worst stay
-    in float (at most `max_kept` of them, None: `INT8_MAX_KEPT` as it is at the call;
-    `models.int8_select`), the others' biases are
-    corrected for their weights' rounding, which for int8 is GPTQ's
+    in float (at most `max_kept` of them, None: `INT8_MAX_KEPT` as it is at the call, so a
+    bench can change it; `models.int8_select`), the others' biases are corrected for their
+    weights' rounding, which for int8 is GPTQ's
     (`Int8DynamicLinear(input_mean=..., hessian=...)`); `int_mm`: the earlier torch paths
     (`torch._int_mm`, `torch._scaled_mm`), every accepted layer, rounded to nearest, for
     comparison. With the fused kernel an MLP's GELU moves into its first product

@@ -77,6 +77,9 @@ class OptimizeOptions:
     # ... and SAM's attention adds its residual in the output projection's epilogue
     # (`Block.residual_in_proj`)
     proj_residual: bool = False
+    # ... and SAM's output projections take their input by fixed per-channel scales too,
+    # which the attention kernels write int8 (`Attention._proj_inv_scale`)
+    proj_static: bool = False
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -107,6 +110,7 @@ class OptimizeOptions:
                     ("hop", self.mlp_hop),
                     ("static", self.mlp_static),
                     ("pres", self.proj_residual),
+                    ("pstatic", self.proj_static),
                 )
                 if on
             ]
@@ -208,6 +212,7 @@ def _quantize(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
         norm_quant=options.norm_quant, mlp_hop=options.mlp_hop, mlp_static=options.mlp_static,
+        proj_static=options.proj_static,
     )  # fmt: skip
 
 

@@ -133,6 +133,7 @@ def quantize_linears(
     norm_quant: bool = False,
     mlp_hop: bool = False,
     mlp_static: bool = False,
+    proj_static: bool = False,
 ) -> list[str]:
     """Swap every `nn.Linear` that `include(name, layer)` accepts; returns the names swapped.
 
@@ -150,7 +151,8 @@ def quantize_linears(
     hands its output quantised to the second (`models.mlp_hop`), with `mlp_static` (int8,
     `calibrate` needed) the second takes its input by fixed per-channel scales, measured on
     `calibrate`'s inputs and folded into its weight, and the first writes it so
-    (`models.mlp_static`). Refuses
+    (`models.mlp_static`); with `proj_static` (the same needs) SAM's attention output
+    projections alike, their attention kernels writing it (`attention_projections`). Refuses
     (NotImplementedError) a kind the module's device cannot run
     (`quantization_unsupported`).
     """
@@ -173,16 +175,20 @@ def quantize_linears(
     scales: dict[str, Tensor] = {}
     if mlp_static and (kind != "int8" or backend != "core" or calibrate is None or mlp_hop):
         raise ValueError("mlp_static: int8 on the core backend, with calibrate, without mlp_hop")
+    if proj_static and (kind != "int8" or backend != "core" or calibrate is None):
+        raise ValueError("proj_static: int8 on the core backend, with calibrate")
     if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
         from models.mlp_hop import mlp_second_layers
         from models.mlp_static import input_amax, static_scale
 
         amax: dict[str, Tensor] = {}
-        if mlp_static:  # one more pass: the scales before the errors they cause
+        fixed = [*(mlp_second_layers(module) if mlp_static else ()),
+                 *(attention_projections(module) if proj_static else ())]  # fmt: skip
+        if fixed:  # one more pass: the scales before the errors they cause
             layers = dict(module.named_modules())
-            seconds = [n for n in mlp_second_layers(module) if quantizable(n, layers[n])]
-            amax = input_amax(module, lambda: calibrate(module), seconds)
+            fixed = [n for n in fixed if quantizable(n, layers[n])]
+            amax = input_amax(module, lambda: calibrate(module), fixed)
             scales = {name: static_scale(peak) for name, peak in amax.items()}
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
@@ -224,6 +230,16 @@ def quantize_linears(
 
         fuse_mlp_static(module)
     return swapped
+
+
+def attention_projections(module: nn.Module) -> list[str]:
+    """The output projections of SAM's image-encoder attention (`proj` of each
+    `models.sam.image_encoder.Attention`): their attention kernels can write the input int8
+    by fixed scales (`proj_static`), as lin1 writes lin2's."""
+    from models.sam.image_encoder import Attention
+
+    return [f"{name}.proj" if name else "proj"
+            for name, child in module.named_modules() if isinstance(child, Attention)]  # fmt: skip
 
 
 def _exact_gelu_mlps(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:

@@ -108,15 +108,20 @@ def rel_pos_attention(
 
 
 def fused_qkv_attention(
-    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, grid: tuple[int, int]
+    qkv: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    grid: tuple[int, int],
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """The Triton kernel straight on the qkv projection: `[B, N, 3, heads, C]` ->
     `[B, N, heads * C]`, ready for the output projection (no permute or copy either side;
-    the kernel computes the rel-pos terms from the tables itself)."""
+    the kernel computes the rel-pos terms from the tables itself); int8 by `out_inv_scale`
+    where the projection takes its input by fixed scales."""
     from models.sam.fused_attention import rel_pos_flash
 
     _check_tables(rel_pos_h, rel_pos_w, *grid)
-    return rel_pos_flash(qkv, rel_pos_h, rel_pos_w)
+    return rel_pos_flash(qkv, rel_pos_h, rel_pos_w, out_inv_scale)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

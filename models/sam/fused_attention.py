@@ -375,16 +375,19 @@ def launch(
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash", mutates_args=())
-def fused_rel_pos_attention(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+def fused_rel_pos_attention(
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
+) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h[.., y'] + rel_w[.., x']) v without the dense bias,
     rel_h and rel_w computed inside the kernel from the tables `[2h-1, C]`, `[2w-1, C]`.
 
     qkv `[B, N, 3, heads, C]` (the qkv projection, reshaped) -> `[B, N, heads * C]`: q, k
     and v are read in place and the output is written token-major, ready for the output
-    projection. An opaque op to torch.compile (the kernel is already fused), captured by
-    CUDA graphs.
+    projection; with `out_inv_scale [heads * C]` int8 by those fixed per-channel scales,
+    the projection's input where it takes it so (`models.mlp_static`). An opaque op to
+    torch.compile (the kernel is already fused), captured by CUDA graphs.
     """
-    return _on_qkv(qkv, rel_pos_h, rel_pos_w)
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w, out_inv_scale=out_inv_scale)
 
 
 def _on_qkv(
@@ -394,19 +397,23 @@ def _on_qkv(
     image: tuple[int, int] | None = None,
     qkv_bias: Tensor | None = None,
     traced: bool = False,
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """The ops' body: q, k and v read in place out of `[B, N, 3, heads, C]`, the output
-    written token-major as `[B, N, heads * C]`, ready for the output projection."""
+    written token-major as `[B, N, heads * C]`, ready for the output projection (int8 by
+    `out_inv_scale` where given: in the Gluon kernels' epilogue, else a pass after)."""
     if GLUON_GLOBAL and image is None and not traced:
         from models.sam import gluon_attention
 
         if gluon_attention.gluon_attention_supported(qkv, rel_pos_h, rel_pos_w) is None:
-            return gluon_attention.launch_gluon_attention(qkv, rel_pos_h, rel_pos_w)
+            return gluon_attention.launch_gluon_attention(qkv, rel_pos_h, rel_pos_w,
+                                                          out_inv_scale=out_inv_scale)  # fmt: skip
     if GLUON_WINDOW and image is not None and not traced:
         from models.sam import gluon_window_attention as gw
 
         if gw.gluon_window_supported(qkv, rel_pos_h, rel_pos_w, *image) is None:
-            return gw.launch_gluon_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, *image)
+            return gw.launch_gluon_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, *image,
+                                                    out_inv_scale=out_inv_scale)  # fmt: skip
     out = _output(qkv)
     _, N, _, heads, C = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views, each [B, heads, N, C]
@@ -418,17 +425,24 @@ def _on_qkv(
         q, k, v, rel_pos_h, rel_pos_w, out=out, out_strides=strides, image=image,
         qkv_bias=qkv_bias, traced=traced,
     )  # fmt: skip
+    if out_inv_scale is not None:  # the Triton kernels write floats: quantised after
+        from models.mlp_static import quantize_static
+
+        return quantize_static(out, out_inv_scale)
     return out
 
 
-def _output(qkv: Tensor) -> Tensor:
+def _output(qkv: Tensor, out_inv_scale: Tensor | None = None) -> Tensor:
     B, N, _, heads, C = qkv.shape
-    return qkv.new_empty(B, N, heads * C)
+    return qkv.new_empty(B, N, heads * C,
+                         dtype=qkv.dtype if out_inv_scale is None else torch.int8)  # fmt: skip
 
 
 @fused_rel_pos_attention.register_fake
-def _(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
-    return _output(qkv)
+def _(
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
+) -> Tensor:
+    return _output(qkv, out_inv_scale)
 
 
 @torch.library.custom_op("sam_serve::rel_pos_flash_windows", mutates_args=())
@@ -439,17 +453,20 @@ def fused_window_attention(
     qkv_bias: Tensor | None,
     height: int,
     width: int,
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """SAM's windowed attention straight on the qkv projection of the whole grid: qkv
     `[B, height * width, 3, heads, C]` -> `[B, height * width, heads * C]`, each token
     attending within its window (the tables' `h x w`), the windows past the grid's edge
-    padded as Meta's encoder pads them (keys and values of `qkv_bias`).
+    padded as Meta's encoder pads them (keys and values of `qkv_bias`); int8 by
+    `out_inv_scale` where given, as `fused_rel_pos_attention`.
 
     Meta's encoder partitions the normed grid into padded windows, projects 25 windows'
     4,900 tokens to qkv and back (for ViT-B at 1024 px: 64x64 tokens), then crops: here
     the projections see the 4,096 real tokens and no partition or crop copies exist.
     """
-    return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias)
+    return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias,
+                   out_inv_scale=out_inv_scale)  # fmt: skip
 
 
 @fused_window_attention.register_fake
@@ -460,8 +477,9 @@ def _(
     qkv_bias: Tensor | None,
     height: int,
     width: int,
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
-    return _output(qkv)
+    return _output(qkv, out_inv_scale)
 
 
 # The same two ops for torch.export (AOT packages, `models.aot`): a Python custom op cannot
@@ -478,8 +496,10 @@ def exported_ops() -> tuple[Any, Any]:
     program that uses them; a built package does not need them."""
 
     @torch.library.triton_op("sam_serve::rel_pos_flash_exported", mutates_args=())
-    def rel_pos(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
-        return _on_qkv(qkv, rel_pos_h, rel_pos_w, traced=True)
+    def rel_pos(
+        qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
+    ) -> Tensor:
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, traced=True, out_inv_scale=out_inv_scale)
 
     @torch.library.triton_op("sam_serve::rel_pos_flash_windows_exported", mutates_args=())
     def windows(
@@ -489,25 +509,31 @@ def exported_ops() -> tuple[Any, Any]:
         qkv_bias: Tensor | None,
         height: int,
         width: int,
+        out_inv_scale: Tensor | None = None,
     ) -> Tensor:
-        return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias, traced=True)
+        return _on_qkv(qkv, rel_pos_h, rel_pos_w, (height, width), qkv_bias, traced=True,
+                       out_inv_scale=out_inv_scale)  # fmt: skip
 
     return rel_pos, windows
 
 
-def rel_pos_flash(qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor) -> Tensor:
+def rel_pos_flash(
+    qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, out_inv_scale: Tensor | None = None
+) -> Tensor:
     """`fused_rel_pos_attention`, or while an AOT package is exported its traceable twin:
     what model code calls."""
     if exporting():
-        return exported_ops()[0](qkv, rel_pos_h, rel_pos_w)
-    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w)
+        return exported_ops()[0](qkv, rel_pos_h, rel_pos_w, out_inv_scale)
+    return fused_rel_pos_attention(qkv, rel_pos_h, rel_pos_w, out_inv_scale)
 
 
 def window_flash(
     qkv: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, qkv_bias: Tensor | None, height: int,
-    width: int,
+    width: int, out_inv_scale: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """`fused_window_attention`, or its traceable twin while an AOT package is exported."""
     if exporting():
-        return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)
-    return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width)
+        return exported_ops()[1](qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width,
+                                 out_inv_scale)  # fmt: skip
+    return fused_window_attention(qkv, rel_pos_h, rel_pos_w, qkv_bias, height, width,
+                                  out_inv_scale)  # fmt: skip

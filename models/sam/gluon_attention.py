@@ -64,6 +64,7 @@ _attn_producer: Any = None
 _attn_consumer: Any = None
 _attn_softmax: Any = None
 _attn_tile: Any = None
+quantize_fixed: Any = None
 
 
 @functools.cache
@@ -71,7 +72,7 @@ def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, tma
     global tma_load, tma_store, sync_group, _attn_producer, _attn_consumer, _attn_softmax
-    global _attn_tile
+    global _attn_tile, quantize_fixed
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -86,6 +87,8 @@ def _kernel() -> Any:
     from models.gemm_gluon import tma_copies
 
     tma_load, tma_store = tma_copies(tma)
+    from models.triton_quant import quantize_fixed
+
     # the later names (`reinterpret`) come with TMA's; a kernel reads only constexpr globals
     NEW_API = gl.constexpr(hasattr(tma, "async_load"))
     # a barrier of the calling partition's threads (3.6: thread_barrier; later: barrier)
@@ -145,9 +148,9 @@ def _kernel() -> Any:
     @gluon.jit
     def _attn_consumer(
         q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_smem, o_smem, tables_ready,
-        q_ready, q_empty, kv_ready, kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs,
-        CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
-        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr,
+        q_ready, q_empty, kv_ready, kv_empty, o_desc, out_inv_ptr, n_tiles, q_tiles, heads,
+        num_programs, CONSUMER: gl.constexpr, GRID_N: gl.constexpr, STAGES: gl.constexpr,
+        QK_SCALE: gl.constexpr, NEW_NAMES: gl.constexpr, QUANT_OUT: gl.constexpr,
     ):  # fmt: skip
         LOG2E_: gl.constexpr = 1.4426950408889634
         head_dim: gl.constexpr = o_desc.block_type.shape[1]
@@ -228,7 +231,12 @@ def _kernel() -> Any:
 
             out = acc / gl.expand_dims(l_i, 1)
             tma.store_wait(0)  # this group's tile before has left o_smem
-            o_smem.store(out.to(o_smem.dtype))
+            if QUANT_OUT:  # int8 for the projection, by its fixed input scales
+                cols = h * head_dim + gl.arange(0, head_dim, layout=col_layout)
+                inv = gl.load(out_inv_ptr + cols)
+                o_smem.store(quantize_fixed(out, inv))
+            else:
+                o_smem.store(out.to(o_smem.dtype))
             fence_async_shared()
             tma_store(o_desc, [b * (GRID_N * GRID_N) + qy * GRID_N, h * head_dim], o_smem)
             local += 1
@@ -236,9 +244,9 @@ def _kernel() -> Any:
 
     @gluon.jit
     def rel_pos_attention_ws(
-        qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, num_programs,
+        qkv_desc, rh_desc, rw_desc, o_desc, out_inv_ptr, n_tiles, q_tiles, heads, num_programs,
         GRID_N: gl.constexpr, STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        QUANT_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -249,7 +257,7 @@ def _kernel() -> Any:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, GRID_N, head_dim], tile_layout)
         rh_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rh_desc.layout)
         rw_smem = gl.allocate_shared_memory(dtype, [2 * GRID_N, head_dim], rw_desc.layout)
-        o_bufs = gl.allocate_shared_memory(dtype, [2, GRID_N, head_dim], o_desc.layout)
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, GRID_N, head_dim], o_desc.layout)
         # Rh . q^T of each consumer, a row of it read each key row (plain rows: a row is
         # read whole, by the scores' row layout)
         uh_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -271,12 +279,14 @@ def _kernel() -> Any:
         gl.warp_specialize([
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(0),
                               o_bufs.index(0), tables_ready, q_ready, q_empty, kv_ready,
-                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 0,
-                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
+                              kv_empty, o_desc, out_inv_ptr, n_tiles, q_tiles, heads,
+                              num_programs, 0, GRID_N, STAGES, QK_SCALE, NEW_NAMES,
+                              QUANT_OUT)),
             (_attn_consumer, (q_bufs, k_bufs, v_bufs, rh_smem, rw_smem, uh_bufs.index(1),
                               o_bufs.index(1), tables_ready, q_ready, q_empty, kv_ready,
-                              kv_empty, o_desc, n_tiles, q_tiles, heads, num_programs, 1,
-                              GRID_N, STAGES, QK_SCALE, NEW_NAMES)),
+                              kv_empty, o_desc, out_inv_ptr, n_tiles, q_tiles, heads,
+                              num_programs, 1, GRID_N, STAGES, QK_SCALE, NEW_NAMES,
+                              QUANT_OUT)),
             (_attn_producer, (qkv_desc, rh_desc, rw_desc, q_bufs, k_bufs, v_bufs, rh_smem,
                               rw_smem, tables_ready, q_ready, q_empty, kv_ready, kv_empty,
                               n_tiles, q_tiles, heads, num_programs, GRID_N, STAGES)),
@@ -311,7 +321,7 @@ def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     """The TMA tile's shared-memory layout (128-byte swizzle where rows allow)."""
     from triton.experimental.gluon import language as gl
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8}[dtype]
     return gl.NVMMASharedLayout.get_default_for(block, element)
 
 
@@ -320,11 +330,14 @@ def launch_gluon_attention(
     rel_pos_h: Tensor,
     rel_pos_w: Tensor,
     out: Tensor | None = None,
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(C) + rel_h + rel_w) v for qkv `[B, 4096, 3, heads, 64]` (the
     qkv projection, reshaped) -> `[B, 4096, heads * 64]` token-major, as
-    models.sam.fused_attention.fused_rel_pos_attention computes it. Raises ValueError where
-    the layer is not one this kernel runs (`gluon_attention_supported`)."""
+    models.sam.fused_attention.fused_rel_pos_attention computes it; with `out_inv_scale
+    [heads * 64]` (fp32) int8 by those fixed per-channel scales, the output projection's
+    input (`models.mlp_static`). Raises ValueError where the layer is not one this kernel
+    runs (`gluon_attention_supported`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_persistent import _programs
@@ -334,7 +347,8 @@ def launch_gluon_attention(
         raise ValueError(why)
     B, N, _, heads, C = qkv.shape
     if out is None:
-        out = qkv.new_empty(B, N, heads * C)
+        kind = qkv.dtype if out_inv_scale is None else torch.int8
+        out = qkv.new_empty(B, N, heads * C, dtype=kind)
     # the tables in the operands' type, their 127 rows read as 128 (TMA fills the last)
     rph = rel_pos_h.to(qkv.dtype).contiguous()
     rpw = rel_pos_w.to(qkv.dtype).contiguous()
@@ -350,8 +364,9 @@ def launch_gluon_attention(
     n_tiles = B * heads * q_tiles
     programs = min(n_tiles, _programs(qkv.device))
     _kernel()[(programs,)](
-        qkv_desc, rh_desc, rw_desc, o_desc, n_tiles, q_tiles, heads, programs,
-        GRID_N=GRID, STAGES=STAGES, QK_SCALE=C**-0.5 * LOG2E,
+        qkv_desc, rh_desc, rw_desc, o_desc, out_inv_scale if out_inv_scale is not None else out,
+        n_tiles, q_tiles, heads, programs,
+        GRID_N=GRID, STAGES=STAGES, QK_SCALE=C**-0.5 * LOG2E, QUANT_OUT=out_inv_scale is not None,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip

@@ -83,13 +83,14 @@ _win_here: Any = None
 _win_exp_terms: Any = None
 _win_producer: Any = None
 _win_consumer: Any = None
+quantize_fixed: Any = None
 
 
 @functools.cache
 def _kernel() -> Any:
     """Built on first use: importing this module never needs Triton."""
     global gl, mbarrier, warpgroup_mma, warpgroup_mma_wait, tma_load, NEW_API
-    global _win_job, _win_here, _win_exp_terms, _win_producer, _win_consumer
+    global _win_job, _win_here, _win_exp_terms, _win_producer, _win_consumer, quantize_fixed
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -103,6 +104,7 @@ def _kernel() -> Any:
 
     tma_load, _ = tma_copies(tma)
     NEW_API = gl.constexpr(hasattr(tma, "async_load"))
+    from models.triton_quant import quantize_fixed
 
     @gluon.jit
     def _win_job(job, n_win, windows_w, heads):
@@ -175,10 +177,10 @@ def _kernel() -> Any:
     @gluon.jit
     def _win_consumer(
         q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready, q_empty, kv_ready,
-        kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win, windows_w, heads, height, width,
-        pad_x, pad_y, num_programs, CONSUMER: gl.constexpr, WINDOW_: gl.constexpr,
+        kv_empty, out_ptr, bias_v_ptr, out_inv_ptr, n_jobs, n_win, windows_w, heads, height,
+        width, pad_x, pad_y, num_programs, CONSUMER: gl.constexpr, WINDOW_: gl.constexpr,
         BOX_: gl.constexpr, QK_SCALE: gl.constexpr, REL_SCALE: gl.constexpr,
-        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr,
+        HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr, QUANT_OUT: gl.constexpr,
     ):  # fmt: skip
         M: gl.constexpr = q_smem.shape[1]  # 64 queries a tile
         head_dim: gl.constexpr = q_smem.shape[2]
@@ -318,7 +320,11 @@ def _kernel() -> Any:
                     token = (b * height + y) * width + x_
                     ptrs = out_ptr + gl.expand_dims(token * (heads * head_dim) + h * head_dim, 1) \
                         + gl.expand_dims(o_cols, 0)  # fmt: skip
-                    gl.store(ptrs, out.to(q_smem.dtype), mask=gl.expand_dims(keep, 1))
+                    if QUANT_OUT:  # int8 for the projection, by its fixed input scales
+                        inv = gl.load(out_inv_ptr + h * head_dim + o_cols)
+                        gl.store(ptrs, quantize_fixed(out, inv), mask=gl.expand_dims(keep, 1))
+                    else:
+                        gl.store(ptrs, out.to(q_smem.dtype), mask=gl.expand_dims(keep, 1))
                 elif i == 1:
                     mbarrier.arrive(q_empty)
                     mbarrier.arrive(kv_empty.index(buf))
@@ -326,11 +332,11 @@ def _kernel() -> Any:
 
     @gluon.jit
     def rel_pos_window_attention_ws(
-        qkv_desc, t_desc, c_desc, out_ptr, bias_v_ptr, n_jobs, n_win, windows_w, heads,
-        height, width, pad_x, pad_y, num_programs,
+        qkv_desc, t_desc, c_desc, out_ptr, bias_v_ptr, out_inv_ptr, n_jobs, n_win, windows_w,
+        heads, height, width, pad_x, pad_y, num_programs,
         WINDOW_: gl.constexpr, BOX_: gl.constexpr, QK_SCALE: gl.constexpr,
         REL_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, OUTSIDE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        QUANT_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         NEW_NAMES: gl.constexpr = NEW_API
         dtype: gl.constexpr = qkv_desc.dtype
@@ -361,13 +367,15 @@ def _kernel() -> Any:
             mbarrier.init(kv_empty.index(i), count=2)
         gl.warp_specialize([
             (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
-                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
-                             windows_w, heads, height, width, pad_x, pad_y, num_programs, 0,
-                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, out_inv_ptr,
+                             n_jobs, n_win, windows_w, heads, height, width, pad_x, pad_y,
+                             num_programs, 0, WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS,
+                             OUTSIDE, QUANT_OUT)),
             (_win_consumer, (q_smem, k_bufs, v_bufs, t_bufs, c_smem, const_ready, q_ready,
-                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, n_jobs, n_win,
-                             windows_w, heads, height, width, pad_x, pad_y, num_programs, 1,
-                             WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS, OUTSIDE)),
+                             q_empty, kv_ready, kv_empty, out_ptr, bias_v_ptr, out_inv_ptr,
+                             n_jobs, n_win, windows_w, heads, height, width, pad_x, pad_y,
+                             num_programs, 1, WINDOW_, BOX_, QK_SCALE, REL_SCALE, HAS_BIAS,
+                             OUTSIDE, QUANT_OUT)),
             (_win_producer, (qkv_desc, t_desc, c_desc, q_smem, k_bufs, v_bufs, t_bufs, c_smem,
                              const_ready, q_ready, q_empty, kv_ready, kv_empty, n_jobs, n_win,
                              windows_w, heads, num_programs, WINDOW_, NEW_NAMES)),
@@ -449,12 +457,16 @@ def launch_gluon_window_attention(
     height: int,
     width: int,
     out: Tensor | None = None,
+    out_inv_scale: Tensor | None = None,
 ) -> Tensor:
     """SAM's windowed attention on the qkv projection of the whole grid, as
     models.sam.fused_attention.fused_window_attention computes it: qkv `[B, height *
     width, 3, heads, 64]` -> `[B, height * width, heads * 64]` token-major, windows of 14
-    padded past the grid's edge as Meta pads them (keys and values of `qkv_bias`). Raises
-    ValueError where the layer is not one this kernel runs (`gluon_window_supported`)."""
+    padded past the grid's edge as Meta pads them (keys and values of `qkv_bias`). With
+    `out_inv_scale [heads * 64]` (fp32) the output leaves int8 by those fixed per-channel
+    scales (`models.triton_quant.quantize_fixed`), the output projection's input
+    (`models.mlp_static`). Raises ValueError where the layer is not one this kernel runs
+    (`gluon_window_supported`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from models.gemm_persistent import _programs
@@ -464,7 +476,8 @@ def launch_gluon_window_attention(
         raise ValueError(why)
     B, N, _, heads, C = qkv.shape
     if out is None:
-        out = qkv.new_empty(B, N, heads * C)
+        kind = qkv.dtype if out_inv_scale is None else torch.int8
+        out = qkv.new_empty(B, N, heads * C, dtype=kind)
     windows_h, windows_w = -(-height // WINDOW), -(-width // WINDOW)
     pad_x = width - (windows_w - 1) * WINDOW  # real columns of the last window column
     pad_y = height - (windows_h - 1) * WINDOW
@@ -484,10 +497,11 @@ def launch_gluon_window_attention(
     n_jobs = B * n_win * heads
     programs = min(n_jobs, _programs(qkv.device))
     _kernel()[(programs,)](
-        qkv_desc, t_desc, c_desc, out, bias_v if bias_v is not None else out, n_jobs, n_win,
-        windows_w, heads, height, width, pad_x, pad_y, programs,
+        qkv_desc, t_desc, c_desc, out, bias_v if bias_v is not None else out,
+        out_inv_scale if out_inv_scale is not None else out, n_jobs, n_win, windows_w, heads,
+        height, width, pad_x, pad_y, programs,
         WINDOW_=WINDOW, BOX_=BOX, QK_SCALE=C**-0.5 * LOG2E, REL_SCALE=C**0.5,
-        HAS_BIAS=qkv_bias is not None, OUTSIDE=-30000.0,
+        HAS_BIAS=qkv_bias is not None, OUTSIDE=-30000.0, QUANT_OUT=out_inv_scale is not None,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
         num_warps=4, maxnreg=KERNEL_MAX_REGISTERS,
     )  # fmt: skip

@@ -45,6 +45,23 @@ def test_it_compiles_to_two_overlapping_consumers_and_a_producer() -> None:
     assert "st.shared.v" not in loop_rest
 
 
+def test_its_output_can_leave_int8_for_the_projection() -> None:
+    """`out_inv_scale`: each consumer's tile scaled by its head's 64 inverse scales, rounded
+    to int8 (no float-to-integer conversion: models.triton_quant) and stored by TMA as
+    int8, with nothing spilled and the loop as before."""
+    compiled = compile_for_hopper(quant_out=True)
+    ptx = compiled.asm["ptx"]
+    found = resources(compiled)
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::\w+\.bulk_group", ptx)
+    assert len(stores) == 2
+    # the scales a column: one load of 64 fp32 across the warp group's columns, each consumer
+    assert re.search(r"ld\.global(\.\w+)*\.b32", ptx), "no load of the scales"
+    assert "cvt.rni" not in ptx and "cvt.rzi" not in ptx
+    assert compiled.metadata.shared < compile_for_hopper().metadata.shared  # int8 staging
+
+
 def test_only_the_layers_it_was_written_for_are_taken() -> None:
     rph = torch.zeros(127, 64)
     qkv = torch.zeros(1, 4096, 3, 2, 64, dtype=torch.bfloat16)

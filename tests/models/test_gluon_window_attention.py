@@ -161,6 +161,21 @@ def test_it_compiles_to_a_producer_and_two_consumers() -> None:
     assert len(re.findall(r"ex2\.approx", ptx)) >= 2 * 2 * 64
 
 
+def test_its_output_can_leave_int8_for_the_projection() -> None:
+    """`out_inv_scale`: the output rows stored as int8 by the head's fixed inverse scales
+    (models.triton_quant's rounding), nothing spilled."""
+    from bench.gemm_resources import resources
+
+    compiled = compile_for_hopper(quant_out=True)
+    ptx = compiled.asm["ptx"]
+    found = resources(compiled)
+    assert found["stack_bytes"] == 0 and found["local_bytes"] == 0, found
+    # two neighbouring columns a store: int8 pairs (b16) where bf16 ones were b32
+    assert set(re.findall(r"st\.global[.\w]*", ptx)) == {"st.global.b16"}
+    plain = compile_for_hopper().asm["ptx"]
+    assert set(re.findall(r"st\.global[.\w]*", plain)) == {"st.global.b32"}
+
+
 def test_only_the_layers_it_was_written_for_are_taken() -> None:
     rph = torch.zeros(27, 64)
     meta = torch.device("meta")

@@ -173,3 +173,59 @@ def test_the_attention_residual_can_go_into_the_projections_epilogue(tiny_sam: S
     prepare_sam_encoder(plain.image_encoder, OptimizeOptions(proj_residual=True),
                         torch.device("cpu"))  # fmt: skip
     assert not any(b.residual_in_proj for b in plain.image_encoder.blocks)
+
+
+def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) -> None:
+    """`proj_static`: each quantised attention projection takes its input by fixed
+    per-channel scales calibrated at load (the attention kernels write it int8 on CUDA; here
+    the projection quantises the float input itself); the encoder's error stays about that
+    of per-token scales, eager and compiled alike."""
+    from models.int8_select import smooth_images
+    from models.quantize import attention_projections
+
+    images = smooth_images(2, 256, seed=7)
+    outputs = []
+    for fixed in (False, True):
+        model = copy.deepcopy(tiny_sam)
+        options = OptimizeOptions(quantization="int8", norm_quant=True, mlp_static=True,
+                                  proj_residual=True, proj_static=fixed)  # fmt: skip
+        assert options.variant.endswith("+pstatic") == fixed
+        prepare_sam_encoder(model.image_encoder, options, torch.device("cpu"))
+        blocks = model.image_encoder.blocks
+        projs = [b.attn.proj for b in blocks if isinstance(b.attn.proj, DynamicQuantLinear)]
+        assert projs
+        assert all((p.input_inv_scale is not None) == fixed for p in projs)
+        assert all((b.attn._proj_inv_scale() is not None) == (fixed and p in projs)
+                   for b in blocks for p in [b.attn.proj])  # fmt: skip
+        with torch.inference_mode():
+            outputs.append(model.encode(images))
+            if fixed:
+                compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
+    assert attention_projections(tiny_sam.image_encoder) == [
+        f"blocks.{i}.attn.proj" for i in range(len(tiny_sam.image_encoder.blocks))
+    ]
+    with torch.inference_mode():
+        want = tiny_sam.encode(images)
+    errors = [_rel(o, want) for o in outputs]
+    assert 0 < errors[1] < 1.25 * errors[0] and errors[1] < 0.03, errors
+    assert _rel(compiled, outputs[1]) < 1e-3
+    with pytest.raises(ValueError, match="proj_static"):
+        quantize_linears(copy.deepcopy(tiny_sam.image_encoder), "int8", _everything,
+                         proj_static=True)  # fmt: skip
+
+
+def test_the_attention_ops_say_int8_to_the_compiler_where_scales_are_given() -> None:
+    """The ops' fake outputs (what torch.compile plans with) carry the dtype the kernels
+    write: int8 with `out_inv_scale`, the input's otherwise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from models.sam.fused_attention import fused_rel_pos_attention, fused_window_attention
+
+    with FakeTensorMode():
+        qkv = torch.empty(2, 64, 3, 2, 16, dtype=torch.bfloat16)
+        table = torch.empty(15, 16, dtype=torch.bfloat16)
+        inv = torch.empty(32)
+        assert fused_rel_pos_attention(qkv, table, table).dtype == torch.bfloat16
+        assert fused_rel_pos_attention(qkv, table, table, inv).dtype == torch.int8
+        windows = fused_window_attention(qkv, table, table, None, 8, 8, inv)
+        assert windows.dtype == torch.int8 and windows.shape == (2, 64, 32)

@@ -29,6 +29,7 @@ import torch
 from models.sam.attention import fused_qkv_attention, rel_pos_attention
 from models.sam import fused_attention
 from models.sam.fused_attention import KernelConfig, dense_rows, launch
+from models.mlp_static import quantize_static
 
 results = []
 for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
@@ -45,6 +46,10 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     # the op the encoder calls: q, k, v read out of the qkv projection, output token-major
     fused = fused_qkv_attention(qkv.permute(1, 3, 0, 2, 4).contiguous(), rph, rpw, (gh, gw))
     err = max(err, float((fused - ref.transpose(1, 2).reshape(fused.shape)).norm() / ref.norm()))
+    # int8 for a projection that takes its input by fixed scales: what it would quantise
+    inv = torch.rand(heads * C, generator=g) * 8 + 0.5
+    int8 = fused_qkv_attention(qkv.permute(1, 3, 0, 2, 4).contiguous(), rph, rpw, (gh, gw), inv)
+    int8_exact = int8.dtype == torch.int8 and torch.equal(int8, quantize_static(fused, inv))
     # rel_pos_attention's triton form: the same op, on q, k, v stacked into its layout
     via_op = rel_pos_attention(q, k, v, rph, rpw, (gh, gw), "triton")
     assert via_op.shape == ref.shape
@@ -55,7 +60,7 @@ for seed, (B, heads, gh, gw, C, block_m) in enumerate(json.loads(sys.argv[1])):
     fused_attention.DENSE_ROWS = False
     dense = dense_rows((gh, gw), (gh, gw), C, max(16, 1 << (gw - 1).bit_length()), block_m)
     results.append({"shape": [B, heads, gh, gw, C, block_m], "rel_err": err, "dense": dense,
-                    "finite": bool(torch.isfinite(out).all())})
+                    "finite": bool(torch.isfinite(out).all()), "int8_exact": int8_exact})
 print(json.dumps(results))
 """
 
@@ -82,6 +87,7 @@ def test_kernel_matches_dense_bias_attention(interpreted: list[list[Any]]) -> No
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r  # fp32 throughout: only summation order differs
+        assert r["int8_exact"], r
     # the first case's rows fill their slots (a global grid), the others' do not
     assert [r["dense"] for r in results] == [True, False, False, False, False]
 
@@ -97,6 +103,8 @@ WINDOW_SCRIPT = r"""
 import json, sys
 import torch
 from models.sam.image_encoder import Attention, window_partition, window_unpartition
+from models.sam.fused_attention import window_flash
+from models.mlp_static import quantize_static
 
 results = []
 for seed, (B, H, W, window, dim, heads, bias) in enumerate(json.loads(sys.argv[1])):
@@ -117,10 +125,16 @@ for seed, (B, H, W, window, dim, heads, bias) in enumerate(json.loads(sys.argv[1
         attn.impl = "triton"
         got = attn.windowed(x)  # the grid read in place, in the interpreter
         with_residual = attn.windowed(x, x)  # the block's residual through the projection
+        # int8 for a projection that takes its input by fixed scales: what it would quantise
+        qkv = attn.qkv(x).reshape(B, H * W, 3, heads, -1)
+        floats = window_flash(qkv, attn.rel_pos_h, attn.rel_pos_w, attn.qkv.bias, H, W)
+        inv = torch.rand(dim) * 8 + 0.5
+        int8 = window_flash(qkv, attn.rel_pos_h, attn.rel_pos_w, attn.qkv.bias, H, W, inv)
+        int8_exact = int8.dtype == torch.int8 and torch.equal(int8, quantize_static(floats, inv))
     err = float((got - ref).norm() / ref.norm())
     err = max(err, float((with_residual - (ref + x)).norm() / (ref + x).norm()))
     results.append({"case": [B, H, W, window, dim, heads, bias], "rel_err": err,
-                    "finite": bool(torch.isfinite(got).all())})
+                    "finite": bool(torch.isfinite(got).all()), "int8_exact": int8_exact})
 print(json.dumps(results))
 """
 
@@ -142,6 +156,7 @@ def test_windows_read_in_place_match_meta_partitioned_windows(
     for r in results:
         assert r["finite"], r
         assert r["rel_err"] < 1e-5, r
+        assert r["int8_exact"], r  # int8 for a projection by fixed scales
 
 
 def test_windows_are_read_in_place_on_the_kernel(tiny_sam) -> None:

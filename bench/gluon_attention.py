@@ -31,25 +31,28 @@ from models.sam.gluon_attention import GRID, HEAD_DIM, launch_gluon_attention
 HEADS = 12  # ViT-B
 
 
-def compile_for_hopper() -> Any:
+def compile_for_hopper(quant_out: bool = False) -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
-    `launch_gluon_attention` launches it for ViT-B."""
+    `launch_gluon_attention` launches it for ViT-B (`quant_out`: its output int8 for the
+    projection)."""
     from bench.gemm_resources import compile_gluon, gluon_descriptor
 
-    def desc(rows: int, cols: int, block: list[int]) -> str:
-        layout = gluon_attention.shared_layout(block, torch.bfloat16)
-        return gluon_descriptor(rows, cols, torch.bfloat16, block, layout)
+    def desc(rows: int, cols: int, block: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
+        layout = gluon_attention.shared_layout(block, dtype)
+        return gluon_descriptor(rows, cols, dtype, block, layout)
 
     tile, table = [GRID, HEAD_DIM], [2 * GRID, HEAD_DIM]
     signature = {
         "qkv_desc": desc(GRID * GRID, 3 * HEADS * HEAD_DIM, tile),
         "rh_desc": desc(2 * GRID - 1, HEAD_DIM, table),
         "rw_desc": desc(2 * GRID - 1, HEAD_DIM, table),
-        "o_desc": desc(GRID * GRID, HEADS * HEAD_DIM, tile),
+        "o_desc": desc(GRID * GRID, HEADS * HEAD_DIM, tile,
+                       torch.int8 if quant_out else torch.bfloat16),
+        "out_inv_ptr": "*fp32" if quant_out else "*bf16",
         "n_tiles": "i32", "q_tiles": "i32", "heads": "i32", "num_programs": "i32",
     }  # fmt: skip
     constexprs = {"GRID_N": GRID, "STAGES": gluon_attention.STAGES,
-                  "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E,
+                  "QK_SCALE": HEAD_DIM**-0.5 * gluon_attention.LOG2E, "QUANT_OUT": quant_out,
                   "CONSUMER_REGS": gluon_attention.CONSUMER_REGISTERS,
                   "PRODUCER_REGS": gluon_attention.PRODUCER_REGISTERS}  # fmt: skip
     return compile_gluon(gluon_attention._kernel(), signature, constexprs,
@@ -122,6 +125,24 @@ def dense_reference(qkv: torch.Tensor, rph: torch.Tensor, rpw: torch.Tensor) -> 
     return out.transpose(1, 2).reshape(1, GRID * GRID, HEADS * HEAD_DIM)
 
 
+def int8_out(floats: torch.Tensor, launch_int8: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """The kernel's int8 output (`out_inv_scale`, scales of about the served spread)
+    against its bf16 output quantised by torch (`models.mlp_static.quantize_static`): the
+    largest difference. 1 where the bf16 rounding of the torch side moved a value across a
+    half step; more is a fault."""
+    from models.mlp_static import quantize_static
+
+    g = torch.Generator(device=floats.device).manual_seed(3)
+    spread = 1 + torch.rand(floats.shape[-1], generator=g, device=floats.device)
+    amax = floats.float().abs().amax(dim=(0, 1)) * spread
+    inv = 127.0 / amax.clamp(min=1e-6)
+    got = launch_int8(inv)
+    torch.cuda.synchronize()
+    if got.dtype != torch.int8:
+        return 10**6
+    return int((got.int() - quantize_static(floats, inv).int()).abs().max())
+
+
 def check(batch: int) -> dict[str, Any]:
     qkv, rph, rpw = inputs(batch, seed=1)
     got = launch_gluon_attention(qkv, rph, rpw)
@@ -135,6 +156,9 @@ def check(batch: int) -> dict[str, Any]:
         "gluon vs fp32 max_rel (image 0)": float((got[:1].float() - ref).abs().max() / scale),
         "triton vs fp32 max_rel (image 0)": float((served[:1].float() - ref).abs().max() / scale),
         "nan": bool(got.isnan().any()),
+        "int8 out max diff": int8_out(
+            got, lambda inv: launch_gluon_attention(qkv, rph, rpw, out_inv_scale=inv)
+        ),
     }
     print(row, flush=True)
     return row
@@ -195,7 +219,8 @@ def bench_main(
     print(env, flush=True)
     checks = [check_one(2)]
     print_table(checks, list(checks[0]))
-    if checks[0]["nan"] or checks[0]["gluon vs triton max_rel"] > 0.02:
+    if (checks[0]["nan"] or checks[0]["gluon vs triton max_rel"] > 0.02
+            or checks[0]["int8 out max diff"] > 1):  # fmt: skip
         raise SystemExit("the Gluon kernel's output differs from the Triton kernel's: not timed")
     if args.check_only:
         return

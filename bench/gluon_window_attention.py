@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.gluon_attention import bench_main, print_resources
+from bench.gluon_attention import bench_main, int8_out, print_resources
 from bench.int8_gemm import graphed_ms
 from models.sam import fused_attention, gluon_window_attention
 from models.sam.gluon_window_attention import (
@@ -37,9 +37,10 @@ HEADS = 12  # ViT-B
 GRID = 64  # ViT-B's token grid at 1024 px: 5 x 5 windows, the last row and column padded
 
 
-def compile_for_hopper() -> Any:
+def compile_for_hopper(quant_out: bool = False) -> Any:
     """The kernel compiled for sm_90 by this machine's Triton (no GPU needed), as
-    `launch_gluon_window_attention` launches it for ViT-B's windowed layers."""
+    `launch_gluon_window_attention` launches it for ViT-B's windowed layers (`quant_out`:
+    its output int8 for the projection)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
@@ -54,18 +55,20 @@ def compile_for_hopper() -> Any:
         "qkv_desc": desc([1, GRID, GRID, 3 * HEADS * HEAD_DIM], [1, BOX, BOX, HEAD_DIM]),
         "t_desc": desc([HEADS * 2 * TABLE, HEAD_DIM], [TABLE, HEAD_DIM]),
         "c_desc": desc([2 * KEYS, EXTRA], [KEYS, EXTRA]),
-        "out_ptr": "*bf16", "bias_v_ptr": "*bf16",
+        "out_ptr": "*i8" if quant_out else "*bf16", "bias_v_ptr": "*bf16",
+        "out_inv_ptr": "*fp32" if quant_out else "*bf16",
         **dict.fromkeys(("n_jobs", "n_win", "windows_w", "heads", "height", "width", "pad_x",
                          "pad_y", "num_programs"), "i32"),
     }  # fmt: skip
     constexprs = {"WINDOW_": WINDOW, "BOX_": BOX,
                   "QK_SCALE": HEAD_DIM**-0.5 * gluon_window_attention.LOG2E,
                   "REL_SCALE": HEAD_DIM**0.5, "HAS_BIAS": True, "OUTSIDE": -30000.0,
+                  "QUANT_OUT": quant_out,
                   "CONSUMER_REGS": gluon_window_attention.CONSUMER_REGISTERS,
                   "PRODUCER_REGS": gluon_window_attention.PRODUCER_REGISTERS}  # fmt: skip
     return compile_gluon(gluon_window_attention._kernel(), signature, constexprs,
                          gluon_window_attention.KERNEL_MAX_REGISTERS,
-                         divisible=("out_ptr", "bias_v_ptr"))  # fmt: skip
+                         divisible=("out_ptr", "bias_v_ptr", "out_inv_ptr"))  # fmt: skip
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -127,6 +130,12 @@ def check(batch: int) -> dict[str, Any]:
         # where the worst token lies: a window at the edge or inside
         "worst token": int(diff.amax(-1).flatten().argmax()) % (GRID * GRID),
         "nan": bool(got.isnan().any()),
+        "int8 out max diff": int8_out(
+            got,
+            lambda inv: launch_gluon_window_attention(
+                qkv, rph, rpw, bias, GRID, GRID, out_inv_scale=inv
+            ),
+        ),
     }
     print(row, flush=True)
     return row

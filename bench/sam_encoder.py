@@ -51,7 +51,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a sm
 
 
 def _variant(name: str) -> OptimizeOptions:
-    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static][-pres]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-parted]`,
+    """`bf16[-gelu][-int8|-fp8|-2:4][-torchao|-int_mm][-lnq][-hop|-static][-pres][-pstatic]-(eager|compile|autotune|aot)[-sdpa|-flex|-triton][-win][-parted]`,
     e.g. bf16-fp8-compile-triton; `-torchao` quantizes through torchao instead of our layers,
     `-int_mm` through the earlier torch paths on every layer (int8: torch._int_mm, fp8:
     torch._scaled_mm; the fused kernels with the per-layer choice are the default), `-lnq`
@@ -84,6 +84,7 @@ def _variant(name: str) -> OptimizeOptions:
         mlp_hop="hop" in parts,
         mlp_static="static" in parts,
         proj_residual="pres" in parts,
+        proj_static="pstatic" in parts,
         gelu_epilogue="gelu" in parts,
     )
 
@@ -122,6 +123,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-pingpong",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-kept0",
+        # the output projections' input by fixed scales, written int8 by the attention
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",

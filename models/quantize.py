@@ -232,14 +232,22 @@ def quantize_linears(
     return swapped
 
 
+# Which blocks' projections `proj_static` takes, read at the call (a bench measures each):
+# "all", "windowed" or "global"
+PROJ_STATIC_BLOCKS = "all"
+
+
 def attention_projections(module: nn.Module) -> list[str]:
     """The output projections of SAM's image-encoder attention (`proj` of each
-    `models.sam.image_encoder.Attention`): their attention kernels can write the input int8
-    by fixed scales (`proj_static`), as lin1 writes lin2's."""
-    from models.sam.image_encoder import Attention
+    `models.sam.image_encoder.Attention`, of the blocks `PROJ_STATIC_BLOCKS` names): their
+    attention kernels can write the input int8 by fixed scales (`proj_static`), as lin1
+    writes lin2's."""
+    from models.sam.image_encoder import Block
 
-    return [f"{name}.proj" if name else "proj"
-            for name, child in module.named_modules() if isinstance(child, Attention)]  # fmt: skip
+    wanted = {"all": (True, False), "windowed": (True,), "global": (False,)}[PROJ_STATIC_BLOCKS]
+    return [f"{name}.attn.proj" if name else "attn.proj"
+            for name, child in module.named_modules()
+            if isinstance(child, Block) and (child.window > 0) in wanted]  # fmt: skip
 
 
 def _exact_gelu_mlps(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:

@@ -56,6 +56,15 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     with runtime_knobs(kept0):
         assert quantize.INT8_MAX_KEPT == 0.0
     assert quantize.INT8_MAX_KEPT == served > 0
+    # the attention writing proj's input int8 (`-pstatic`, an option), on some blocks only
+    pstatic = gwin.replace("-pres-", "-pres-pstatic-")
+    assert _variant(pstatic).proj_static and not _variant(name).proj_static
+    for blocks in ("windowed", "global"):
+        only = f"{pstatic}-kept0-p{blocks}"
+        assert only in VARIANTS and _variant(only) == _variant(pstatic)
+        with runtime_knobs(only):
+            assert blocks == quantize.PROJ_STATIC_BLOCKS and quantize.INT8_MAX_KEPT == 0.0
+        assert quantize.PROJ_STATIC_BLOCKS == "all"
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

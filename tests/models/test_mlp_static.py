@@ -180,6 +180,9 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
     per-channel scales calibrated at load (the attention kernels write it int8 on CUDA; here
     the projection quantises the float input itself); the encoder's error stays about that
     of per-token scales, eager and compiled alike."""
+    from unittest.mock import patch
+
+    from models import quantize
     from models.int8_select import smooth_images
     from models.quantize import attention_projections
 
@@ -201,9 +204,15 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
             outputs.append(model.encode(images))
             if fixed:
                 compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
+    blocks = tiny_sam.image_encoder.blocks
     assert attention_projections(tiny_sam.image_encoder) == [
-        f"blocks.{i}.attn.proj" for i in range(len(tiny_sam.image_encoder.blocks))
+        f"blocks.{i}.attn.proj" for i in range(len(blocks))
     ]
+    for which, windowed in (("windowed", True), ("global", False)):
+        with patch.object(quantize, "PROJ_STATIC_BLOCKS", which):
+            names = attention_projections(tiny_sam.image_encoder)
+        want = [f"blocks.{i}.attn.proj" for i, b in enumerate(blocks) if (b.window > 0) == windowed]
+        assert names == want and want
     with torch.inference_mode():
         want = tiny_sam.encode(images)
     errors = [_rel(o, want) for o in outputs]

@@ -61,7 +61,7 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`) may follow."""
+    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`, `-phP`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -128,6 +128,8 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-pwindowed",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-pglobal",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph100",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph50",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -168,7 +170,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     its ping-pong form, none in the cooperative one (`gemm_gluon.COOPERATIVE`), `-kept0` no
     layer kept in float by the per-layer choice (`quantize.INT8_MAX_KEPT`: what the six
     float lin2 cost and buy), `-pwindowed` / `-pglobal` `-pstatic` on those blocks'
-    projections only (`quantize.PROJ_STATIC_BLOCKS`).
+    projections only (`quantize.PROJ_STATIC_BLOCKS`), `-phP` their scales' headroom P% of
+    the calibration's peaks (`quantize.PROJ_HEADROOM`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -180,7 +183,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     saved = (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
              fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
-             quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS)  # fmt: skip
+             quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS,
+             quantize.PROJ_HEADROOM)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     for blocks in ("windowed", "global"):
         if f"p{blocks}" in parts:
@@ -194,6 +198,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     for part in parts:
         if shape := re.fullmatch(r"ln(\d+)x(\d+)", part):
             ln_quant.SHAPE = int(shape[1]), int(shape[2])
+        if headroom := re.fullmatch(r"ph(\d+)", part):  # percent: ph75 is 0.75
+            quantize.PROJ_HEADROOM = int(headroom[1]) / 100
     caches = contextlib.ExitStack()
     if "pad128" in parts:
         ln_quant.PACK_PAD = 128
@@ -208,7 +214,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
         (fused_attention.DENSE_ROWS, ln_quant.PACK_PAD, gemm_persistent.SERVED,
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
          fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
-         quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS) = saved  # fmt: skip
+         quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS,
+         quantize.PROJ_HEADROOM) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

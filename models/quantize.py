@@ -180,15 +180,18 @@ def quantize_linears(
     if backend == "core" and calibrate is not None:
         from models.int8_select import int8_include
         from models.mlp_hop import mlp_second_layers
-        from models.mlp_static import input_amax, static_scale
+        from models.mlp_static import HEADROOM, input_amax, static_scale
 
         amax: dict[str, Tensor] = {}
-        fixed = [*(mlp_second_layers(module) if mlp_static else ()),
-                 *(attention_projections(module) if proj_static else ())]  # fmt: skip
+        projections = attention_projections(module) if proj_static else []
+        fixed = [*(mlp_second_layers(module) if mlp_static else ()), *projections]
         if fixed:  # one more pass: the scales before the errors they cause
             layers = dict(module.named_modules())
             fixed = [n for n in fixed if quantizable(n, layers[n])]
             amax = input_amax(module, lambda: calibrate(module), fixed)
+            if PROJ_HEADROOM is not None:  # the projections' own, as if their peaks moved
+                for name in set(projections) & set(amax):
+                    amax[name] = amax[name] * (PROJ_HEADROOM / HEADROOM)
             scales = {name: static_scale(peak) for name, peak in amax.items()}
         accepted, choice = int8_include(
             module, lambda: calibrate(module), quantizable,
@@ -233,8 +236,10 @@ def quantize_linears(
 
 
 # Which blocks' projections `proj_static` takes, read at the call (a bench measures each):
-# "all", "windowed" or "global"
+# "all", "windowed" or "global"; and their scales' headroom over the calibration's peaks
+# (None: `models.mlp_static.HEADROOM`, lin2's), below 1 clipping the largest values
 PROJ_STATIC_BLOCKS = "all"
+PROJ_HEADROOM: float | None = None
 
 
 def attention_projections(module: nn.Module) -> list[str]:

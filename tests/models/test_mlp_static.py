@@ -204,6 +204,22 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
             outputs.append(model.encode(images))
             if fixed:
                 compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
+                served = {id(p): p.input_inv_scale for p in projs}
+    # the projections' own headroom: half of lin2's 1.5 doubles their inverse scales only
+    halved = copy.deepcopy(tiny_sam)
+    with patch.object(quantize, "PROJ_HEADROOM", 0.75):
+        prepare_sam_encoder(halved.image_encoder, options, torch.device("cpu"))
+    compared = 0
+    for ours, theirs in zip(halved.image_encoder.blocks, model.image_encoder.blocks, strict=True):
+        if id(theirs.attn.proj) in served and isinstance(ours.attn.proj, DynamicQuantLinear):
+            torch.testing.assert_close(ours.attn.proj.input_inv_scale,
+                                       2 * served[id(theirs.attn.proj)])  # fmt: skip
+            compared += 1
+        if isinstance(ours.mlp.lin2, DynamicQuantLinear) and isinstance(
+            theirs.mlp.lin2, DynamicQuantLinear
+        ):
+            assert torch.equal(ours.mlp.lin2.input_inv_scale, theirs.mlp.lin2.input_inv_scale)
+    assert compared
     blocks = tiny_sam.image_encoder.blocks
     assert attention_projections(tiny_sam.image_encoder) == [
         f"blocks.{i}.attn.proj" for i in range(len(blocks))

@@ -22,6 +22,8 @@ About 2 minutes a row on a 2-core CPU for the 7 photos.
     python -m bench.sam_static_calibration --images .benchdata/images
     python -m bench.sam_static_calibration --images .benchdata/images --no-per-token \
         --no-photos --smooth 8 --headroom 1.5 --max-kept 0   # the float layers' worth
+    python -m bench.sam_static_calibration --images .benchdata/images --no-per-token \
+        --smooth 8 --headroom 1.5 --proj all windowed global  # proj_static's cost
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 
 from bench.common import environment, print_table, write_json
 from bench.sam_fp8_sensitivity import fp32_reference, photo_arguments
-from models import mlp_static
+from models import mlp_static, quantize
 from models.fidelity import compare_sam, eager_sam_runner
 from models.int8_select import calibration_on, calibration_run
 from models.quantize import INT8_MAX_KEPT, quantize_linears
@@ -52,17 +54,26 @@ def _blocks(name: str, layer: nn.Linear) -> bool:
 
 
 def prepared(
-    base: Sam, static: bool, calibrate: Any, headroom: float, max_kept: float | None = None
+    base: Sam,
+    static: bool,
+    calibrate: Any,
+    headroom: float,
+    max_kept: float | None = None,
+    proj_blocks: str | None = None,
 ) -> Sam:
     """A copy of `base` whose encoder is quantised as the service's int8 variant (at most
-    `max_kept` of its layers left in float by the per-layer choice)."""
+    `max_kept` of its layers left in float by the per-layer choice; with `proj_blocks`,
+    those blocks' output projections by fixed scales too: `OptimizeOptions.proj_static`)."""
     model = copy.deepcopy(base)
-    served, mlp_static.HEADROOM = mlp_static.HEADROOM, headroom
+    served = mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS
+    mlp_static.HEADROOM = headroom
+    quantize.PROJ_STATIC_BLOCKS = proj_blocks or "all"
     try:
         quantize_linears(model.image_encoder, "int8", _blocks, calibrate=calibrate,
-                         norm_quant=True, mlp_static=static, max_kept=max_kept)  # fmt: skip
+                         norm_quant=True, mlp_static=static, max_kept=max_kept,
+                         proj_static=proj_blocks is not None)  # fmt: skip
     finally:
-        mlp_static.HEADROOM = served
+        mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS = served
     return model
 
 
@@ -79,6 +90,11 @@ def main() -> None:
         help="also the served form (fixed scales, 8 smooth images, 1.5x) with at most this "
         "share of layers kept in float (served: INT8_MAX_KEPT)",
     )  # fmt: skip
+    p.add_argument(
+        "--proj", nargs="*", choices=["all", "windowed", "global"], default=[],
+        help="also the served form with these blocks' output projections by fixed scales\n"
+        "(proj_static), calibrated on 8 smooth images and (for all) on the photos mirrored",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -87,25 +103,33 @@ def main() -> None:
     mirrored, _ = preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     on_photos = calibration_on(mirrored, chunk=1)
 
-    # (label, fixed scales, calibration, headroom, share of layers kept in float at most)
-    plan: list[tuple[str, bool, Any, float, float]] = []
+    # (label, fixed scales, calibration, headroom, share of layers kept in float at most,
+    # the blocks whose projections take fixed scales too)
+    plan: list[tuple[str, bool, Any, float, float, str | None]] = []
     served = INT8_MAX_KEPT
     if not args.no_per_token:
-        plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served))
+        plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served,
+                     None))  # fmt: skip
         if not args.no_photos:  # how much of the photos' gain is the per-layer choice's
-            plan.append(("per-token, the photos mirrored", False, on_photos, 1.0, served))
+            plan.append(("per-token, the photos mirrored", False, on_photos, 1.0, served, None))
     for headroom in args.headroom:
         for n in args.smooth:
             plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n),
-                         headroom, served))  # fmt: skip
+                         headroom, served, None))  # fmt: skip
         if not args.no_photos:
-            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served))
+            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served, None))
     for kept in args.max_kept:  # what the layers kept in float buy
         plan.append((f"fixed, 8 smooth images, {kept:g} kept", True, calibration_run(size, 8),
-                     1.5, kept))  # fmt: skip
+                     1.5, kept, None))  # fmt: skip
+    for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
+        plan.append((f"fixed, proj too ({blocks}), 8 smooth images", True,
+                     calibration_run(size, 8), 1.5, served, blocks))  # fmt: skip
+        if blocks == "all" and not args.no_photos:
+            plan.append(("fixed, proj too (all), the photos mirrored", True, on_photos, 1.5,
+                         served, blocks))  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for label, static, calibrate, headroom, kept in plan:
-        model = prepared(base, static, calibrate, headroom, kept)
+    for label, static, calibrate, headroom, kept, blocks in plan:
+        model = prepared(base, static, calibrate, headroom, kept, blocks)
         result = compare_sam(reference, eager_sam_runner(model, DEVICE), photos)
         elapsed = round(time.perf_counter() - started)
         rows.append({"scales": label, "headroom": headroom, "max_kept": kept,

@@ -49,3 +49,19 @@ def test_max_kept_zero_leaves_no_candidate_in_float() -> None:
     floats = [name for name, m in model.image_encoder.blocks.named_modules()
               if type(m) is torch.nn.Linear]  # fmt: skip
     assert not floats, floats
+
+
+def test_proj_blocks_give_those_projections_fixed_scales_and_are_put_back() -> None:
+    """`--proj windowed`: the windowed blocks' output projections take fixed scales beside
+    lin2's, the global blocks' keep per-token ones; the switch is put back after."""
+    from models import quantize
+
+    base = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    calibrate = calibration_run(base.config.image_size, 1)
+    model = prepared(base, True, calibrate, 1.5, max_kept=0.0, proj_blocks="windowed")
+    fixed = _fixed_scales(model)
+    blocks = model.image_encoder.blocks
+    windowed = {f"image_encoder.blocks.{i}.attn.proj" for i, b in enumerate(blocks) if b.window}
+    assert windowed and len(windowed) < len(blocks)
+    assert {n for n in fixed if n.endswith("attn.proj")} == windowed
+    assert quantize.PROJ_STATIC_BLOCKS == "all"

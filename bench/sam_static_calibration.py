@@ -60,20 +60,23 @@ def prepared(
     headroom: float,
     max_kept: float | None = None,
     proj_blocks: str | None = None,
+    proj_headroom: float | None = None,
 ) -> Sam:
     """A copy of `base` whose encoder is quantised as the service's int8 variant (at most
     `max_kept` of its layers left in float by the per-layer choice; with `proj_blocks`,
-    those blocks' output projections by fixed scales too: `OptimizeOptions.proj_static`)."""
+    those blocks' output projections by fixed scales too: `OptimizeOptions.proj_static`,
+    at `proj_headroom` over their peaks where given, else `headroom`)."""
     model = copy.deepcopy(base)
-    served = mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS
+    served = mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS, quantize.PROJ_HEADROOM
     mlp_static.HEADROOM = headroom
     quantize.PROJ_STATIC_BLOCKS = proj_blocks or "all"
+    quantize.PROJ_HEADROOM = proj_headroom
     try:
         quantize_linears(model.image_encoder, "int8", _blocks, calibrate=calibrate,
                          norm_quant=True, mlp_static=static, max_kept=max_kept,
                          proj_static=proj_blocks is not None)  # fmt: skip
     finally:
-        mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS = served
+        mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS, quantize.PROJ_HEADROOM = served
     return model
 
 
@@ -95,6 +98,11 @@ def main() -> None:
         help="also the served form with these blocks' output projections by fixed scales\n"
         "(proj_static), calibrated on 8 smooth images and (for all) on the photos mirrored",
     )  # fmt: skip
+    p.add_argument(
+        "--proj-headroom", nargs="*", type=float, default=[],
+        help="also every projection by fixed scales at this headroom over its peaks\n"
+        "(lin2's stays 1.5; 8 smooth images)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -104,32 +112,38 @@ def main() -> None:
     on_photos = calibration_on(mirrored, chunk=1)
 
     # (label, fixed scales, calibration, headroom, share of layers kept in float at most,
-    # the blocks whose projections take fixed scales too)
-    plan: list[tuple[str, bool, Any, float, float, str | None]] = []
+    # the blocks whose projections take fixed scales too, their own headroom)
+    plan: list[tuple[str, bool, Any, float, float, str | None, float | None]] = []
     served = INT8_MAX_KEPT
     if not args.no_per_token:
         plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served,
-                     None))  # fmt: skip
+                     None, None))  # fmt: skip
         if not args.no_photos:  # how much of the photos' gain is the per-layer choice's
-            plan.append(("per-token, the photos mirrored", False, on_photos, 1.0, served, None))
+            plan.append(
+                ("per-token, the photos mirrored", False, on_photos, 1.0, served, None, None)
+            )
     for headroom in args.headroom:
         for n in args.smooth:
             plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n),
-                         headroom, served, None))  # fmt: skip
+                         headroom, served, None, None))  # fmt: skip
         if not args.no_photos:
-            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served, None))
+            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served, None,
+                         None))  # fmt: skip
     for kept in args.max_kept:  # what the layers kept in float buy
         plan.append((f"fixed, 8 smooth images, {kept:g} kept", True, calibration_run(size, 8),
-                     1.5, kept, None))  # fmt: skip
+                     1.5, kept, None, None))  # fmt: skip
     for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
         plan.append((f"fixed, proj too ({blocks}), 8 smooth images", True,
-                     calibration_run(size, 8), 1.5, served, blocks))  # fmt: skip
+                     calibration_run(size, 8), 1.5, served, blocks, None))  # fmt: skip
         if blocks == "all" and not args.no_photos:
             plan.append(("fixed, proj too (all), the photos mirrored", True, on_photos, 1.5,
-                         served, blocks))  # fmt: skip
+                         served, blocks, None))  # fmt: skip
+    for room in args.proj_headroom:
+        plan.append((f"fixed, proj too (all) at {room:g}x, 8 smooth images", True,
+                     calibration_run(size, 8), 1.5, served, "all", room))  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for label, static, calibrate, headroom, kept, blocks in plan:
-        model = prepared(base, static, calibrate, headroom, kept, blocks)
+    for label, static, calibrate, headroom, kept, blocks, room in plan:
+        model = prepared(base, static, calibrate, headroom, kept, blocks, room)
         result = compare_sam(reference, eager_sam_runner(model, DEVICE), photos)
         elapsed = round(time.perf_counter() - started)
         rows.append({"scales": label, "headroom": headroom, "max_kept": kept,

@@ -65,3 +65,13 @@ def test_proj_blocks_give_those_projections_fixed_scales_and_are_put_back() -> N
     assert windowed and len(windowed) < len(blocks)
     assert {n for n in fixed if n.endswith("attn.proj")} == windowed
     assert quantize.PROJ_STATIC_BLOCKS == "all"
+    # their own headroom (`--proj-headroom`): the scales cover that share of the peaks
+    encoder = base.image_encoder
+    projs = [f"blocks.{i}.attn.proj" for i in range(len(encoder.blocks))]
+    peaks = mlp_static.input_amax(encoder, lambda: calibrate(encoder), projs)
+    model = prepared(base, True, calibrate, 1.5, 0.0, "all", 0.75)
+    scales = {n: v for n, v in _fixed_scales(model).items() if n.endswith("attn.proj")}
+    assert len(scales) == len(projs)
+    for name, scale in scales.items():
+        torch.testing.assert_close(scale, peaks[name.removeprefix("image_encoder.")] * 0.75 / 127)
+    assert quantize.PROJ_HEADROOM is None

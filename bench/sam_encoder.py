@@ -130,6 +130,9 @@ VARIANTS: dict[str, OptimizeOptions] = {
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-pglobal",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph100",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph50",
+        # ... calibrated on the photos mirrored (SERVE_CALIBRATION_IMAGES), not 8 smooth images
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-calphotos",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-calphotos",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -275,6 +278,12 @@ def official_baseline(batch_sizes: list[int], iters: int) -> list[dict[str, Any]
     return rows
 
 
+# The photos mirrored left to right, pre-processed as the service does (set by `main`): what
+# `-calphotos` variants calibrate on, as SERVE_CALIBRATION_IMAGES would give photos like the
+# served ones (bench/sam_static_calibration.py's "the photos mirrored" rows)
+CALIBRATION: torch.Tensor | None = None
+
+
 def prepared(name: str, base: Sam) -> tuple[OptimizeOptions, Sam]:
     """A copy of `base` prepared as the variant says; `-parted`: the windowed blocks on
     partitioned windows (Meta's way: padded, projected, attended, cropped) where the
@@ -284,7 +293,10 @@ def prepared(name: str, base: Sam) -> tuple[OptimizeOptions, Sam]:
     seventeenth session)."""
     opts = VARIANTS[name]
     model = copy.deepcopy(base).to(dtype=opts.dtype)
-    prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE))
+    calibration = CALIBRATION if "calphotos" in name.split("-") else None
+    if calibration is not None:
+        calibration = calibration.to(opts.dtype)
+    prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE), calibration)
     if "parted" in name.split("-"):
         for block in model.image_encoder.blocks:
             if isinstance(block, Block):
@@ -508,6 +520,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     base = load_sam(SAM_CONFIGS[args.model], None, seed=0).to(DEVICE)
     photos = load_photos(args.images)
+    global CALIBRATION
+    CALIBRATION, _ = tf.preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     fid = fidelity_inputs(photos, base)
     with torch.inference_mode():
         ref_embed = torch.cat([base.encode(fid[0][i : i + 1]) for i in range(len(photos))])

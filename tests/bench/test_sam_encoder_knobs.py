@@ -108,3 +108,31 @@ def test_a_padded_variant_compiles_its_own_width_not_the_cached_one(tmp_path: Pa
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["48", "160"]  # 32 values, then 16 or 128 bytes
+
+
+def test_calphotos_variants_calibrate_on_the_photos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-calphotos`: the encoder calibrated on `CALIBRATION` (the photos mirrored, as
+    SERVE_CALIBRATION_IMAGES would give), not on synthetic images: other fixed scales."""
+    import torch
+
+    from bench import sam_encoder
+    from models.fidelity import load_photos
+    from models.quant_linear import DynamicQuantLinear
+    from models.sam import SAM_CONFIGS, load_sam
+    from models.sam import transforms as tf
+
+    base = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    photos = load_photos(Path(__file__).resolve().parents[1] / "photos")  # the repo's own
+    mirrored, _ = tf.preprocess_images([ph.flip(1) for ph in photos[:2]], base.config, "cpu")
+    monkeypatch.setattr(sam_encoder, "CALIBRATION", mirrored)
+    monkeypatch.setattr(sam_encoder, "DEVICE", "cpu")
+    served = "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0"
+    scales = []
+    for name in (served, served + "-calphotos"):
+        assert name in VARIANTS and _variant(name) == _variant(served)
+        _, model = sam_encoder.prepared(name, base)
+        projs = [(n, m) for n, m in model.named_modules() if n.endswith("attn.proj")]
+        scales.append({n: m.input_inv_scale for n, m in projs
+                       if isinstance(m, DynamicQuantLinear)})  # fmt: skip
+    assert scales[0].keys() == scales[1].keys() and scales[0]
+    assert all(not torch.equal(scales[0][n], scales[1][n]) for n in scales[0])

@@ -80,6 +80,28 @@ def prepared(
     return model
 
 
+def peak_ratios(
+    encoder: nn.Module, calibrate: Any, photos: Any, headroom: float = 1.5
+) -> list[dict[str, Any]]:
+    """Each fixed-scale candidate's input (lin2, the attention's proj) on the photos against
+    what `calibrate` showed, channel by channel: the largest ratio of the photos' peak to
+    the calibration's, and the share of channels past `headroom` (whose largest values
+    saturate at +-127)."""
+    from models.mlp_hop import mlp_second_layers
+
+    names = [*sorted(mlp_second_layers(encoder)), *quantize.attention_projections(encoder)]
+    seen = mlp_static.input_amax(encoder, lambda: calibrate(encoder), names)
+    real = mlp_static.input_amax(encoder, lambda: photos(encoder), names)
+    rows = []
+    for name in names:
+        ratio = real[name].float() / seen[name].float().clamp(min=1e-8)
+        past = float((ratio > headroom).float().mean())
+        rows.append({"layer": name, "max ratio": round(float(ratio.max()), 2),
+                     "median ratio": round(float(ratio.median()), 2),
+                     f"share past {headroom:g}x": round(past, 4)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     photo_arguments(p)
@@ -103,6 +125,10 @@ def main() -> None:
         help="also every projection by fixed scales at this headroom over its peaks\n"
         "(lin2's stays 1.5; 8 smooth images)",
     )  # fmt: skip
+    p.add_argument(
+        "--peaks", action="store_true",
+        help="first, each fixed-scale candidate's peaks on the photos against 8 smooth images'",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     started = time.perf_counter()
@@ -110,6 +136,12 @@ def main() -> None:
     size = base.config.image_size
     mirrored, _ = preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     on_photos = calibration_on(mirrored, chunk=1)
+    if args.peaks:
+        upright, _ = preprocess_images(photos, base.config, DEVICE)  # the fidelity set itself
+        with torch.inference_mode():
+            peaks = peak_ratios(base.image_encoder, calibration_run(size, 8, chunk=1),
+                                calibration_on(upright, chunk=1))  # fmt: skip
+        print_table(peaks, list(peaks[0]))
 
     # (label, fixed scales, calibration, headroom, share of layers kept in float at most,
     # the blocks whose projections take fixed scales too, their own headroom)

@@ -75,3 +75,24 @@ def test_proj_blocks_give_those_projections_fixed_scales_and_are_put_back() -> N
     for name, scale in scales.items():
         torch.testing.assert_close(scale, peaks[name.removeprefix("image_encoder.")] * 0.75 / 127)
     assert quantize.PROJ_HEADROOM is None
+
+
+def test_peak_ratios_name_every_fixed_scale_candidate() -> None:
+    """`--peaks`: lin2's and proj's inputs on the photos against the calibration's; the
+    same images on both sides give ratios of 1 and no channel past the headroom."""
+    from bench.sam_static_calibration import peak_ratios
+
+    base = load_sam(SAM_CONFIGS["vit_tiny"], None, seed=0).eval()
+    calibrate = calibration_run(base.config.image_size, 1)
+    with torch.inference_mode():
+        same = peak_ratios(base.image_encoder, calibrate, calibrate)
+        other = peak_ratios(base.image_encoder, calibrate,
+                            calibration_run(base.config.image_size, 1, seed=5))  # fmt: skip
+    blocks = len(base.image_encoder.blocks)
+    assert [r["layer"] for r in same] == [
+        *sorted(f"blocks.{i}.mlp.lin2" for i in range(blocks)),
+        *(f"blocks.{i}.attn.proj" for i in range(blocks)),
+    ]
+    assert all(r["max ratio"] == r["median ratio"] == 1.0 and r["share past 1.5x"] == 0
+               for r in same)  # fmt: skip
+    assert any(r["max ratio"] != 1.0 for r in other)

@@ -65,12 +65,13 @@ def prepared(
     """A copy of `base` whose encoder is quantised as the service's int8 variant (at most
     `max_kept` of its layers left in float by the per-layer choice; with `proj_blocks`,
     those blocks' output projections by fixed scales too: `OptimizeOptions.proj_static`,
-    at `proj_headroom` over their peaks where given, else `headroom`)."""
+    at `proj_headroom` over their peaks where given, else `quantize.PROJ_HEADROOM`)."""
     model = copy.deepcopy(base)
     served = mlp_static.HEADROOM, quantize.PROJ_STATIC_BLOCKS, quantize.PROJ_HEADROOM
     mlp_static.HEADROOM = headroom
     quantize.PROJ_STATIC_BLOCKS = proj_blocks or "all"
-    quantize.PROJ_HEADROOM = proj_headroom
+    if proj_headroom is not None:
+        quantize.PROJ_HEADROOM = proj_headroom
     try:
         quantize_linears(model.image_encoder, "int8", _blocks, calibrate=calibrate,
                          norm_quant=True, mlp_static=static, max_kept=max_kept,
@@ -164,15 +165,16 @@ def main() -> None:
     for kept in args.max_kept:  # what the layers kept in float buy
         plan.append((f"fixed, 8 smooth images, {kept:g} kept", True, calibration_run(size, 8),
                      1.5, kept, None, None))  # fmt: skip
+    room = quantize.PROJ_HEADROOM  # the projections' own (served: 3x)
     for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
-        plan.append((f"fixed, proj too ({blocks}), 8 smooth images", True,
+        plan.append((f"fixed, proj too ({blocks}, {room}x), 8 smooth images", True,
                      calibration_run(size, 8), 1.5, served, blocks, None))  # fmt: skip
         if blocks == "all" and not args.no_photos:
-            plan.append(("fixed, proj too (all), the photos mirrored", True, on_photos, 1.5,
-                         served, blocks, None))  # fmt: skip
-    for room in args.proj_headroom:
-        plan.append((f"fixed, proj too (all) at {room:g}x, 8 smooth images", True,
-                     calibration_run(size, 8), 1.5, served, "all", room))  # fmt: skip
+            plan.append((f"fixed, proj too (all, {room}x), the photos mirrored", True,
+                         on_photos, 1.5, served, blocks, None))  # fmt: skip
+    for own in args.proj_headroom:
+        plan.append((f"fixed, proj too (all) at {own:g}x, 8 smooth images", True,
+                     calibration_run(size, 8), 1.5, served, "all", own))  # fmt: skip
     rows: list[dict[str, Any]] = []
     for label, static, calibrate, headroom, kept, blocks, room in plan:
         model = prepared(base, static, calibrate, headroom, kept, blocks, room)

@@ -237,9 +237,13 @@ def quantize_linears(
 
 # Which blocks' projections `proj_static` takes, read at the call (a bench measures each):
 # "all", "windowed" or "global"; and their scales' headroom over the calibration's peaks
-# (None: `models.mlp_static.HEADROOM`, lin2's), below 1 clipping the largest values
+# (None: `models.mlp_static.HEADROOM`, lin2's 1.5). 3: on the photos the global blocks'
+# proj inputs pass 1.5x the 8 smooth images' peaks in 8-20% of their channels (up to
+# 5.4x), and saturate. Random ViT-B on the 7 photos (CPU, bench/sam_static_calibration.py,
+# docs/BENCHMARKS.md, issue 20): mask IoU 0.9835 / min 0.9432 at 1.5x, 0.9914 / 0.9727 at
+# 3x, 0.9897 / 0.9665 at 6x (steps too coarse); without proj_static 0.9932 / 0.9727.
 PROJ_STATIC_BLOCKS = "all"
-PROJ_HEADROOM: float | None = None
+PROJ_HEADROOM: float | None = 3.0
 
 
 def attention_projections(module: nn.Module) -> list[str]:

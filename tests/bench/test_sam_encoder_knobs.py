@@ -65,9 +65,10 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
         with runtime_knobs(only):
             assert blocks == quantize.PROJ_STATIC_BLOCKS and quantize.INT8_MAX_KEPT == 0.0
         assert quantize.PROJ_STATIC_BLOCKS == "all"
-    with runtime_knobs(f"{pstatic}-kept0-ph50"):
-        assert quantize.PROJ_HEADROOM == 0.5
-    assert quantize.PROJ_HEADROOM is None
+    served_room = quantize.PROJ_HEADROOM
+    with runtime_knobs(f"{pstatic}-kept0-ph150"):
+        assert quantize.PROJ_HEADROOM == 1.5
+    assert quantize.PROJ_HEADROOM == served_room == 3.0
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

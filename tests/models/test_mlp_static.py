@@ -178,8 +178,8 @@ def test_the_attention_residual_can_go_into_the_projections_epilogue(tiny_sam: S
 def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) -> None:
     """`proj_static`: each quantised attention projection takes its input by fixed
     per-channel scales calibrated at load (the attention kernels write it int8 on CUDA; here
-    the projection quantises the float input itself); the encoder's error stays about that
-    of per-token scales, eager and compiled alike."""
+    the projection quantises the float input itself); the encoder's error stays within
+    1.5x that of per-token scales, eager and compiled alike."""
     from unittest.mock import patch
 
     from models import quantize
@@ -205,7 +205,7 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
             if fixed:
                 compiled = torch.compile(model.encode, fullgraph=True, dynamic=False)(images)
                 served = {id(p): p.input_inv_scale for p in projs}
-    # the projections' own headroom: half of lin2's 1.5 doubles their inverse scales only
+    # the projections' own headroom: 0.75 scales their inverse scales by 3 / 0.75, only theirs
     halved = copy.deepcopy(tiny_sam)
     with patch.object(quantize, "PROJ_HEADROOM", 0.75):
         prepare_sam_encoder(halved.image_encoder, options, torch.device("cpu"))
@@ -213,7 +213,7 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
     for ours, theirs in zip(halved.image_encoder.blocks, model.image_encoder.blocks, strict=True):
         if id(theirs.attn.proj) in served and isinstance(ours.attn.proj, DynamicQuantLinear):
             torch.testing.assert_close(ours.attn.proj.input_inv_scale,
-                                       2 * served[id(theirs.attn.proj)])  # fmt: skip
+                                       4 * served[id(theirs.attn.proj)])  # fmt: skip
             compared += 1
         if isinstance(ours.mlp.lin2, DynamicQuantLinear) and isinstance(
             theirs.mlp.lin2, DynamicQuantLinear
@@ -232,7 +232,9 @@ def test_the_output_projections_take_their_input_by_fixed_scales(tiny_sam: Sam) 
     with torch.inference_mode():
         want = tiny_sam.encode(images)
     errors = [_rel(o, want) for o in outputs]
-    assert 0 < errors[1] < 1.25 * errors[0] and errors[1] < 0.03, errors
+    # the projections' 3x headroom (photos pass the smooth images' peaks) makes their steps
+    # twice lin2's: on images of the calibration's own kind, 1.36x per-token's error here
+    assert 0 < errors[1] < 1.5 * errors[0] and errors[1] < 0.03, errors
     assert _rel(compiled, outputs[1]) < 1e-3
     with pytest.raises(ValueError, match="proj_static"):
         quantize_linears(copy.deepcopy(tiny_sam.image_encoder), "int8", _everything,

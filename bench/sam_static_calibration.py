@@ -32,7 +32,7 @@ import argparse
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -103,6 +103,18 @@ def peak_ratios(
     return rows
 
 
+class Row(NamedTuple):
+    """One row of the plan: how its copy of the encoder is quantised (`prepared`)."""
+
+    label: str
+    static: bool  # lin2 by fixed scales
+    calibrate: Any
+    headroom: float
+    max_kept: float  # share of layers kept in float at most
+    proj_blocks: str | None = None  # whose projections take fixed scales too
+    proj_headroom: float | None = None  # theirs, where not `quantize.PROJ_HEADROOM`
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     photo_arguments(p)
@@ -144,43 +156,38 @@ def main() -> None:
                                 calibration_on(upright, chunk=1))  # fmt: skip
         print_table(peaks, list(peaks[0]))
 
-    # (label, fixed scales, calibration, headroom, share of layers kept in float at most,
-    # the blocks whose projections take fixed scales too, their own headroom)
-    plan: list[tuple[str, bool, Any, float, float, str | None, float | None]] = []
+    plan: list[Row] = []
     served = INT8_MAX_KEPT
     if not args.no_per_token:
-        plan.append(("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served,
-                     None, None))  # fmt: skip
+        plan.append(Row("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served))
         if not args.no_photos:  # how much of the photos' gain is the per-layer choice's
-            plan.append(
-                ("per-token, the photos mirrored", False, on_photos, 1.0, served, None, None)
-            )
+            plan.append(Row("per-token, the photos mirrored", False, on_photos, 1.0, served))
     for headroom in args.headroom:
         for n in args.smooth:
-            plan.append((f"fixed, {n} smooth images", True, calibration_run(size, n),
-                         headroom, served, None, None))  # fmt: skip
+            plan.append(Row(f"fixed, {n} smooth images", True, calibration_run(size, n),
+                            headroom, served))  # fmt: skip
         if not args.no_photos:
-            plan.append(("fixed, the photos mirrored", True, on_photos, headroom, served, None,
-                         None))  # fmt: skip
+            plan.append(Row("fixed, the photos mirrored", True, on_photos, headroom, served))
     for kept in args.max_kept:  # what the layers kept in float buy
-        plan.append((f"fixed, 8 smooth images, {kept:g} kept", True, calibration_run(size, 8),
-                     1.5, kept, None, None))  # fmt: skip
+        plan.append(Row(f"fixed, 8 smooth images, {kept:g} kept", True,
+                        calibration_run(size, 8), 1.5, kept))  # fmt: skip
     room = quantize.PROJ_HEADROOM  # the projections' own (served: 3x)
     for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
-        plan.append((f"fixed, proj too ({blocks}, {room}x), 8 smooth images", True,
-                     calibration_run(size, 8), 1.5, served, blocks, None))  # fmt: skip
+        plan.append(Row(f"fixed, proj too ({blocks}, {room}x), 8 smooth images", True,
+                        calibration_run(size, 8), 1.5, served, blocks))  # fmt: skip
         if blocks == "all" and not args.no_photos:
-            plan.append((f"fixed, proj too (all, {room}x), the photos mirrored", True,
-                         on_photos, 1.5, served, blocks, None))  # fmt: skip
+            plan.append(Row(f"fixed, proj too (all, {room}x), the photos mirrored", True,
+                            on_photos, 1.5, served, blocks))  # fmt: skip
     for own in args.proj_headroom:
-        plan.append((f"fixed, proj too (all) at {own:g}x, 8 smooth images", True,
-                     calibration_run(size, 8), 1.5, served, "all", own))  # fmt: skip
+        plan.append(Row(f"fixed, proj too (all) at {own:g}x, 8 smooth images", True,
+                        calibration_run(size, 8), 1.5, served, "all", own))  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for label, static, calibrate, headroom, kept, blocks, room in plan:
-        model = prepared(base, static, calibrate, headroom, kept, blocks, room)
+    for row in plan:
+        model = prepared(base, row.static, row.calibrate, row.headroom, row.max_kept,
+                         row.proj_blocks, row.proj_headroom)  # fmt: skip
         result = compare_sam(reference, eager_sam_runner(model, DEVICE), photos)
         elapsed = round(time.perf_counter() - started)
-        rows.append({"scales": label, "headroom": headroom, "max_kept": kept,
+        rows.append({"scales": row.label, "headroom": row.headroom, "max_kept": row.max_kept,
                      **result.measures(), "at_s": elapsed})  # fmt: skip
         print(rows[-1], flush=True)
         del model

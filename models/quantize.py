@@ -247,8 +247,8 @@ PROJ_HEADROOM: float | None = 3.0
 
 
 def attention_projections(module: nn.Module) -> list[str]:
-    """The output projections of SAM's image-encoder attention (`proj` of each
-    `models.sam.image_encoder.Attention`, of the blocks `PROJ_STATIC_BLOCKS` names): their
+    """The output projections of SAM's image-encoder attention (`attn.proj` of each
+    `models.sam.image_encoder.Block` of the kind `PROJ_STATIC_BLOCKS` names): their
     attention kernels can write the input int8 by fixed scales (`proj_static`), as lin1
     writes lin2's."""
     from models.sam.image_encoder import Block

@@ -24,6 +24,8 @@ About 2 minutes a row on a 2-core CPU for the 7 photos.
         --no-photos --smooth 8 --headroom 1.5 --max-kept 0   # the float layers' worth
     python -m bench.sam_static_calibration --images .benchdata/images --no-per-token \
         --smooth 8 --headroom 1.5 --proj all windowed global  # proj_static's cost
+    python -m bench.sam_static_calibration --images .benchdata/images --no-per-token \
+        --no-photos --smooth --headroom --max-kept 0 --kept-with-proj  # both at once
 """
 
 from __future__ import annotations
@@ -139,6 +141,10 @@ def main() -> None:
         "(lin2's stays 1.5; 8 smooth images)",
     )  # fmt: skip
     p.add_argument(
+        "--kept-with-proj", action="store_true",
+        help="the --max-kept rows with every projection by fixed scales too (proj_static)",
+    )  # fmt: skip
+    p.add_argument(
         "--peaks", action="store_true",
         help="first, each fixed-scale candidate's peaks on the photos against 8 smooth images'",
     )  # fmt: skip
@@ -168,10 +174,12 @@ def main() -> None:
                             headroom, served))  # fmt: skip
         if not args.no_photos:
             plan.append(Row("fixed, the photos mirrored", True, on_photos, headroom, served))
-    for kept in args.max_kept:  # what the layers kept in float buy
-        plan.append(Row(f"fixed, 8 smooth images, {kept:g} kept", True,
-                        calibration_run(size, 8), 1.5, kept))  # fmt: skip
     room = quantize.PROJ_HEADROOM  # the projections' own (served: 3x)
+    for kept in args.max_kept:  # what the layers kept in float buy
+        proj = "all" if args.kept_with_proj else None
+        label = f", proj too (all, {room}x)" if proj else ""
+        plan.append(Row(f"fixed{label}, 8 smooth images, {kept:g} kept", True,
+                        calibration_run(size, 8), 1.5, kept, proj))  # fmt: skip
     for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
         plan.append(Row(f"fixed, proj too ({blocks}, {room}x), 8 smooth images", True,
                         calibration_run(size, 8), 1.5, served, blocks))  # fmt: skip

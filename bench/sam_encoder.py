@@ -293,9 +293,11 @@ def prepared(name: str, base: Sam) -> tuple[OptimizeOptions, Sam]:
     seventeenth session)."""
     opts = VARIANTS[name]
     model = copy.deepcopy(base).to(dtype=opts.dtype)
-    calibration = CALIBRATION if "calphotos" in name.split("-") else None
-    if calibration is not None:
-        calibration = calibration.to(opts.dtype)
+    calibration = None
+    if "calphotos" in name.split("-"):
+        if CALIBRATION is None:  # never the synthetic images under this name
+            raise RuntimeError(f"{name}: no photos to calibrate on (bench.sam_encoder.CALIBRATION)")
+        calibration = CALIBRATION.to(opts.dtype)
     prepare_sam_encoder(model.image_encoder, opts, torch.device(DEVICE), calibration)
     if "parted" in name.split("-"):
         for block in model.image_encoder.blocks:
@@ -520,8 +522,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     base = load_sam(SAM_CONFIGS[args.model], None, seed=0).to(DEVICE)
     photos = load_photos(args.images)
-    global CALIBRATION
-    CALIBRATION, _ = tf.preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
+    if any("calphotos" in name.split("-") for name in [*args.variants, *args.profile]):
+        global CALIBRATION
+        CALIBRATION, _ = tf.preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     fid = fidelity_inputs(photos, base)
     with torch.inference_mode():
         ref_embed = torch.cat([base.encode(fid[0][i : i + 1]) for i in range(len(photos))])

@@ -137,3 +137,6 @@ def test_calphotos_variants_calibrate_on_the_photos(monkeypatch: pytest.MonkeyPa
                        if isinstance(m, DynamicQuantLinear)})  # fmt: skip
     assert scales[0].keys() == scales[1].keys() and scales[0]
     assert all(not torch.equal(scales[0][n], scales[1][n]) for n in scales[0])
+    monkeypatch.setattr(sam_encoder, "CALIBRATION", None)  # no photos: refused, not synthetic
+    with pytest.raises(RuntimeError, match="no photos"):
+        sam_encoder.prepared(served + "-calphotos", base)

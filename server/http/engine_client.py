@@ -15,7 +15,10 @@ reading it.
 
 Every engine's status (ready, start-up progress, what is loaded, a stuck batch) is asked
 for a few times a second and kept here, combined into the service's (`combined_status`:
-ready once every engine is), so probes and `require_engine` never wait on it.
+ready once every engine is), so probes never wait on it. A request that finds the service
+not ready asks once more (`refresh`, one status round for all such requests together)
+before refusing: another frontend may already have said ready, and a client sent there
+by the kernel must not get this one's 503 from up to a poll period ago.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from server.messages import (
 log = logging.getLogger(__name__)
 
 STATUS_PERIOD_S = 0.25  # how often a frontend asks the engine's status (0.05 s until ready)
+REFRESH_WITHIN_S = 1.0  # how long a request found not ready waits for a fresh status
 # No status answer for this long: /healthz says the engine is not answering (Kubernetes
 # restarts the pod). Requests keep going to it meanwhile: under a burst the answer to a
 # status call waits behind thousands of calls, and refusing them all for that (503) turned
@@ -162,6 +166,7 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._turns = itertools.count()  # round robin among equally loaded engines
         self._tasks: list[asyncio.Task[None]] = []
+        self._refreshing: asyncio.Future[list[None]] | None = None
         self._closing = False
 
     async def start(self) -> None:
@@ -219,18 +224,33 @@ class EngineClient:
                 return info.brief()
         raise ServiceError(503, "not_ready", f"no {prefix} model is loaded")
 
+    async def _ask_status(self, link: EngineLink, within_s: float) -> None:
+        """One status round trip to `link`'s engine; no answer leaves its last status."""
+        try:
+            pixels = None if self.pixels is None else str(self.pixels.path)
+            reply = await self._call(StatusCall(pixels), time.monotonic() + within_s, link)
+            link.status = reply.value
+            link.status_at = time.monotonic()
+            self.status = combined_status([e.status for e in self.engines])
+        except ServiceError:
+            pass  # not answering: `stale` says so once it lasts
+
     async def _poll_status(self, link: EngineLink) -> None:
         while True:
-            try:
-                pixels = None if self.pixels is None else str(self.pixels.path)
-                reply = await self._call(StatusCall(pixels), time.monotonic() + 2.0, link)
-                link.status = reply.value
-                link.status_at = time.monotonic()
-                self.status = combined_status([e.status for e in self.engines])
-            except ServiceError:
-                pass  # not answering: `stale` says so once it lasts
+            await self._ask_status(link, 2.0)
             ready = link.status is not None and link.status.ready
             await asyncio.sleep(STATUS_PERIOD_S if ready else 0.05)
+
+    async def refresh(self) -> bool:
+        """Every engine's status asked now, then `ready`. Callers that come while a round
+        is out wait for that one: a burst against a warming service costs the engines one
+        status call each, not one per request."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(
+                asyncio.gather(*(self._ask_status(link, REFRESH_WITHIN_S) for link in self.engines))
+            )
+        await asyncio.shield(self._refreshing)  # one caller's cancellation ends only its wait
+        return self.ready
 
     # -- routing ------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ async def _accept(
     """What every image route does first: the engine (503 while not ready), the request's
     deadline, and its body parsed (JSON with base64 or an id, or multipart)."""
     state = _state(request)
-    engine = state.require_engine()
+    engine = await state.require_engine()
     deadline = state.deadline(request.headers.get("x-request-timeout-ms"))
     parsed = await parse_image_request(
         request,
@@ -404,7 +404,7 @@ async def get_embedding(request: Request, image_id: str) -> Response:
       `1024,1024`.
     """
     state = _state(request)
-    engine = state.require_engine()
+    engine = await state.require_engine()
     if not is_image_id(image_id):
         raise ServiceError(422, "invalid_request", "image_id must be 64 lowercase hex digits")
     claimed = image_id_header(request)

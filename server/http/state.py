@@ -81,13 +81,18 @@ class ServeState:
             self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
             self.draining = True
 
-    def require_engine(self) -> EngineClient:
-        """The engine, or 503 while loading, warming, draining or failed."""
+    async def require_engine(self) -> EngineClient:
+        """The engine, or 503 while loading, warming, draining or failed. Not ready by the
+        last status: asked again first (`EngineClient.refresh`), since /readyz may already
+        have said 200 through another frontend whose poll came sooner."""
         if self.draining:
             raise ServiceError(503, "not_ready", "the service is shutting down")
-        if self.engine is None or not self.engine.ready:
+        engine = self.engine
+        if engine is None or not (engine.ready or await engine.refresh()):
             raise ServiceError(503, "not_ready", "the service is still loading or warming up")
-        return self.engine
+        if self.draining:  # began while the status was asked
+            raise ServiceError(503, "not_ready", "the service is shutting down")
+        return engine
 
     async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
         """Run CPU work (image decoding, mask encoding) off the event loop."""

@@ -17,7 +17,7 @@ import pytest
 from server import wire
 from server.domain import Image
 from server.errors import ServiceError
-from server.http.engine_client import DEADLINE_GRACE_S, EngineClient
+from server.http.engine_client import DEADLINE_GRACE_S, REFRESH_WITHIN_S, EngineClient
 from server.messages import (
     INTAKE_LAG_S,
     LookupCall,
@@ -78,6 +78,39 @@ def test_a_call_to_a_missing_engine_ends_at_its_deadline(tmp_path) -> None:  # t
 
     elapsed = asyncio.run(run())
     assert 0.2 + DEADLINE_GRACE_S - 0.05 <= elapsed < 0.2 + DEADLINE_GRACE_S + 2.0
+
+
+def test_a_request_found_not_ready_asks_the_engine_again_once_for_all(
+    live_server: LiveServer,
+) -> None:
+    """A frontend whose last status is older than the engine's readiness (another frontend
+    polled sooner and /readyz said 200 through it: CI, 2026-12-07, a 503 there) asks again
+    before refusing; twenty requests at once share one status call per engine."""
+    address = live_server.app.state.serve.embedded.address
+
+    async def run() -> tuple[bool, list[bool], int]:
+        client = EngineClient(address, None)
+        asked = 0
+        ask = client._ask_status
+
+        async def counted(link, within_s):  # type: ignore[no-untyped-def]
+            nonlocal asked
+            asked += within_s == REFRESH_WITHIN_S  # the refresh's, not the poll's
+            await ask(link, within_s)
+
+        client._ask_status = counted  # type: ignore[method-assign]
+        await client.start()
+        try:
+            before = client.ready  # no status answered yet
+            answers = await asyncio.gather(*(client.refresh() for _ in range(20)))
+            return before, answers, asked
+        finally:
+            await client.close()
+
+    before, answers, asked = asyncio.run(run())
+    assert not before
+    assert answers == [True] * 20
+    assert asked == 1
 
 
 def test_a_call_read_too_late_is_refused_at_the_door(live_server: LiveServer) -> None:

@@ -287,10 +287,23 @@ class EngineServer:
 
         def on_lost(_: wire.Framed) -> None:
             self._peers.pop(owner, None)
+            self._abandon(owner)
 
         peer = wire.Framed(on_message, on_lost)
         self._peers[owner] = peer
         return peer
+
+    def _abandon(self, owner: bytes) -> None:
+        """A frontend left: its calls are cancelled, as if it had sent a cancel for each.
+        Their replies have nowhere to go, and a stop waits for the calls in hand: after a
+        classify overload on an H100 the frontends drained and exited, and the engine spent
+        its own drain on their orphaned queue until the supervisor killed it
+        (docs/BENCHMARKS.md, the Gluon kernels in the service)."""
+        orphans = [task for (who, _), task in self._tasks.items() if who == owner]
+        for task in orphans:
+            task.cancel()
+        if orphans:
+            log.info("a frontend left: %d of its calls cancelled", len(orphans))
 
     def _receive(self, owner: bytes, frames: list[bytes], received: float) -> None:
         call_frame, *payload = frames

@@ -152,6 +152,38 @@ def test_a_call_read_too_late_is_refused_at_the_door(live_server: LiveServer) ->
     assert after == before + 1
 
 
+def test_a_frontend_that_leaves_takes_its_calls_with_it(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls in hand from a frontend whose connection closes are cancelled: nobody reads
+    their replies, and the engine's stop waited on them until the supervisor killed it."""
+    server = live_server.app.state.serve.embedded.server
+    address = live_server.app.state.serve.embedded.address
+
+    async def forever(owner: bytes, call: object, timing: dict[str, float]) -> object:
+        await asyncio.sleep(3600)  # a call stuck behind an overloaded queue
+
+    monkeypatch.setattr(server, "_dispatch", forever)
+
+    async def until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        before = len(server._tasks)
+        connection = await wire.connect(address, wire.Framed(lambda _, frames: None))
+        for call_id in range(1, 6):
+            call = LookupCall("0" * 64)
+            assert connection.send([call_id_bytes(call_id, time.monotonic()), *dump(call)])
+        await until(lambda: len(server._tasks) == before + 5, "the calls never arrived")
+        connection.close()
+        await until(lambda: len(server._tasks) == before, "the calls outlived their frontend")
+
+    asyncio.run(run())
+
+
 def test_messages_split_or_run_together_on_the_stream_arrive_whole() -> None:
     """The stream has no message boundaries: a message cut into single bytes, and several
     in one write with the next one's start, each reach the handler once and whole, in

@@ -80,6 +80,9 @@ class OptimizeOptions:
     # ... and SAM's output projections take their input by fixed per-channel scales too,
     # which the attention kernels write int8 (`Attention._proj_inv_scale`)
     proj_static: bool = False
+    # int8/fp8: the share of quantised layers the per-layer choice may keep in float
+    # (None: models.quantize.INT8_MAX_KEPT)
+    keep_float: float | None = None
     sparsity: Literal["none", "2:4"] = "none"
     attention: AttentionImpl = "sdpa"  # the global blocks
     window_attention: AttentionImpl = "sdpa"  # the windowed blocks ("sdpa" or "triton")
@@ -114,6 +117,8 @@ class OptimizeOptions:
                 )
                 if on
             ]
+            if self.keep_float is not None:  # other layers in float: another graph
+                parts.append(f"keep{self.keep_float:g}")
         if self.gelu_epilogue:
             parts.append("tanh_gelu")  # other numbers, another AOT package
         if self.sparsity != "none":
@@ -212,7 +217,7 @@ def _quantize(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,
         norm_quant=options.norm_quant, mlp_hop=options.mlp_hop, mlp_static=options.mlp_static,
-        proj_static=options.proj_static,
+        proj_static=options.proj_static, max_kept=options.keep_float,
     )  # fmt: skip
 
 

@@ -87,6 +87,14 @@ class Settings(BaseSettings):
     # is installed and can (fp8 needs CUDA 8.9+), else core with a warning
     quantization_backend: Literal["core", "torchao"] = "core"
     """core: our int8/fp8 layers; torchao: torchao's quantize_ where it can, else core"""
+    # SAM's int8/fp8 encoder, two trades of mask fidelity for speed (docs/BENCHMARKS.md,
+    # issue 20; unset / per_token: the measured defaults, which keep the masks closest)
+    sam_keep_float: float | None = Field(None, ge=0.0, le=1.0)
+    """int8/fp8 SAM: the share of the encoder's quantised layers that may stay in float,
+    worst measured error first (unset: 1/8); 0 keeps none"""
+    sam_proj_scales: Literal["per_token", "fixed"] = "per_token"
+    """int8 SAM ViT: the attention output projections' input scales: per_token (measured
+    each batch) or fixed (calibrated at load; the attention kernels write int8)"""
     sparsity: Literal["none", "2:4"] = "none"  # SAM encoder MLPs (cuSPARSELt on CUDA)
     """2:4 prunes the SAM encoder MLPs (cuSPARSELt on CUDA; changes the outputs)"""
     # auto: GELU in the GEMM's epilogue for bf16/fp16 on CUDA (7-9% more img/s, SAM's
@@ -382,6 +390,24 @@ class Settings(BaseSettings):
         if self.fidelity_check and self.fidelity_images is None:
             raise ValueError(
                 "SERVE_FIDELITY_CHECK needs SERVE_FIDELITY_IMAGES (a folder of photos)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fixed_proj_needs_int8(self) -> Settings:
+        """Fixed projection scales are an int8 form of the core layers: asked for with
+        anything else, it would be quietly ignored."""
+        if self.sam_proj_scales == "fixed" and (
+            self.quantization != "int8" or self.quantization_backend != "core"
+        ):
+            raise ValueError(
+                "SERVE_SAM_PROJ_SCALES=fixed needs SERVE_QUANTIZATION=int8 and "
+                "SERVE_QUANTIZATION_BACKEND=core"
+            )
+        if self.sam_proj_scales == "fixed" and self.sam_model.startswith("sam2"):
+            raise ValueError(
+                "SERVE_SAM_PROJ_SCALES=fixed is for SAM's ViT encoders (vit_b, vit_l, "
+                f"vit_h), not SAM 2's Hiera ({self.sam_model})"
             )
         return self
 

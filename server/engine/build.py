@@ -98,6 +98,15 @@ def optimize_options(
         # 484.8 at batch 8 / 16 on an H200, mask IoU 0.9877 against 0.9878
         # (docs/BENCHMARKS.md, issue 20, eighteenth session)
         proj_residual=cuda and kind == "int8" and backend == "core",
+        # asked for (SERVE_SAM_PROJ_SCALES=fixed; Settings refuses it without int8 core):
+        # the projections' input by fixed scales too, the attention kernels writing it.
+        # The ViT-B encoder at 1.5x headroom 612.6 img/s against 595.8 at batch 32 with no
+        # layer in float, mask IoU 0.9753 against 0.9864 (H100); 3x now, which on the CPU
+        # kept the worst photo's IoU (docs/BENCHMARKS.md, issue 20)
+        proj_static=settings.sam_proj_scales == "fixed" and kind == "int8",
+        # SERVE_SAM_KEEP_FLOAT=0: no layer in float, 595.8 against 557.6 img/s at batch 32,
+        # mask IoU 0.9864 against 0.9880 (H100, docs/BENCHMARKS.md, issue 20)
+        keep_float=settings.sam_keep_float,
         gelu_epilogue=gelu_epilogue,
     )
 
@@ -119,7 +128,9 @@ def swin_options(
     own = settings.swin_quantization
     if own != "same" and own != options.quantization:
         options = optimize_options(settings, device, own)
-    options = replace(options, mlp_static=False, proj_residual=False)  # SAM's blocks only
+    options = replace(  # SAM's blocks and SAM's settings only
+        options, mlp_static=False, proj_residual=False, proj_static=False, keep_float=None
+    )
     if settings.precision == "auto" and options.precision == "bf16":
         return replace(options, precision="fp16")
     return options

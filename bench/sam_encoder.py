@@ -39,7 +39,7 @@ from bench.common import (
     reset_peak,
     write_json,
 )
-from models import gemm_gluon, gemm_persistent, ln_quant, quantize
+from models import gemm_gluon, gemm_persistent, int8_select, ln_quant, quantize
 from models.aot import AotBuckets, AotStore, PackageKey, weights_hash
 from models.fidelity import mask_iou, relative_error
 from models.optimize import GraphedBuckets, OptimizeOptions, compile_fn, prepare_sam_encoder
@@ -61,7 +61,7 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`, `-phP`) may follow."""
+    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`, `-phP`, `-leaves`) may follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -133,6 +133,11 @@ VARIANTS: dict[str, OptimizeOptions] = {
         # ... calibrated on the photos mirrored (SERVE_CALIBRATION_IMAGES), not 8 smooth images
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-calphotos",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-calphotos",
+        # ... on 8 dead-leaves images rather than 8 smooth ones (int8_select.SYNTHETIC)
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-leaves",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-kept0-leaves",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-leaves",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph150-leaves",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -174,7 +179,8 @@ def runtime_knobs(name: str) -> Iterator[None]:
     layer kept in float by the per-layer choice (`quantize.INT8_MAX_KEPT`: what the six
     float lin2 cost and buy), `-pwindowed` / `-pglobal` `-pstatic` on those blocks'
     projections only (`quantize.PROJ_STATIC_BLOCKS`), `-phP` their scales' headroom P% of
-    the calibration's peaks (`quantize.PROJ_HEADROOM`).
+    the calibration's peaks (`quantize.PROJ_HEADROOM`), `-leaves` calibrated on dead-leaves
+    images rather than smooth ones (`int8_select.SYNTHETIC`).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -187,13 +193,15 @@ def runtime_knobs(name: str) -> Iterator[None]:
              ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
              fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
              quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS,
-             quantize.PROJ_HEADROOM)  # fmt: skip
+             quantize.PROJ_HEADROOM, int8_select.SYNTHETIC)  # fmt: skip
     fused_attention.DENSE_ROWS = "dense" in parts
     for blocks in ("windowed", "global"):
         if f"p{blocks}" in parts:
             quantize.PROJ_STATIC_BLOCKS = blocks
     if "kept0" in parts:
         quantize.INT8_MAX_KEPT = 0.0
+    if "leaves" in parts:
+        int8_select.SYNTHETIC = "leaves"
     gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts
@@ -218,7 +226,7 @@ def runtime_knobs(name: str) -> Iterator[None]:
          ln_quant.SHAPE, gemm_persistent.GLUON, fused_attention.GLUON_GLOBAL,
          fused_attention.GLUON_WINDOW, gemm_gluon.COOPERATIVE,
          quantize.INT8_MAX_KEPT, quantize.PROJ_STATIC_BLOCKS,
-         quantize.PROJ_HEADROOM) = saved  # fmt: skip
+         quantize.PROJ_HEADROOM, int8_select.SYNTHETIC) = saved  # fmt: skip
 
 
 def fidelity_inputs(photos: list[torch.Tensor], model: Sam) -> tuple[torch.Tensor, list, Any]:

@@ -41,7 +41,7 @@ from torch import nn
 
 from bench.common import environment, print_table, write_json
 from bench.sam_fp8_sensitivity import fp32_reference, photo_arguments
-from models import mlp_static, quantize
+from models import int8_select, mlp_static, quantize
 from models.fidelity import compare_sam, eager_sam_runner
 from models.int8_select import calibration_on, calibration_run
 from models.quantize import INT8_MAX_KEPT, quantize_linears
@@ -121,24 +121,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     photo_arguments(p)
     p.add_argument("--smooth", nargs="*", type=int, default=[2, 8],
-                   help="calibrate on this many smooth images (the service: 8)")  # fmt: skip
+                   help="calibrate on this many synthetic images (the service: 8)")  # fmt: skip
     p.add_argument("--headroom", nargs="*", type=float, default=[1.0, 1.5])
     p.add_argument("--no-photos", action="store_true", help="skip the mirrored-photo rows")
     p.add_argument("--no-per-token", action="store_true", help="skip the per-token rows")
     p.add_argument(
         "--max-kept", nargs="*", type=float, default=[],
-        help="also the served form (fixed scales, 8 smooth images, 1.5x) with at most this "
+        help="also the served form (fixed scales, 8 synthetic images, 1.5x) with at most this "
         "share of layers kept in float (served: INT8_MAX_KEPT)",
     )  # fmt: skip
     p.add_argument(
         "--proj", nargs="*", choices=["all", "windowed", "global"], default=[],
         help="also the served form with these blocks' output projections by fixed scales\n"
-        "(proj_static), calibrated on 8 smooth images and (for all) on the photos mirrored",
+        "(proj_static), calibrated on 8 synthetic images and (for all) on the photos mirrored",
     )  # fmt: skip
     p.add_argument(
         "--proj-headroom", nargs="*", type=float, default=[],
         help="also every projection by fixed scales at this headroom over its peaks\n"
-        "(lin2's stays 1.5; 8 smooth images)",
+        "(lin2's stays 1.5; 8 synthetic images)",
     )  # fmt: skip
     p.add_argument(
         "--kept-with-proj", action="store_true",
@@ -146,31 +146,40 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--peaks", action="store_true",
-        help="first, each fixed-scale candidate's peaks on the photos against 8 smooth images'",
+        help="first, each fixed-scale candidate's peaks on the photos against 8 synthetic images'",
+    )  # fmt: skip
+    p.add_argument(
+        "--synthetic", choices=["smooth", "leaves"], default="smooth",
+        help="the synthetic calibration images (int8_select.SYNTHETIC; served: smooth)",
     )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    synth = int8_select.SYNTHETIC = args.synthetic
     started = time.perf_counter()
     base, photos, reference = fp32_reference(args, started)
     size = base.config.image_size
     mirrored, _ = preprocess_images([ph.flip(1) for ph in photos], base.config, DEVICE)
     on_photos = calibration_on(mirrored, chunk=1)
+
+    def synthetic(n: int, chunk: int | None = None) -> Any:
+        return calibration_run(size, n, chunk=chunk, padded=True)  # as SAM's load does
+
     if args.peaks:
         upright, _ = preprocess_images(photos, base.config, DEVICE)  # the fidelity set itself
         with torch.inference_mode():
-            peaks = peak_ratios(base.image_encoder, calibration_run(size, 8, chunk=1),
+            peaks = peak_ratios(base.image_encoder, synthetic(8, chunk=1),
                                 calibration_on(upright, chunk=1))  # fmt: skip
         print_table(peaks, list(peaks[0]))
 
     plan: list[Row] = []
     served = INT8_MAX_KEPT
     if not args.no_per_token:
-        plan.append(Row("per-token, 2 smooth images", False, calibration_run(size, 2), 1.0, served))
+        plan.append(Row(f"per-token, 2 {synth} images", False, synthetic(2), 1.0, served))
         if not args.no_photos:  # how much of the photos' gain is the per-layer choice's
             plan.append(Row("per-token, the photos mirrored", False, on_photos, 1.0, served))
     for headroom in args.headroom:
         for n in args.smooth:
-            plan.append(Row(f"fixed, {n} smooth images", True, calibration_run(size, n),
+            plan.append(Row(f"fixed, {n} {synth} images", True, synthetic(n),
                             headroom, served))  # fmt: skip
         if not args.no_photos:
             plan.append(Row("fixed, the photos mirrored", True, on_photos, headroom, served))
@@ -178,17 +187,17 @@ def main() -> None:
     for kept in args.max_kept:  # what the layers kept in float buy
         proj = "all" if args.kept_with_proj else None
         label = f", proj too (all, {room}x)" if proj else ""
-        plan.append(Row(f"fixed{label}, 8 smooth images, {kept:g} kept", True,
-                        calibration_run(size, 8), 1.5, kept, proj))  # fmt: skip
+        plan.append(Row(f"fixed{label}, 8 {synth} images, {kept:g} kept", True,
+                        synthetic(8), 1.5, kept, proj))  # fmt: skip
     for blocks in args.proj:  # the attention writing proj's input int8 (proj_static)
-        plan.append(Row(f"fixed, proj too ({blocks}, {room}x), 8 smooth images", True,
-                        calibration_run(size, 8), 1.5, served, blocks))  # fmt: skip
+        plan.append(Row(f"fixed, proj too ({blocks}, {room}x), 8 {synth} images", True,
+                        synthetic(8), 1.5, served, blocks))  # fmt: skip
         if blocks == "all" and not args.no_photos:
             plan.append(Row(f"fixed, proj too (all, {room}x), the photos mirrored", True,
                             on_photos, 1.5, served, blocks))  # fmt: skip
     for own in args.proj_headroom:
-        plan.append(Row(f"fixed, proj too (all) at {own:g}x, 8 smooth images", True,
-                        calibration_run(size, 8), 1.5, served, "all", own))  # fmt: skip
+        plan.append(Row(f"fixed, proj too (all) at {own:g}x, 8 {synth} images", True,
+                        synthetic(8), 1.5, served, "all", own))  # fmt: skip
     rows: list[dict[str, Any]] = []
     for row in plan:
         model = prepared(base, row.static, row.calibrate, row.headroom, row.max_kept,

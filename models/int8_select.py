@@ -34,8 +34,10 @@ __all__ = [
     "choose_float_layers",
     "int8_include",
     "int8_layer_errors",
+    "leaves_images",
     "measure_int8",
     "smooth_images",
+    "synthetic_images",
 ]
 
 log = logging.getLogger(__name__)
@@ -218,17 +220,92 @@ def smooth_images(
     return out.to(device) if device is not None else out
 
 
+# ImageNet's per-channel mean and spread of [0, 1] pixels: SAM (x255) and Swin normalise
+# by them, so synthetic pixels pass through them to look like the models' inputs
+_PIXEL_MEAN = (0.485, 0.456, 0.406)
+_PIXEL_STD = (0.229, 0.224, 0.225)
+
+
+def leaves_images(
+    n: int,
+    size: int,
+    *,
+    seed: int = 0,
+    padded: bool = False,
+    device: torch.device | None = None,
+) -> Tensor:
+    """`[n, 3, size, size]` "dead leaves" images, normalised as the models' inputs: discs of
+    flat colours laid over each other, radii drawn with density r^-3 (size/200 to size/4),
+    a faint texture on top. The model reproduces photos' scale invariance and, unlike
+    `smooth_images`, their sharp edges and flat regions, which drive SAM's activations
+    harder: on random ViT-B the photos' peaks passed 1.5x those of 8 smooth images in 5.4%
+    of lin2's input channels and 7.4% of the attention projections', against 0.75% and
+    3.8% for 8 of these (docs/BENCHMARKS.md, issue 20). `padded`: zeros below or right of
+    a random 55-100% of the side, as SAM pads a photo to its square."""
+    g = torch.Generator().manual_seed(seed)
+    ys = torch.arange(size, dtype=torch.float32).view(-1, 1)
+    xs = torch.arange(size, dtype=torch.float32).view(1, -1)
+    rmin, rmax = size / 200, size / 4
+    mean = torch.tensor(_PIXEL_MEAN).view(3, 1, 1)
+    std = torch.tensor(_PIXEL_STD).view(3, 1, 1)
+    out = torch.empty(n, 3, size, size)
+    for i in range(n):
+        canvas = torch.rand(3, 1, 1, generator=g).expand(3, size, size).clone()
+        u = torch.rand(1500, generator=g)
+        radii = (rmin**-2 - u * (rmin**-2 - rmax**-2)) ** -0.5  # inverse CDF of r^-3
+        centres = torch.rand(1500, 2, generator=g) * size
+        # colours along a grey axis with some chroma, as most of a photo's are
+        colours = torch.rand(1500, 1, generator=g) + 0.2 * torch.randn(1500, 3, generator=g)
+        discs = zip(radii.tolist(), centres.tolist(), colours.clamp(0, 1), strict=True)
+        for r, (cy, cx), colour in discs:
+            y0, y1 = max(0, int(cy - r)), min(size, int(cy + r) + 1)
+            x0, x1 = max(0, int(cx - r)), min(size, int(cx + r) + 1)
+            if y0 >= y1 or x0 >= x1:
+                continue
+            inside = (ys[y0:y1] - cy) ** 2 + (xs[:, x0:x1] - cx) ** 2 < r * r
+            patch = canvas[:, y0:y1, x0:x1]
+            canvas[:, y0:y1, x0:x1] = torch.where(inside, colour.view(3, 1, 1), patch)
+        texture = 0.03 * smooth_images(1, size, seed=seed * 1000 + i)[0]
+        image = ((canvas + texture).clamp(0, 1) - mean) / std
+        if padded:
+            short = int(size * (0.55 + 0.45 * float(torch.rand(1, generator=g))))
+            if float(torch.rand(1, generator=g)) < 0.5:
+                image[:, short:, :] = 0
+            else:
+                image[:, :, short:] = 0
+        out[i] = image
+    return out.to(device) if device is not None else out
+
+
+# Which synthetic images `calibration_run` makes, read at each call (a bench measures
+# both): "smooth" (`smooth_images`, served) or "leaves" (`leaves_images`)
+SYNTHETIC = "smooth"
+
+
+def synthetic_images(
+    n: int, size: int, *, seed: int = 0, padded: bool = False, device: torch.device | None = None
+) -> Tensor:
+    """`SYNTHETIC`'s kind of images (`padded` for the leaves only: smooth ones fill the
+    square, as they always have)."""
+    if SYNTHETIC == "leaves":
+        return leaves_images(n, size, seed=seed, padded=padded, device=device)
+    if SYNTHETIC != "smooth":
+        raise ValueError(f"int8_select.SYNTHETIC must be smooth or leaves, not {SYNTHETIC!r}")
+    return smooth_images(n, size, seed=seed, device=device)
+
+
 def calibration_run(
-    size: int, images: int, seed: int = 0, chunk: int | None = None
+    size: int, images: int, seed: int = 0, chunk: int | None = None, padded: bool = False
 ) -> Callable[[nn.Module], object]:
     """What `quantize_linears(calibrate=...)` takes: run a model of `[B, 3, size, size]`
-    inputs on `images` `smooth_images`, on the device and in the dtype of its weights,
+    inputs on `images` `synthetic_images`, on the device and in the dtype of its weights,
     `chunk` images a call (all at once by default): SAM's global attention with its dense
-    bias, run eagerly at load, holds batch x 12 x 4096^2 scores at 1024 px."""
+    bias, run eagerly at load, holds batch x 12 x 4096^2 scores at 1024 px. `padded`: the
+    model sees photos padded to its square (SAM)."""
 
     def run(module: nn.Module) -> object:
         weight = next(module.parameters())
-        x = smooth_images(images, size, seed=seed, device=weight.device)
+        x = synthetic_images(images, size, seed=seed, padded=padded, device=weight.device)
         return calibration_on(x, chunk)(module)
 
     return run

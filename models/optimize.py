@@ -152,7 +152,7 @@ def prepare_sam_encoder(
         compress = device.type == "cuda" and options.dtype != torch.float32
         semi_structured_2to4(encoder, _encoder_mlp, compress=compress)
     size = int(getattr(encoder, "img_size", 0))
-    swapped = _quantize(encoder, options, _encoder_linear, size, calibration)
+    swapped = _quantize(encoder, options, _encoder_linear, size, calibration, True)
     if swapped:
         log.info(
             "SAM encoder: %d Linear layers quantized to %s", len(swapped), options.quantization
@@ -186,7 +186,7 @@ def prepare_swin(
         return name.startswith("layers.") and ".blocks." in name
 
     config = getattr(model, "config", None)
-    _quantize(model, options, include, int(getattr(config, "img_size", 0)), calibration)
+    _quantize(model, options, include, int(getattr(config, "img_size", 0)), calibration, False)
     if options.gelu_epilogue:
         gelu_epilogue(model)
 
@@ -196,7 +196,8 @@ def _quantize(
     options: OptimizeOptions,
     include: Callable[[str, nn.Linear], bool],
     image_size: int,
-    calibration: Tensor | None = None,
+    calibration: Tensor | None,
+    padded: bool,
 ) -> list[str]:
     """int8 and fp8 measure each layer on 8 sample images and keep the worst in float
     (models.int8_select); fixed MLP scales are their largest values there (SAM's encoder:
@@ -204,7 +205,8 @@ def _quantize(
     met IoU 0.9922 against 0.9910 and the embedding error fell from 2.17% to 1.68% (random
     ViT-B weights on the photos, a CPU measurement: docs/BENCHMARKS.md, issue 20).
     `calibration`, pre-processed photos like the served ones, replaces the synthetic
-    images: on those photos (mirrored) SAM's masks met IoU 0.996 (same measurement)."""
+    images: on those photos (mirrored) SAM's masks met IoU 0.996 (same measurement).
+    `padded`: the model's inputs are photos padded to its square (SAM's encoders)."""
     if options.quantization_backend == "torchao":
         return quantize_linears_torchao(module, options.quantization, include)
     chunk = 2 if image_size >= 512 else None
@@ -212,7 +214,7 @@ def _quantize(
     if calibration is not None:  # photos like the served ones (SERVE_CALIBRATION_IMAGES)
         calibrate = calibration_on(calibration, chunk)
     elif image_size:
-        calibrate = calibration_run(image_size, 8, chunk=chunk)
+        calibrate = calibration_run(image_size, 8, chunk=chunk, padded=padded)
     return quantize_linears(
         module, options.quantization, include,
         backend=options.quantization_backend, calibrate=calibrate,

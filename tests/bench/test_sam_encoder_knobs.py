@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.sam_encoder import PAIRED, VARIANTS, _variant, runtime_knobs
-from models import gemm_gluon, gemm_persistent, ln_quant, quantize
+from models import gemm_gluon, gemm_persistent, int8_select, ln_quant, quantize
 from models.gemm_persistent import SWEEP
 from models.sam import fused_attention
 
@@ -69,6 +69,11 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     with runtime_knobs(f"{pstatic}-kept0-ph150"):
         assert quantize.PROJ_HEADROOM == 1.5
     assert quantize.PROJ_HEADROOM == served_room == 3.0
+    leaves = f"{pstatic}-kept0-leaves"  # calibrated on dead-leaves images
+    assert leaves in VARIANTS and _variant(leaves) == _variant(pstatic)
+    with runtime_knobs(leaves):
+        assert int8_select.SYNTHETIC == "leaves" and quantize.INT8_MAX_KEPT == 0.0
+    assert int8_select.SYNTHETIC == "smooth"
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
+from models import int8_select
 from models.int8_gptq import gptq_int8
 from models.int8_select import (
     calibration_run,
     choose_float_layers,
     int8_include,
     int8_layer_errors,
+    leaves_images,
     smooth_images,
 )
 from models.optimize import OptimizeOptions, prepare_swin
@@ -140,6 +143,40 @@ def test_calibration_images_are_normalised_and_seeded() -> None:
     chunks = calibration_run(64, 3, chunk=2)(model)
     assert isinstance(chunks, list) and [c.shape[0] for c in chunks] == [2, 1]
     torch.testing.assert_close(torch.cat(chunks), calibration_run(64, 3)(model))
+
+
+def test_leaves_images_are_seeded_photo_like_pixels_with_edges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flat discs over each other in normalised pixel range: most neighbours equal, a few
+    steps as large as a photo's edges; `padded`: zeros past a photo's extent, as SAM's
+    pre-processing pads; `calibration_run` makes them when `SYNTHETIC` says so."""
+    a, b = leaves_images(3, 128, seed=5), leaves_images(3, 128, seed=5)
+    assert a.shape == (3, 3, 128, 128) and torch.equal(a, b)
+    assert not torch.equal(a, leaves_images(3, 128, seed=6))
+    lowest = (0 - 0.485) / 0.229  # black and white through ImageNet's normalisation
+    assert float(a.min()) >= lowest - 1e-4 and float(a.max()) <= (1 - 0.406) / 0.225 + 1e-4
+    steps = (a[..., 1:] - a[..., :-1]).abs()
+    assert float(steps.median()) < 0.1  # mostly flat regions (the texture only)
+    assert float(steps.max()) > 2.0  # and edges between discs
+    padded = leaves_images(8, 128, seed=5, padded=True)
+    empty_rows = (padded == 0).all(dim=(1, 3))  # [n, rows]: a row all padding
+    empty_cols = (padded == 0).all(dim=(1, 2))
+    for k in range(8):  # the padding is one side's tail, 0-45% of it
+        rows, cols = int(empty_rows[k].sum()), int(empty_cols[k].sum())
+        assert (rows == 0) != (cols == 0) or rows == cols == 0
+        assert max(rows, cols) <= 0.45 * 128 + 1
+        if rows:
+            assert bool(empty_rows[k, -rows:].all())
+        if cols:
+            assert bool(empty_cols[k, -cols:].all())
+    assert int(empty_rows.sum() + empty_cols.sum()) > 0
+    model = tiny_swin()
+    monkeypatch.setattr(int8_select, "SYNTHETIC", "leaves")
+    torch.testing.assert_close(calibration_run(64, 2)(model), model(leaves_images(2, 64)))
+    monkeypatch.setattr(int8_select, "SYNTHETIC", "white")
+    with pytest.raises(ValueError, match="smooth or leaves"):
+        calibration_run(64, 2)(model)
 
 
 def test_bias_correction_takes_the_weights_rounding_out_of_the_mean_output() -> None:

@@ -239,9 +239,10 @@ def leaves_images(
     a faint texture on top. The model reproduces photos' scale invariance and, unlike
     `smooth_images`, their sharp edges and flat regions, which drive SAM's activations
     harder: on random ViT-B the photos' peaks passed 1.5x those of 8 smooth images in 5.4%
-    of lin2's input channels and 7.4% of the attention projections', against 0.75% and
-    3.8% for 8 of these (docs/BENCHMARKS.md, issue 20). `padded`: zeros below or right of
-    a random 55-100% of the side, as SAM pads a photo to its square."""
+    of lin2's input channels and 7.4% of the attention projections', against 0.45% and
+    2.5% for 8 of these, padded (a CPU measurement, docs/BENCHMARKS.md, issue 20).
+    `padded`: zeros below or right of a random 55-100% of the side, as SAM pads a photo
+    to its square."""
     g = torch.Generator().manual_seed(seed)
     ys = torch.arange(size, dtype=torch.float32).view(-1, 1)
     xs = torch.arange(size, dtype=torch.float32).view(1, -1)

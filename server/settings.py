@@ -394,15 +394,23 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _fixed_proj_needs_int8(self) -> Settings:
-        """Fixed projection scales are an int8 form of the core layers: asked for with
-        anything else, it would be quietly ignored."""
+    def _sam_trades_need_their_quantisation(self) -> Settings:
+        """Fixed projection scales are an int8 form of the core layers, and the layers kept
+        in float the core layers' per-layer choice: asked for with anything else, either
+        would be quietly ignored."""
         if self.sam_proj_scales == "fixed" and (
             self.quantization != "int8" or self.quantization_backend != "core"
         ):
             raise ValueError(
                 "SERVE_SAM_PROJ_SCALES=fixed needs SERVE_QUANTIZATION=int8 and "
                 "SERVE_QUANTIZATION_BACKEND=core"
+            )
+        if self.sam_keep_float is not None and (
+            self.quantization == "none" or self.quantization_backend != "core"
+        ):
+            raise ValueError(
+                "SERVE_SAM_KEEP_FLOAT needs SERVE_QUANTIZATION=int8 or fp8 and "
+                "SERVE_QUANTIZATION_BACKEND=core (the layers kept are that choice's)"
             )
         if self.sam_proj_scales == "fixed" and self.sam_model.startswith("sam2"):
             raise ValueError(

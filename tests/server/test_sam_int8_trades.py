@@ -46,8 +46,13 @@ def test_the_settings_reach_sams_options_and_not_swins() -> None:
         ({"sam_proj_scales": "fixed", "quantization": "fp8"}, "SERVE_QUANTIZATION=int8"),
         ({**FAST, "quantization_backend": "torchao"}, "SERVE_QUANTIZATION_BACKEND=core"),
         ({**FAST, "sam_model": "sam2.1_hiera_tiny"}, "not SAM 2's Hiera"),
-        ({"sam_keep_float": -0.1}, "sam_keep_float"),
-        ({"sam_keep_float": 1.5}, "sam_keep_float"),
+        ({"quantization": "int8", "sam_keep_float": -0.1}, "sam_keep_float"),
+        ({"quantization": "int8", "sam_keep_float": 1.5}, "sam_keep_float"),
+        ({"sam_keep_float": 0.0}, "SERVE_SAM_KEEP_FLOAT needs SERVE_QUANTIZATION"),
+        (
+            {"quantization": "int8", "quantization_backend": "torchao", "sam_keep_float": 0.0},
+            "SERVE_SAM_KEEP_FLOAT needs",
+        ),
     ],
 )
 def test_a_setting_that_would_mean_nothing_is_refused(given: dict, named: str) -> None:

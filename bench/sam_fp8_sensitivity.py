@@ -155,12 +155,16 @@ def photo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=Path, default=DEFAULT_IMAGES)
     p.add_argument("--photos", type=int, default=7, help="at most this many, sorted by name")
     p.add_argument("--weights", type=Path, default=None, help="a SAM ViT-B checkpoint")
+    p.add_argument(
+        "--seed", type=int, default=0, help="random weights' seed without --weights (served: 0)"
+    )
 
 
 def fp32_reference(args: argparse.Namespace, started: float) -> tuple[Sam, list[Tensor], SamRunner]:
-    """SAM ViT-B (`args.weights`, else random weights of seed 0, the service's) in fp32, the
-    photos, and its outputs on them, each computed now: later variants share the model."""
-    model = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=0).to(DEVICE).eval()
+    """SAM ViT-B (`args.weights`, else random weights of `args.seed`: the service's is 0) in
+    fp32, the photos, and its outputs on them, each computed now: later variants share the
+    model. Another seed tells whether a finding is the weights' or the method's."""
+    model = load_sam(SAM_CONFIGS["vit_b"], args.weights, seed=args.seed).to(DEVICE).eval()
     photos = load_photos(args.images, args.photos)
     reference = remembered(eager_sam_runner(model, DEVICE))
     for photo in photos:

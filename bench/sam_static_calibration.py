@@ -15,8 +15,9 @@ CUDA kernels compute the same products; their GELU is the tanh form), and compar
 with fp32 through models.fidelity.compare_sam on the photos (five prompts each, all four
 masks). Rows: per-token scales (the form served before) calibrated on 2 smooth images
 and on the photos mirrored left to right (the per-layer choice, GPTQ and bias correction
-use the calibration images too), then fixed scales calibrated on `--smooth` smooth images
-or on the photos mirrored, at each `--headroom`.
+use the calibration images too), then fixed scales calibrated on `--smooth` synthetic
+images (of the kind `--synthetic` names: smooth, as served, or dead leaves) or on the photos
+mirrored, at each `--headroom`; `--seed` another random ViT-B.
 About 2 minutes a row on a 2-core CPU for the 7 photos.
 
     python -m bench.sam_static_calibration --images .benchdata/images
@@ -120,7 +121,9 @@ class Row(NamedTuple):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     photo_arguments(p)
-    p.add_argument("--smooth", nargs="*", type=int, default=[2, 8],
+    # `--smooth` from before `--synthetic` chose the kind; the commands in BENCHMARKS use it
+    p.add_argument("--synthetic-images", "--smooth", dest="smooth", nargs="*", type=int,
+                   default=[2, 8], metavar="N",
                    help="calibrate on this many synthetic images (the service: 8)")  # fmt: skip
     p.add_argument("--headroom", nargs="*", type=float, default=[1.0, 1.5])
     p.add_argument("--no-photos", action="store_true", help="skip the mirrored-photo rows")

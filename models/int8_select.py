@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from models.fp8_gemm import quantize_rows_fp8, quantize_weight_fp8
 from models.int8_gemm import quantize_rows
 from models.mlp_static import quantize_static, run_hooked, static_scale
+from models.swin.config import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "Int8Choice",
@@ -220,12 +221,6 @@ def smooth_images(
     return out.to(device) if device is not None else out
 
 
-# ImageNet's per-channel mean and spread of [0, 1] pixels: SAM (x255) and Swin normalise
-# by them, so synthetic pixels pass through them to look like the models' inputs
-_PIXEL_MEAN = (0.485, 0.456, 0.406)
-_PIXEL_STD = (0.229, 0.224, 0.225)
-
-
 def leaves_images(
     n: int,
     size: int,
@@ -247,8 +242,9 @@ def leaves_images(
     ys = torch.arange(size, dtype=torch.float32).view(-1, 1)
     xs = torch.arange(size, dtype=torch.float32).view(1, -1)
     rmin, rmax = size / 200, size / 4
-    mean = torch.tensor(_PIXEL_MEAN).view(3, 1, 1)
-    std = torch.tensor(_PIXEL_STD).view(3, 1, 1)
+    # ImageNet's statistics, by which SAM (x255) and Swin both normalise their pixels
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
     out = torch.empty(n, 3, size, size)
     for i in range(n):
         canvas = torch.rand(3, 1, 1, generator=g).expand(3, size, size).clone()

@@ -412,10 +412,15 @@ class Settings(BaseSettings):
                 "SERVE_SAM_KEEP_FLOAT needs SERVE_QUANTIZATION=int8 or fp8 and "
                 "SERVE_QUANTIZATION_BACKEND=core (the layers kept are that choice's)"
             )
-        if self.sam_proj_scales == "fixed" and self.sam_model.startswith("sam2"):
+        trades = {
+            "SERVE_SAM_PROJ_SCALES=fixed": self.sam_proj_scales == "fixed",
+            "SERVE_SAM_KEEP_FLOAT": self.sam_keep_float is not None,
+        }
+        asked = [name for name, on in trades.items() if on]
+        if asked and self.sam_model.startswith("sam2"):  # Hiera is served unquantised
             raise ValueError(
-                "SERVE_SAM_PROJ_SCALES=fixed is for SAM's ViT encoders (vit_b, vit_l, "
-                f"vit_h), not SAM 2's Hiera ({self.sam_model})"
+                f"{' and '.join(asked)}: for SAM's ViT encoders (vit_b, vit_l, vit_h), not "
+                f"SAM 2's Hiera ({self.sam_model}), which is not quantised"
             )
         return self
 

@@ -46,6 +46,10 @@ def test_the_settings_reach_sams_options_and_not_swins() -> None:
         ({"sam_proj_scales": "fixed", "quantization": "fp8"}, "SERVE_QUANTIZATION=int8"),
         ({**FAST, "quantization_backend": "torchao"}, "SERVE_QUANTIZATION_BACKEND=core"),
         ({**FAST, "sam_model": "sam2.1_hiera_tiny"}, "not SAM 2's Hiera"),
+        (
+            {"quantization": "int8", "sam_keep_float": 0.0, "sam_model": "sam2.1_hiera_tiny"},
+            "SERVE_SAM_KEEP_FLOAT: for SAM's ViT encoders",
+        ),
         ({"quantization": "int8", "sam_keep_float": -0.1}, "sam_keep_float"),
         ({"quantization": "int8", "sam_keep_float": 1.5}, "sam_keep_float"),
         ({"sam_keep_float": 0.0}, "SERVE_SAM_KEEP_FLOAT needs SERVE_QUANTIZATION"),

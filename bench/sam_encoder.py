@@ -61,7 +61,8 @@ def _variant(name: str) -> OptimizeOptions:
     proj's epilogue (`Block.residual_in_proj`), `-gelu` GELU in lin1's cuBLASLt
     epilogue (models.quantize.GeluLinear, what the service runs on CUDA). The switches
     `runtime_knobs` reads (`-dense`, `-pad128`, `-x2`, `-lnRxW`, `-gluon`, `-gattn`, `-gwin`,
-    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`, `-phP`, `-leaves`) may follow."""
+    `-pingpong`, `-kept0`, `-pwindowed`, `-pglobal`, `-phP`, `-leaves`, `-smooth`) may
+    follow."""
     parts = name.split("-")
     quant = next((q for q in ("int8", "fp8") if q in parts), "none")
     mode = {
@@ -133,11 +134,14 @@ VARIANTS: dict[str, OptimizeOptions] = {
         # ... calibrated on the photos mirrored (SERVE_CALIBRATION_IMAGES), not 8 smooth images
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-calphotos",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-calphotos",
-        # ... on 8 dead-leaves images rather than 8 smooth ones (int8_select.SYNTHETIC)
+        # ... on 8 dead-leaves images (served since 2026-12-07, int8_select.SYNTHETIC) or on
+        # 8 smooth ones (served before; every earlier row without -leaves ran so)
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-leaves",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-kept0-leaves",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-leaves",
         "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-ph150-leaves",
+        "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gluon-gattn-gwin-smooth",
+        "bf16-gelu-int8-lnq-static-pres-pstatic-compile-triton-win-gluon-gattn-gwin-kept0-smooth",
         "bf16-gelu-int8-lnq-static-pres-compile-triton-win-gwin",
         "bf16-gelu-compile-triton-win-gattn",
         "bf16-gelu-compile-triton-win-gattn-gwin",
@@ -179,8 +183,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
     layer kept in float by the per-layer choice (`quantize.INT8_MAX_KEPT`: what the six
     float lin2 cost and buy), `-pwindowed` / `-pglobal` `-pstatic` on those blocks'
     projections only (`quantize.PROJ_STATIC_BLOCKS`), `-phP` their scales' headroom P% of
-    the calibration's peaks (`quantize.PROJ_HEADROOM`), `-leaves` calibrated on dead-leaves
-    images rather than smooth ones (`int8_select.SYNTHETIC`).
+    the calibration's peaks (`quantize.PROJ_HEADROOM`), `-leaves` / `-smooth` calibrated on
+    dead-leaves or smooth images (`int8_select.SYNTHETIC`; unnamed, SAM's own: leaves since
+    2026-12-07, smooth in the rows before).
 
     The pad changes the quantising norm's output width, which the compiled graph's size
     asserts hold; inductor's and AOT autograd's caches key the graph, not its custom ops'
@@ -200,8 +205,9 @@ def runtime_knobs(name: str) -> Iterator[None]:
             quantize.PROJ_STATIC_BLOCKS = blocks
     if "kept0" in parts:
         quantize.INT8_MAX_KEPT = 0.0
-    if "leaves" in parts:
-        int8_select.SYNTHETIC = "leaves"
+    for kind in ("leaves", "smooth"):
+        if kind in parts:
+            int8_select.SYNTHETIC = kind
     gemm_gluon.COOPERATIVE = "pingpong" not in parts
     gemm_persistent.GLUON = "gluon" in parts
     fused_attention.GLUON_GLOBAL = "gattn" in parts

@@ -153,7 +153,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--synthetic", choices=["smooth", "leaves"], default="smooth",
-        help="the synthetic calibration images (int8_select.SYNTHETIC; served: smooth)",
+        help="the synthetic calibration images (int8_select.SYNTHETIC): smooth by default, "
+        "as the commands recorded in docs/BENCHMARKS.md ran; SAM's served: leaves",
     )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()

@@ -73,7 +73,10 @@ def test_a_variant_s_switches_hold_inside_and_are_put_back() -> None:
     assert leaves in VARIANTS and _variant(leaves) == _variant(pstatic)
     with runtime_knobs(leaves):
         assert int8_select.SYNTHETIC == "leaves" and quantize.INT8_MAX_KEPT == 0.0
-    assert int8_select.SYNTHETIC == "smooth"
+    assert int8_select.SYNTHETIC is None  # each model its own: SAM leaves
+    with runtime_knobs(f"{gwin}-smooth"):  # as the rows before 2026-12-07 ran
+        assert int8_select.SYNTHETIC == "smooth"
+    assert int8_select.SYNTHETIC is None
     with runtime_knobs("bf16-gelu-int8-lnq-static-pres-compile-triton-win-ln2x2"):
         assert ln_quant.SHAPE == (2, 2) and ln_quant.launch_shape(1024) == (2, 2)
         assert not fused_attention.DENSE_ROWS

@@ -150,7 +150,8 @@ def test_leaves_images_are_seeded_photo_like_pixels_with_edges(
 ) -> None:
     """Flat discs over each other in normalised pixel range: most neighbours equal, a few
     steps as large as a photo's edges; `padded`: zeros past a photo's extent, as SAM's
-    pre-processing pads; `calibration_run` makes them when `SYNTHETIC` says so."""
+    pre-processing pads; `calibration_run` makes them for padded inputs (SAM) or when
+    `SYNTHETIC` says so."""
     a, b = leaves_images(3, 128, seed=5), leaves_images(3, 128, seed=5)
     assert a.shape == (3, 3, 128, 128) and torch.equal(a, b)
     assert not torch.equal(a, leaves_images(3, 128, seed=6))
@@ -172,8 +173,18 @@ def test_leaves_images_are_seeded_photo_like_pixels_with_edges(
             assert bool(empty_cols[k, -cols:].all())
     assert int(empty_rows.sum() + empty_cols.sum()) > 0
     model = tiny_swin()
+    # by default each model its measured kind: leaves for padded inputs (SAM), smooth else
+    assert int8_select.SYNTHETIC is None
+    torch.testing.assert_close(
+        calibration_run(64, 2, padded=True)(model), model(leaves_images(2, 64, padded=True))
+    )
+    torch.testing.assert_close(calibration_run(64, 2)(model), model(smooth_images(2, 64)))
     monkeypatch.setattr(int8_select, "SYNTHETIC", "leaves")
     torch.testing.assert_close(calibration_run(64, 2)(model), model(leaves_images(2, 64)))
+    monkeypatch.setattr(int8_select, "SYNTHETIC", "smooth")
+    torch.testing.assert_close(
+        calibration_run(64, 2, padded=True)(model), model(smooth_images(2, 64))
+    )
     monkeypatch.setattr(int8_select, "SYNTHETIC", "white")
     with pytest.raises(ValueError, match="smooth or leaves"):
         calibration_run(64, 2)(model)

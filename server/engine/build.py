@@ -71,6 +71,22 @@ def optimize_options(
             log.warning("SERVE_QUANTIZATION_BACKEND=torchao: %s; core torch's %s layers "
                         "instead", why_not, kind)  # fmt: skip
             backend = "core"
+    # SAM's two trades of mask fidelity for speed (SERVE_SAM_PROJ_SCALES,
+    # SERVE_SAM_KEEP_FLOAT; Settings refuses them asked for without int8 core), left unset:
+    # taken for ViT-B's int8 encoder on CUDA, the only one measured with them. The
+    # projections' input by fixed scales (3x headroom, the attention kernels write it int8)
+    # and no layer kept in float ran 608.5 img/s at batch 32 against 556.6 with neither,
+    # mask IoU 0.9863 against 0.9903 (H100, leaves calibration; the issue's floor is 0.98);
+    # through the service segment @600 answered 499.0 against 465.5 a second
+    # (docs/BENCHMARKS.md, issue 20, 2026-12-07)
+    # (core layers asked for: torchao's fallback to them keeps their measured-closest form)
+    asked_core = settings.quantization_backend == "core"
+    traded = cuda and kind == "int8" and asked_core and settings.sam_model == "vit_b"
+    scales = settings.sam_proj_scales
+    proj_static = (kind == "int8" and scales == "fixed") or (scales == "auto" and traded)
+    keep_float = settings.sam_keep_float
+    if keep_float is None and traded:
+        keep_float = 0.0
     return OptimizeOptions(
         precision=precision,
         quantization=kind,
@@ -98,15 +114,8 @@ def optimize_options(
         # 484.8 at batch 8 / 16 on an H200, mask IoU 0.9877 against 0.9878
         # (docs/BENCHMARKS.md, issue 20, eighteenth session)
         proj_residual=cuda and kind == "int8" and backend == "core",
-        # asked for (SERVE_SAM_PROJ_SCALES=fixed; Settings refuses it without int8 core):
-        # the projections' input by fixed scales too, the attention kernels writing it.
-        # The ViT-B encoder at 1.5x headroom 612.6 img/s against 595.8 at batch 32 with no
-        # layer in float, mask IoU 0.9753 against 0.9864 (H100); 3x now, which on the CPU
-        # kept the worst photo's IoU (docs/BENCHMARKS.md, issue 20)
-        proj_static=settings.sam_proj_scales == "fixed" and kind == "int8",
-        # SERVE_SAM_KEEP_FLOAT=0: no layer in float, 595.8 against 557.6 img/s at batch 32,
-        # mask IoU 0.9864 against 0.9880 (H100, docs/BENCHMARKS.md, issue 20)
-        keep_float=settings.sam_keep_float,
+        proj_static=proj_static,
+        keep_float=keep_float,
         gelu_epilogue=gelu_epilogue,
     )
 

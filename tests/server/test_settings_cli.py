@@ -165,7 +165,8 @@ def test_auto_precision_is_fp16_for_swin_and_bf16_for_sam_on_cuda(monkeypatch):
     monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "none")
     settings = Settings()
     sam = optimize_options(settings, cuda)
-    assert sam.variant == "bf16+int8+lnq+static+pres+tanh_gelu", sam.variant
+    # ViT-B int8 on CUDA takes both trades of mask fidelity for speed, unless told not to
+    assert sam.variant == "bf16+int8+lnq+static+pres+pstatic+keep0+tanh_gelu", sam.variant
     assert swin_options(settings, sam, cuda).variant == "fp16+tanh_gelu"
     monkeypatch.setenv("SERVE_QUANTIZATION", "none")
     monkeypatch.setenv("SERVE_SWIN_QUANTIZATION", "int8")

@@ -55,7 +55,8 @@ def test_the_fixed_mlp_scales_are_the_photos_peaks(small_photo_dir: Path) -> Non
     encoder = base.image_encoder
     lin2 = [f"blocks.{i}.mlp.lin2" for i in range(len(encoder.blocks))]
     peaks = mlp_static.input_amax(encoder, lambda: encoder(photos), lin2)
-    options = OptimizeOptions(quantization="int8", norm_quant=True, mlp_static=True)
+    # no layer in float: the per-layer choice, measured on other images, keeps another
+    options = OptimizeOptions(quantization="int8", norm_quant=True, mlp_static=True, keep_float=0.0)
     scales: dict[str, dict[str, torch.Tensor]] = {}
     for label, given in (("photos", photos), ("synthetic", None)):
         model = copy.deepcopy(base)
@@ -67,6 +68,7 @@ def test_the_fixed_mlp_scales_are_the_photos_peaks(small_photo_dir: Path) -> Non
     for name, scale in scales["photos"].items():
         torch.testing.assert_close(scale, peaks[name] * mlp_static.HEADROOM / 127)
     common = scales["photos"].keys() & scales["synthetic"].keys()
+    assert common == set(lin2)
     assert any(not torch.equal(scales["photos"][n], scales["synthetic"][n]) for n in common)
 
 

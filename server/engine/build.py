@@ -72,14 +72,12 @@ def optimize_options(
                         "instead", why_not, kind)  # fmt: skip
             backend = "core"
     # SAM's two trades of mask fidelity for speed (SERVE_SAM_PROJ_SCALES,
-    # SERVE_SAM_KEEP_FLOAT; Settings refuses them asked for without int8 core), left unset:
-    # taken for ViT-B's int8 encoder on CUDA, the only one measured with them. The
-    # projections' input by fixed scales (3x headroom, the attention kernels write it int8)
-    # and no layer kept in float ran 608.5 img/s at batch 32 against 556.6 with neither,
-    # mask IoU 0.9863 against 0.9903 (H100, leaves calibration; the issue's floor is 0.98);
-    # through the service segment @600 answered 499.0 against 465.5 a second
-    # (docs/BENCHMARKS.md, issue 20, 2026-12-07)
-    # (core layers asked for: torchao's fallback to them keeps their measured-closest form)
+    # SERVE_SAM_KEEP_FLOAT), left unset: taken where they were measured, ViT-B's int8
+    # encoder on CUDA with the core layers asked for (torchao's fallback to core keeps the
+    # closer form). There fixed projection scales (3x headroom, written int8 by the
+    # attention kernels) and no layer in float ran 608.5 img/s at batch 32 against 556.6,
+    # mask IoU 0.9863 against 0.9903 (H100; the issue's floor is 0.98); through the service
+    # segment @600 answered 499.0 a second against 465.5 (docs/BENCHMARKS.md, issue 20)
     asked_core = settings.quantization_backend == "core"
     traded = cuda and kind == "int8" and asked_core and settings.sam_model == "vit_b"
     scales = settings.sam_proj_scales
